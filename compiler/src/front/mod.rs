@@ -1,0 +1,13 @@
+//! The spec front end: TOML source -> checked [`FormatSpec`](crate::spec::FormatSpec),
+//! with every error at a file:line:column and a document path.
+//!
+//! - [`toml`]: [`parse_spec`] / [`load_spec`] (syntax, shape, then semantic checks).
+//! - [`check`]: the semantic rules and the shared-memory estimate.
+//! - [`diagnostic`]: [`Diagnostic`] and [`SpecError`].
+
+pub mod check;
+pub mod diagnostic;
+pub mod toml;
+
+pub use self::toml::{load_spec, parse_spec};
+pub use diagnostic::{Diagnostic, SpecError};

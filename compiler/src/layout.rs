@@ -1,0 +1,468 @@
+//! Where every bit lives: item streams, page headers and per-head tables.
+//!
+//! Lowering (IR) and the runtime encoders both read positions from here, so the
+//! kernels and the pages can never disagree about the format.
+
+use crate::spec::{
+    BasisDtype, BitmapElem, CodecSpec, CodewordKind, CoeffScale, DenseDtype, FieldSpec,
+    FormatSpec, RadiusScale, TableDtype, TransformSpec,
+};
+
+/// Fixed page-header words: tier index, item count, flags, reserved.
+pub const HEADER_FIXED_BYTES: u32 = 16;
+/// Every page, and every stream inside it, starts on this boundary.
+pub const STREAM_ALIGN: u32 = 16;
+pub const PAGE_ALIGN: u32 = 128;
+/// Bits of an f16 scale stored inside an item.
+pub const ITEM_SCALE_BITS: u32 = 16;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Side {
+    Key,
+    Value,
+}
+
+impl Side {
+    pub fn name(self) -> &'static str {
+        match self {
+            Side::Key => "key",
+            Side::Value => "value",
+        }
+    }
+}
+
+/// Where a table's contents come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TableSource {
+    /// Fitted to data by a trainer (codebooks, PCA bases, scales).
+    Trained,
+    /// A pure function of the spec (SRHT signs); costs no stored bytes.
+    Derived,
+}
+
+/// A per-(layer, kv head) table a codec needs. Kernels see f32 values; `stored_bytes`
+/// counts the storage dtype for the byte budget.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TableLayout {
+    pub name: String,
+    pub side: Side,
+    pub role: TableRole,
+    pub len: u32,
+    pub storage: TableStorage,
+    pub stored_bytes: u32,
+    pub source: TableSource,
+}
+
+/// How a table is stored; trainers round values to it so every consumer of the
+/// f32 view sees exactly the stored numbers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TableStorage {
+    F32,
+    F16,
+    /// int8 with one f32 scale per column of a row-major matrix of `columns`.
+    I8Columns { columns: u32 },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TableRole {
+    /// `entries * group_size` values per codebook, `books` codebooks (1 or one per group).
+    Codebook { books: u32, entries: u32 },
+    /// Row-major `head_dim x rank` basis.
+    PcaBasis,
+    /// `head_dim` mean vector.
+    PcaMean,
+    /// `n` trained per-component coefficient scales.
+    ComponentScale,
+    /// `head_dim` signs (+1/-1) of an SRHT.
+    SrhtSigns,
+}
+
+/// A field with its bit positions inside the codec's item.
+#[derive(Debug, Clone, PartialEq)]
+pub enum FieldLayout {
+    Radius {
+        offset: u32,
+        groups: u32,
+        group_size: u32,
+        bits: u32,
+        scale: RadiusScale,
+        /// First page-header scale slot (1 slot, or one per group).
+        slot: u32,
+    },
+    Codebook {
+        offset: u32,
+        groups: u32,
+        group_size: u32,
+        bits: u32,
+        codewords: CodewordKind,
+        per_group: bool,
+        table: usize,
+    },
+    Coeff {
+        /// Bit offset of the f16 item scale (scale = item).
+        item_scale: Option<u32>,
+        offset: u32,
+        count: u32,
+        bits: u32,
+        scale: CoeffScale,
+        /// First header slot (page: 1, page_component: `count`).
+        slot: u32,
+        /// Trained scale table (scale = component).
+        table: Option<usize>,
+    },
+    Bitmap {
+        mask_offset: u32,
+        groups: u32,
+        group_size: u32,
+        keep: u32,
+        elem: BitmapElem,
+        /// Bit offset of the f16 item scale (int8 elements).
+        item_scale: Option<u32>,
+        elems_offset: u32,
+    },
+    Dense {
+        offset: u32,
+        count: u32,
+        dtype: DenseDtype,
+    },
+}
+
+/// The transform with its tables resolved.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum TransformLayout {
+    Identity,
+    Hadamard,
+    Srht { seed: u64, signs: usize },
+    Pca { rank: u32, basis: usize, mean: usize },
+}
+
+/// One codec (key or value) of one tier.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CodecLayout {
+    pub side: Side,
+    /// Coordinates after the transform (rank for PCA, else head_dim).
+    pub dims: u32,
+    pub transform: TransformLayout,
+    pub fields: Vec<FieldLayout>,
+    /// Payload bits per item, before rounding to bytes.
+    pub bits: u32,
+    /// Bytes per item in the stream.
+    pub stride: u32,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct TierLayout {
+    pub index: u32,
+    pub name: String,
+    pub head_dim: u32,
+    pub items_per_page: u32,
+    pub key: CodecLayout,
+    pub value: CodecLayout,
+    /// f32 scale slots in the page header (key codec's first).
+    pub header_slots: u32,
+    pub header_bytes: u32,
+    pub key_stream_offset: u32,
+    pub value_stream_offset: u32,
+    pub page_bytes: u32,
+    /// Tables of both codecs; `FieldLayout`/`TransformLayout` index into this.
+    pub tables: Vec<TableLayout>,
+}
+
+pub fn round_up(value: u32, to: u32) -> u32 {
+    value.div_ceil(to) * to
+}
+
+impl TierLayout {
+    /// Lays out tier `index` of a spec that passed `front::check`.
+    pub fn new(spec: &FormatSpec, index: usize) -> TierLayout {
+        let tier = &spec.tiers[index];
+        let mut tables = Vec::new();
+        let mut slots = 0;
+        let key = CodecLayout::new(Side::Key, &tier.key, spec.head_dim, &mut tables, &mut slots);
+        let value =
+            CodecLayout::new(Side::Value, &tier.value, spec.head_dim, &mut tables, &mut slots);
+        let items = spec.page.items;
+        let header_bytes = round_up(HEADER_FIXED_BYTES + 4 * slots, STREAM_ALIGN);
+        let key_stream_offset = header_bytes;
+        let value_stream_offset =
+            key_stream_offset + round_up(items * key.stride, STREAM_ALIGN);
+        let page_bytes = round_up(value_stream_offset + items * value.stride, PAGE_ALIGN);
+        TierLayout {
+            index: index as u32,
+            name: tier.name.clone(),
+            head_dim: spec.head_dim,
+            items_per_page: items,
+            key,
+            value,
+            header_slots: slots,
+            header_bytes,
+            key_stream_offset,
+            value_stream_offset,
+            page_bytes,
+            tables,
+        }
+    }
+
+    pub fn codec(&self, side: Side) -> &CodecLayout {
+        match side {
+            Side::Key => &self.key,
+            Side::Value => &self.value,
+        }
+    }
+
+    pub fn stream_offset(&self, side: Side) -> u32 {
+        match side {
+            Side::Key => self.key_stream_offset,
+            Side::Value => self.value_stream_offset,
+        }
+    }
+
+    /// Stored table bytes per (layer, kv head).
+    pub fn table_bytes(&self) -> u32 {
+        self.tables.iter().map(|t| t.stored_bytes).sum()
+    }
+
+    /// Bytes per token per kv head with the page header and the tables amortized
+    /// over `context` tokens (full pages; the last one counted whole).
+    pub fn effective_bytes_per_token(&self, context: u32) -> f64 {
+        let pages = context.div_ceil(self.items_per_page).max(1) as f64;
+        (pages * self.page_bytes as f64 + self.table_bytes() as f64) / context.max(1) as f64
+    }
+}
+
+impl CodecLayout {
+    fn new(
+        side: Side,
+        codec: &CodecSpec,
+        head_dim: u32,
+        tables: &mut Vec<TableLayout>,
+        slots: &mut u32,
+    ) -> CodecLayout {
+        let dims = codec.transform.dims(head_dim);
+        let mut add_table = |name: &str, role, len: u32, storage, source| {
+            let stored_bytes = match (source, storage) {
+                (TableSource::Derived, _) => 0,
+                (_, TableStorage::F32) => 4 * len,
+                (_, TableStorage::F16) => 2 * len,
+                (_, TableStorage::I8Columns { columns }) => len + 4 * columns,
+            };
+            tables.push(TableLayout {
+                name: format!("{}.{}", side.name(), name),
+                side,
+                role,
+                len,
+                storage,
+                stored_bytes,
+                source,
+            });
+            tables.len() - 1
+        };
+        let transform = match codec.transform {
+            TransformSpec::Identity => TransformLayout::Identity,
+            TransformSpec::Hadamard => TransformLayout::Hadamard,
+            TransformSpec::Srht { seed } => TransformLayout::Srht {
+                seed,
+                signs: add_table(
+                    "srht_signs",
+                    TableRole::SrhtSigns,
+                    head_dim,
+                    TableStorage::F32,
+                    TableSource::Derived,
+                ),
+            },
+            TransformSpec::Pca { rank, basis } => {
+                let entries = head_dim * rank;
+                let basis_storage = match basis {
+                    BasisDtype::F16 => TableStorage::F16,
+                    BasisDtype::I8 => TableStorage::I8Columns { columns: rank },
+                };
+                TransformLayout::Pca {
+                    rank,
+                    basis: add_table(
+                        "pca_basis",
+                        TableRole::PcaBasis,
+                        entries,
+                        basis_storage,
+                        TableSource::Trained,
+                    ),
+                    mean: add_table(
+                        "pca_mean",
+                        TableRole::PcaMean,
+                        head_dim,
+                        TableStorage::F32,
+                        TableSource::Trained,
+                    ),
+                }
+            }
+        };
+        let mut offset = 0;
+        let mut take = |bits: u32| {
+            let at = offset;
+            offset += bits;
+            at
+        };
+        let mut fields = Vec::new();
+        for field in &codec.fields {
+            let layout = match *field {
+                FieldSpec::Radius {
+                    group_size,
+                    bits,
+                    scale,
+                } => {
+                    let groups = dims / group_size;
+                    let slot = *slots;
+                    *slots += match scale {
+                        RadiusScale::Page => 1,
+                        RadiusScale::PageGroup => groups,
+                    };
+                    FieldLayout::Radius {
+                        offset: take(groups * bits),
+                        groups,
+                        group_size,
+                        bits,
+                        scale,
+                        slot,
+                    }
+                }
+                FieldSpec::Codebook {
+                    group_size,
+                    bits,
+                    codewords,
+                    per_group,
+                    dtype,
+                } => {
+                    let groups = dims / group_size;
+                    let books = if per_group { groups } else { 1 };
+                    let entries = 1u32 << bits;
+                    let len = books * entries * group_size;
+                    let storage = match dtype {
+                        TableDtype::F16 => TableStorage::F16,
+                        TableDtype::F32 => TableStorage::F32,
+                    };
+                    FieldLayout::Codebook {
+                        offset: take(groups * bits),
+                        groups,
+                        group_size,
+                        bits,
+                        codewords,
+                        per_group,
+                        table: add_table(
+                            "codebook",
+                            TableRole::Codebook { books, entries },
+                            len,
+                            storage,
+                            TableSource::Trained,
+                        ),
+                    }
+                }
+                FieldSpec::Coeff { bits, scale } => {
+                    let item_scale = (scale == CoeffScale::Item).then(|| take(ITEM_SCALE_BITS));
+                    let slot = *slots;
+                    *slots += match scale {
+                        CoeffScale::Page => 1,
+                        CoeffScale::PageComponent => dims,
+                        CoeffScale::Item | CoeffScale::Component => 0,
+                    };
+                    let table = (scale == CoeffScale::Component).then(|| {
+                        add_table(
+                            "component_scale",
+                            TableRole::ComponentScale,
+                            dims,
+                            TableStorage::F32,
+                            TableSource::Trained,
+                        )
+                    });
+                    FieldLayout::Coeff {
+                        item_scale,
+                        offset: take(dims * bits),
+                        count: dims,
+                        bits,
+                        scale,
+                        slot,
+                        table,
+                    }
+                }
+                FieldSpec::Bitmap {
+                    group_size,
+                    keep,
+                    elem,
+                } => {
+                    let groups = dims / group_size;
+                    let mask_offset = take(groups);
+                    let item_scale = (elem == BitmapElem::Int8).then(|| take(ITEM_SCALE_BITS));
+                    let elem_bits = bitmap_elem_bits(elem);
+                    FieldLayout::Bitmap {
+                        mask_offset,
+                        groups,
+                        group_size,
+                        keep,
+                        elem,
+                        item_scale,
+                        elems_offset: take(keep * group_size * elem_bits),
+                    }
+                }
+                FieldSpec::Dense { dtype } => FieldLayout::Dense {
+                    offset: take(dims * dtype.bits()),
+                    count: dims,
+                    dtype,
+                },
+            };
+            fields.push(layout);
+        }
+        CodecLayout {
+            side,
+            dims,
+            transform,
+            fields,
+            bits: offset,
+            stride: offset.div_ceil(8),
+        }
+    }
+
+    /// The field that stores the coordinates (every checked codec has exactly one).
+    pub fn body(&self) -> &FieldLayout {
+        self.fields
+            .iter()
+            .find(|f| !matches!(f, FieldLayout::Radius { .. }))
+            .expect("checked codecs have a body field")
+    }
+
+    /// The radius field, if any (checked specs pair it with a direction codebook).
+    pub fn radius(&self) -> Option<&FieldLayout> {
+        self.fields
+            .iter()
+            .find(|f| matches!(f, FieldLayout::Radius { .. }))
+    }
+}
+
+pub fn bitmap_elem_bits(elem: BitmapElem) -> u32 {
+    match elem {
+        BitmapElem::F16 => 16,
+        BitmapElem::Int8 => 8,
+    }
+}
+
+/// Largest magnitude of a symmetric signed code of `bits` bits (7 for int4).
+pub fn coeff_max(bits: u32) -> i32 {
+    (1 << (bits - 1)) - 1
+}
+
+/// The SRHT sign vector of a seed: a fixed function so that encoder and kernels agree
+/// without storing it (splitmix64 stream, one bit per sign).
+pub fn srht_signs(seed: u64, n: u32) -> Vec<f32> {
+    let mut state = seed;
+    (0..n)
+        .map(|_| {
+            state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = state;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            z ^= z >> 31;
+            if z & 1 == 0 {
+                1.0
+            } else {
+                -1.0
+            }
+        })
+        .collect()
+}

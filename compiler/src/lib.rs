@@ -1,0 +1,22 @@
+//! kvcc compiler: a code-format spec (TOML) becomes a validated IR per tier, which
+//! the backends consume.
+//!
+//! - [`spec`]: the spec as data; [`front`]: TOML parsing and spec checks with positions.
+//! - [`layout`]: bit layout of items, page headers and tables of every tier.
+//! - [`ir`]: the one IR (per tier: query prologue, score, accumulate, epilogue).
+//! - [`lower`]: spec tier -> IR; [`valid`]: the IR validator every backend requires.
+//! - [`page`]: page headers and the cache view executors read.
+//! - [`Format`]: the pipeline (check, layout, lower, validate) in one call.
+//! - [`back`]: backends (`interp`, the reference interpreter that defines semantics).
+
+pub mod back;
+mod format;
+pub mod front;
+pub mod ir;
+pub mod layout;
+pub mod lower;
+pub mod page;
+pub mod spec;
+pub mod valid;
+
+pub use format::{CompileError, Format};

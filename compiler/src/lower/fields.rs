@@ -1,0 +1,136 @@
+//! Reading stored fields back as f32: the pieces score and accumulate share.
+
+use crate::ir::builder::ExprBuilder;
+use crate::ir::{BinaryOp, Expr, Handle, UnaryOp};
+use crate::layout::{bitmap_elem_bits, FieldLayout, ITEM_SCALE_BITS};
+use crate::spec::{BitmapElem, CoeffScale, DenseDtype};
+
+/// A `bits`-wide storage element at `bit_offset` as f32.
+pub fn dense_element(b: &mut ExprBuilder, bit_offset: Handle<Expr>, dtype: DenseDtype) -> Handle<Expr> {
+    let raw = b.item_bits(bit_offset, dtype.bits());
+    let op = match dtype {
+        DenseDtype::F16 => UnaryOp::HalfToFloat,
+        DenseDtype::Bf16 => UnaryOp::BfloatToFloat,
+        DenseDtype::F32 => UnaryOp::BitsToFloat,
+    };
+    b.unary(op, raw)
+}
+
+/// A signed `bits`-wide integer at `bit_offset` as f32.
+pub fn signed_element(b: &mut ExprBuilder, bit_offset: Handle<Expr>, bits: u32) -> Handle<Expr> {
+    let raw = b.item_bits(bit_offset, bits);
+    let signed = b.unary(UnaryOp::SignExtend(bits as u8), raw);
+    b.to_float(signed)
+}
+
+/// The f16 scale stored in the item at a constant offset.
+pub fn item_scale(b: &mut ExprBuilder, bit_offset: u32) -> Handle<Expr> {
+    let raw = b.item_bits_at(bit_offset, ITEM_SCALE_BITS);
+    b.unary(UnaryOp::HalfToFloat, raw)
+}
+
+/// A bitmap's kept element `t` of group slot `slot` (u32), as f32 (int8 not yet scaled).
+pub fn bitmap_element(
+    b: &mut ExprBuilder,
+    field: &FieldLayout,
+    slot: Handle<Expr>,
+    t: Handle<Expr>,
+) -> Handle<Expr> {
+    let FieldLayout::Bitmap {
+        group_size,
+        elem,
+        elems_offset,
+        ..
+    } = *field
+    else {
+        unreachable!("bitmap_element takes a bitmap field")
+    };
+    let elem_bits = bitmap_elem_bits(elem);
+    let first = b.mul_u32(slot, group_size);
+    let index = b.add(first, t);
+    let scaled = b.mul_u32(index, elem_bits);
+    let offset = b.add_u32(scaled, elems_offset);
+    match elem {
+        BitmapElem::F16 => dense_element(b, offset, DenseDtype::F16),
+        BitmapElem::Int8 => signed_element(b, offset, 8),
+    }
+}
+
+/// For bitmap group `group` (u32): whether it is kept, and the slot its elements
+/// occupy among the kept groups (popcount of the mask below it, clamped so a
+/// dropped group still addresses inside the item).
+pub fn bitmap_slot(
+    b: &mut ExprBuilder,
+    field: &FieldLayout,
+    group: Handle<Expr>,
+) -> (Handle<Expr>, Handle<Expr>) {
+    let FieldLayout::Bitmap {
+        mask_offset,
+        groups,
+        keep,
+        ..
+    } = *field
+    else {
+        unreachable!("bitmap_slot takes a bitmap field")
+    };
+    let words = groups.div_ceil(32);
+    let word_index = b.div_u32(group, 32);
+    let bit = b.rem_u32(group, 32);
+    let mask_words: Vec<_> = (0..words)
+        .map(|w| b.item_bits_at(mask_offset + 32 * w, (groups - 32 * w).min(32)))
+        .collect();
+    // Multi-word masks: count the set bits of the words before this group's word,
+    // and pick that word.
+    let mut before = b.u32(0);
+    let mut word = mask_words[0];
+    for (w, &bits) in mask_words.iter().enumerate() {
+        let w_literal = b.u32(w as u32);
+        if w + 1 < mask_words.len() {
+            let count = b.unary(UnaryOp::Popcount, bits);
+            let is_before = b.binary(BinaryOp::Less, w_literal, word_index);
+            let zero = b.u32(0);
+            let counted = b.select(is_before, count, zero);
+            before = b.add(before, counted);
+        }
+        if w > 0 {
+            let is_this = b.binary(BinaryOp::Equal, w_literal, word_index);
+            word = b.select(is_this, bits, word);
+        }
+    }
+    let one = b.u32(1);
+    let below = b.binary(BinaryOp::ShiftLeft, one, bit);
+    let below = b.binary(BinaryOp::Subtract, below, one);
+    let below = b.binary(BinaryOp::And, word, below);
+    let within = b.unary(UnaryOp::Popcount, below);
+    let prefix = b.add(before, within);
+    let last = b.u32(keep - 1);
+    let slot = b.binary(BinaryOp::Min, prefix, last);
+    let shifted = b.binary(BinaryOp::ShiftRight, word, bit);
+    let flag = b.binary(BinaryOp::And, shifted, one);
+    let zero = b.u32(0);
+    let kept = b.binary(BinaryOp::NotEqual, flag, zero);
+    (kept, slot)
+}
+
+/// The coefficient scale factor that multiplies coordinate `c`, excluding the
+/// `component` kind (folded into the query on the key side).
+pub fn coeff_scale(b: &mut ExprBuilder, field: &FieldLayout, c: Handle<Expr>) -> Option<Handle<Expr>> {
+    let FieldLayout::Coeff {
+        item_scale: item_offset,
+        scale,
+        slot,
+        ..
+    } = *field
+    else {
+        unreachable!("coeff_scale takes a coeff field")
+    };
+    match scale {
+        CoeffScale::Item => Some(item_scale(b, item_offset.expect("item scale has an offset"))),
+        CoeffScale::Page => Some(b.header_scale_at(slot)),
+        CoeffScale::PageComponent => {
+            let at = b.add_u32(c, slot);
+            Some(b.header_scale(at))
+        }
+        CoeffScale::Component => None,
+    }
+}

@@ -1,0 +1,152 @@
+//! Value codec -> per-item, per-channel accumulate and the inverse-transform epilogue.
+
+use super::fields::{bitmap_element, bitmap_slot, coeff_scale, dense_element, item_scale, signed_element};
+use super::transform::{array, elementwise, fwht, reconstruct};
+use super::Tables;
+use crate::ir::builder::ExprBuilder;
+use crate::ir::{Arena, ArrayDecl, BinaryOp, Function, Input, Kernel, ValueProgram};
+use crate::layout::{CodecLayout, FieldLayout, TransformLayout};
+use crate::spec::{BitmapElem, CoeffScale, RadiusScale};
+
+pub fn lower(
+    codec: &CodecLayout,
+    head_dim: u32,
+    arrays: &mut Arena<ArrayDecl>,
+    tables: &Tables,
+) -> ValueProgram {
+    let n = codec.dims;
+    let accumulator = array(arrays, "value.accumulator".into(), n);
+    let output = array(arrays, "value.output".into(), head_dim);
+    let stages = match codec.transform {
+        TransformLayout::Identity => vec![elementwise(n, accumulator, output, None)],
+        TransformLayout::Hadamard | TransformLayout::Srht { .. } => {
+            let signs = match codec.transform {
+                TransformLayout::Srht { signs, .. } => Some(tables.get(signs)),
+                _ => None,
+            };
+            let scratch = [
+                array(arrays, "value.hadamard0".into(), n),
+                array(arrays, "value.hadamard1".into(), n),
+            ];
+            fwht(n, accumulator, output, scratch, None, signs)
+        }
+        TransformLayout::Pca { rank, basis, mean } => vec![reconstruct(
+            head_dim,
+            rank,
+            tables.get(basis),
+            tables.get(mean),
+            accumulator,
+            output,
+        )],
+    };
+    ValueProgram {
+        dims: n,
+        accumulate: accumulate(codec, tables),
+        epilogue: Kernel { stages },
+        accumulator,
+        output,
+    }
+}
+
+fn accumulate(codec: &CodecLayout, tables: &Tables) -> Function {
+    let mut function = Function::default();
+    let mut b = ExprBuilder::new(&mut function.exprs);
+    let b = &mut b;
+    let c = b.input(Input::Channel);
+    let value = match *codec.body() {
+        FieldLayout::Codebook {
+            offset,
+            group_size,
+            bits,
+            per_group,
+            table,
+            ..
+        } => {
+            let entries = 1u32 << bits;
+            let j = b.div_u32(c, group_size);
+            let t = b.rem_u32(c, group_size);
+            let index_bits = b.mul_u32(j, bits);
+            let index_offset = b.add_u32(index_bits, offset);
+            let index = b.item_bits(index_offset, bits);
+            let book = if per_group {
+                b.mul_u32(j, entries * group_size)
+            } else {
+                b.u32(0)
+            };
+            let word = b.mul_u32(index, group_size);
+            let row = b.add(book, word);
+            let at = b.add(row, t);
+            let codeword = b.table(tables.get(table), at);
+            match codec.radius().cloned() {
+                None => codeword,
+                Some(FieldLayout::Radius {
+                    offset: r_offset,
+                    bits: r_bits,
+                    scale,
+                    slot,
+                    ..
+                }) => {
+                    let code_bits = b.mul_u32(j, r_bits);
+                    let code_offset = b.add_u32(code_bits, r_offset);
+                    let code = b.item_bits(code_offset, r_bits);
+                    let code = b.to_float(code);
+                    let page_scale = match scale {
+                        RadiusScale::Page => b.header_scale_at(slot),
+                        RadiusScale::PageGroup => {
+                            let at = b.add_u32(j, slot);
+                            b.header_scale(at)
+                        }
+                    };
+                    let unit = b.f32(1.0 / ((1u32 << r_bits) - 1) as f32);
+                    let factor = b.binary(BinaryOp::Multiply, page_scale, unit);
+                    let r = b.binary(BinaryOp::Multiply, code, factor);
+                    b.binary(BinaryOp::Multiply, r, codeword)
+                }
+                Some(_) => unreachable!("radius() returns a radius"),
+            }
+        }
+        ref field @ FieldLayout::Coeff {
+            offset,
+            bits,
+            scale,
+            table,
+            ..
+        } => {
+            let scaled = b.mul_u32(c, bits);
+            let at = b.add_u32(scaled, offset);
+            let x = signed_element(b, at, bits);
+            let s = match scale {
+                CoeffScale::Component => {
+                    b.table(tables.get(table.expect("component scale table")), c)
+                }
+                _ => coeff_scale(b, field, c).expect("stored scale"),
+            };
+            b.binary(BinaryOp::Multiply, x, s)
+        }
+        ref field @ FieldLayout::Bitmap {
+            group_size,
+            elem,
+            item_scale: scale_offset,
+            ..
+        } => {
+            let group = b.div_u32(c, group_size);
+            let t = b.rem_u32(c, group_size);
+            let (kept, slot) = bitmap_slot(b, field, group);
+            let mut e = bitmap_element(b, field, slot, t);
+            if elem == BitmapElem::Int8 {
+                let s = item_scale(b, scale_offset.expect("int8 bitmaps store a scale"));
+                e = b.binary(BinaryOp::Multiply, e, s);
+            }
+            let zero = b.f32(0.0);
+            b.select(kept, e, zero)
+        }
+        FieldLayout::Dense { offset, dtype, .. } => {
+            let scaled = b.mul_u32(c, dtype.bits());
+            let at = b.add_u32(scaled, offset);
+            dense_element(b, at, dtype)
+        }
+        FieldLayout::Radius { .. } => unreachable!("body() is never a radius"),
+    };
+    function.result = Some(value);
+    function
+}

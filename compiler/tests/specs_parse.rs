@@ -1,0 +1,35 @@
+//! Every bundled spec under `specs/` parses and passes the checks.
+
+use std::path::PathBuf;
+
+use kvcc_compiler::front::check::{check_spec, shared_memory_estimate, SHARED_MEMORY_BUDGET};
+use kvcc_compiler::front::load_spec;
+
+const SPECS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../specs");
+
+#[test]
+fn bundled_specs_parse_and_check() {
+    let mut files: Vec<PathBuf> = std::fs::read_dir(SPECS)
+        .expect("specs/ exists")
+        .map(|entry| entry.expect("readable directory entry").path())
+        .filter(|path| path.extension().is_some_and(|ext| ext == "toml"))
+        .collect();
+    files.sort();
+    assert!(!files.is_empty(), "no specs under {SPECS}");
+    for path in &files {
+        let spec = load_spec(path).unwrap_or_else(|err| panic!("{}:\n{err}", path.display()));
+        assert_eq!(check_spec(&spec), vec![], "{}", path.display());
+        let stem = path.file_stem().unwrap().to_str().unwrap();
+        assert_eq!(spec.name, stem, "{}: name should match the file name", path.display());
+        for tier in 0..spec.tiers.len() {
+            assert!(shared_memory_estimate(&spec, tier) <= SHARED_MEMORY_BUDGET);
+        }
+    }
+}
+
+#[test]
+fn missing_file_is_an_io_error() {
+    let err = load_spec(std::path::Path::new("does/not/exist.toml")).unwrap_err();
+    assert!(err.diagnostics().is_empty());
+    assert!(err.to_string().starts_with("does/not/exist.toml: "), "{err}");
+}

@@ -1,0 +1,2 @@
+//! kv_format! lives here (issue 5).
+extern crate proc_macro;

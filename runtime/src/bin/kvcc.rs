@@ -1,0 +1,120 @@
+//! `kvcc`: check specs, run the demo, evaluate formats on dumped tensors.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use indicatif::{ProgressBar, ProgressStyle};
+use kvcc_compiler::Format;
+use kvcc_runtime::cli::{check, demo, eval};
+use kvcc_runtime::tensor_io::load_qkv;
+
+#[derive(Parser)]
+#[command(name = "kvcc", version, about = "A compiler for compressed-domain attention over KV-cache code formats")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Validate a spec and print each tier's layout and byte accounting.
+    Check {
+        spec: PathBuf,
+        /// Tokens to amortize page headers and tables over.
+        #[arg(long, default_value_t = 32_768)]
+        context: u32,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Every bundled spec on structured synthetic K/V: bytes, ratio, attention error.
+    Demo {
+        /// Run the specs in this folder instead of the bundled ones.
+        #[arg(long)]
+        specs: Option<PathBuf>,
+        #[arg(long, default_value_t = 7)]
+        seed: u64,
+        #[arg(long, default_value_t = 1000)]
+        tokens: usize,
+        #[arg(long, default_value_t = 32_768)]
+        context: u32,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Fidelity of every tier on K/V/Q dumped from a model.
+    Eval {
+        spec: PathBuf,
+        /// A .safetensors file with `<prefix>.q/.k/.v`, or `<stem>.{q,k,v}.npy`.
+        #[arg(long)]
+        qkv: PathBuf,
+        /// Tensor name prefix (found automatically when unique).
+        #[arg(long)]
+        prefix: Option<String>,
+        /// Query rows per (layer, head), evenly spaced.
+        #[arg(long, default_value_t = 64)]
+        max_queries: usize,
+        #[arg(long, default_value_t = 32_768)]
+        context: u32,
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+fn bar(total: u64, message: &str) -> ProgressBar {
+    let bar = ProgressBar::new(total);
+    bar.set_style(ProgressStyle::with_template("{msg:>12} [{bar:30}] {pos}/{len} {elapsed}").expect("static template").progress_chars("=> "));
+    bar.set_message(message.to_string());
+    bar
+}
+
+fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
+    match cli.command {
+        Command::Check { spec, context, json } => {
+            let format = Format::load(&spec)?;
+            let report = check::report(&format, context);
+            if json {
+                println!("{}", serde_json::to_string_pretty(&report)?);
+            } else {
+                println!("{}", check::render(&report));
+            }
+        }
+        Command::Demo { specs, seed, tokens, context, json } => {
+            let formats = demo::formats(specs.as_deref())?;
+            let options = demo::DemoOptions { seed, tokens, context, ..Default::default() };
+            let progress = bar(formats.len() as u64, "demo");
+            let rows = demo::run(&formats, &options, |name| {
+                progress.set_message(name.to_string());
+                progress.inc(1);
+            })?;
+            progress.finish_and_clear();
+            if json {
+                println!("{}", serde_json::to_string_pretty(&rows)?);
+            } else {
+                println!("{}", demo::render(&rows, &options));
+            }
+        }
+        Command::Eval { spec, qkv, prefix, max_queries, context, json } => {
+            let format = Format::load(&spec)?;
+            let data = load_qkv(&qkv, prefix.as_deref())?;
+            let progress = bar(data.k.shape[0] as u64, "layers");
+            let report = eval::run(&format, &data, max_queries.max(1), context, |done, _| progress.set_position(done as u64))?;
+            progress.finish_and_clear();
+            if json {
+                println!("{}", serde_json::to_string_pretty(&report)?);
+            } else {
+                println!("{}", eval::render(&report));
+            }
+        }
+    }
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    match run(Cli::parse()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("error: {error}");
+            ExitCode::FAILURE
+        }
+    }
+}

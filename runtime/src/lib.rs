@@ -1,0 +1,10 @@
+pub mod math;
+pub mod tensor_io;
+pub mod cache;
+pub mod encode;
+pub mod metrics;
+pub mod reference;
+pub mod synth;
+pub mod table;
+pub mod builtin;
+pub mod cli;

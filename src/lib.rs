@@ -1,0 +1,3 @@
+//! kvcc facade: the compiler and the runtime under one name.
+pub use kvcc_compiler as compiler;
+pub use kvcc_runtime as runtime;
