@@ -12,18 +12,35 @@ use kvcc::runtime::reference::dense_attention;
 /// Several sequences of different lengths (not page multiples), pages placed
 /// by `plan`; every query head's output checked against dense attention on
 /// the decoded pages.
-fn check_format(format: &Format, seed: u64, kv_heads: usize, group: usize, plan: &dyn Fn(usize, usize) -> usize) {
+fn check_format(
+    format: &Format,
+    seed: u64,
+    kv_heads: usize,
+    group: usize,
+    plan: &dyn Fn(usize, usize) -> usize,
+) {
     let d = format.head_dim() as usize;
     let q_heads = kv_heads * group;
     let lengths = [1usize, 150, 333];
-    let sets: Vec<_> = lengths.iter().enumerate().map(|(i, &t)| data(format, seed + i as u64, kv_heads, q_heads, t)).collect();
+    let sets: Vec<_> = lengths
+        .iter()
+        .enumerate()
+        .map(|(i, &t)| data(format, seed + i as u64, kv_heads, q_heads, t))
+        .collect();
     let mut cache = trained_cache(format, &sets[2], seed);
     for (s, set) in sets.iter().enumerate() {
-        cache.append_sequence(&set.keys, &set.values, |p| plan(s, p)).expect("append");
+        cache
+            .append_sequence(&set.keys, &set.values, |p| plan(s, p))
+            .expect("append");
     }
-    let queries: Vec<f32> = sets.iter().flat_map(|s| s.queries.iter().copied()).collect();
+    let queries: Vec<f32> = sets
+        .iter()
+        .flat_map(|s| s.queries.iter().copied())
+        .collect();
     let interp = Interpreter::new(format.tiers(), Options::default());
-    let got = interp.decode(&cache.view(), &queries, q_heads).expect("decode");
+    let got = interp
+        .decode(&cache.view(), &queries, q_heads)
+        .expect("decode");
     let mut want = Vec::new();
     for (s, set) in sets.iter().enumerate() {
         for h in 0..q_heads {

@@ -4,8 +4,8 @@
 //! kernels and the pages can never disagree about the format.
 
 use crate::spec::{
-    BasisDtype, BitmapElem, CodecSpec, CodewordKind, CoeffScale, DenseDtype, FieldSpec,
-    FormatSpec, RadiusScale, TableDtype, TransformSpec,
+    BasisDtype, BitmapElem, CodecSpec, CodewordKind, CoeffScale, DenseDtype, FieldSpec, FormatSpec,
+    RadiusScale, TableDtype, TransformSpec,
 };
 
 /// Fixed page-header words: tier index, item count, flags, reserved.
@@ -60,7 +60,9 @@ pub enum TableStorage {
     F32,
     F16,
     /// int8 with one f32 scale per column of a row-major matrix of `columns`.
-    I8Columns { columns: u32 },
+    I8Columns {
+        columns: u32,
+    },
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -132,8 +134,15 @@ pub enum FieldLayout {
 pub enum TransformLayout {
     Identity,
     Hadamard,
-    Srht { seed: u64, signs: usize },
-    Pca { rank: u32, basis: usize, mean: usize },
+    Srht {
+        seed: u64,
+        signs: usize,
+    },
+    Pca {
+        rank: u32,
+        basis: usize,
+        mean: usize,
+    },
 }
 
 /// One codec (key or value) of one tier.
@@ -179,13 +188,17 @@ impl TierLayout {
         let mut tables = Vec::new();
         let mut slots = 0;
         let key = CodecLayout::new(Side::Key, &tier.key, spec.head_dim, &mut tables, &mut slots);
-        let value =
-            CodecLayout::new(Side::Value, &tier.value, spec.head_dim, &mut tables, &mut slots);
+        let value = CodecLayout::new(
+            Side::Value,
+            &tier.value,
+            spec.head_dim,
+            &mut tables,
+            &mut slots,
+        );
         let items = spec.page.items;
         let header_bytes = round_up(HEADER_FIXED_BYTES + 4 * slots, STREAM_ALIGN);
         let key_stream_offset = header_bytes;
-        let value_stream_offset =
-            key_stream_offset + round_up(items * key.stride, STREAM_ALIGN);
+        let value_stream_offset = key_stream_offset + round_up(items * key.stride, STREAM_ALIGN);
         let page_bytes = round_up(value_stream_offset + items * value.stride, PAGE_ALIGN);
         TierLayout {
             index: index as u32,

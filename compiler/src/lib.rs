@@ -7,7 +7,8 @@
 //! - [`lower`]: spec tier -> IR; [`valid`]: the IR validator every backend requires.
 //! - [`page`]: page headers and the cache view executors read.
 //! - [`Format`]: the pipeline (check, layout, lower, validate) in one call.
-//! - [`back`]: backends (`interp`, the reference interpreter that defines semantics).
+//! - [`back`]: backends: `interp` (the reference interpreter that defines the
+//!   semantics) and `text` (readable IR, the snapshot format of `generated/`).
 
 pub mod back;
 mod format;

@@ -20,7 +20,11 @@ fn bad_specs() -> Vec<PathBuf> {
 #[test]
 fn bad_specs_are_rejected_with_positioned_messages() {
     let files = bad_specs();
-    assert!(files.len() >= 14, "expected at least 14 bad specs, found {}", files.len());
+    assert!(
+        files.len() >= 14,
+        "expected at least 14 bad specs, found {}",
+        files.len()
+    );
     for path in files {
         let name = path.file_stem().unwrap().to_str().unwrap().to_string();
         let source = std::fs::read_to_string(&path).unwrap();

@@ -20,7 +20,12 @@ fn bundled_specs_parse_and_check() {
         let spec = load_spec(path).unwrap_or_else(|err| panic!("{}:\n{err}", path.display()));
         assert_eq!(check_spec(&spec), vec![], "{}", path.display());
         let stem = path.file_stem().unwrap().to_str().unwrap();
-        assert_eq!(spec.name, stem, "{}: name should match the file name", path.display());
+        assert_eq!(
+            spec.name,
+            stem,
+            "{}: name should match the file name",
+            path.display()
+        );
         for tier in 0..spec.tiers.len() {
             assert!(shared_memory_estimate(&spec, tier) <= SHARED_MEMORY_BUDGET);
         }
@@ -31,5 +36,25 @@ fn bundled_specs_parse_and_check() {
 fn missing_file_is_an_io_error() {
     let err = load_spec(std::path::Path::new("does/not/exist.toml")).unwrap_err();
     assert!(err.diagnostics().is_empty());
-    assert!(err.to_string().starts_with("does/not/exist.toml: "), "{err}");
+    assert!(
+        err.to_string().starts_with("does/not/exist.toml: "),
+        "{err}"
+    );
+}
+
+/// The full example of `docs/spec-reference.md` parses, checks, and has the
+/// shared-memory estimate the document states.
+#[test]
+fn reference_example_parses() {
+    let doc = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../docs/spec-reference.md"
+    ))
+    .expect("docs/spec-reference.md exists");
+    let start = doc.find("```toml\n").expect("a toml example") + "```toml\n".len();
+    let end = start + doc[start..].find("```").expect("closed example");
+    let spec = kvcc_compiler::front::parse_spec(&doc[start..end], "docs/spec-reference.md")
+        .unwrap_or_else(|err| panic!("{err}"));
+    assert_eq!(spec.tiers.len(), 2);
+    assert_eq!(shared_memory_estimate(&spec, 0), 69632);
 }

@@ -2,10 +2,19 @@
 
 /// (file name, TOML source) of every spec in `specs/`.
 pub const SPECS: [(&str, &str); 6] = [
-    ("specs/dense_f16.toml", include_str!("../../specs/dense_f16.toml")),
-    ("specs/spherical.toml", include_str!("../../specs/spherical.toml")),
+    (
+        "specs/dense_f16.toml",
+        include_str!("../../specs/dense_f16.toml"),
+    ),
+    (
+        "specs/spherical.toml",
+        include_str!("../../specs/spherical.toml"),
+    ),
     ("specs/kivi.toml", include_str!("../../specs/kivi.toml")),
-    ("specs/subspace.toml", include_str!("../../specs/subspace.toml")),
+    (
+        "specs/subspace.toml",
+        include_str!("../../specs/subspace.toml"),
+    ),
     ("specs/shard.toml", include_str!("../../specs/shard.toml")),
     ("specs/mosaic.toml", include_str!("../../specs/mosaic.toml")),
 ];

@@ -4,7 +4,9 @@
 use kvcc_compiler::page::{CacheView, PageRef, TierView};
 use kvcc_compiler::Format;
 
-use crate::encode::{check_finite, decode_page, encode_page, train_tables, EncodeError, TrainOptions};
+use crate::encode::{
+    check_finite, decode_page, encode_page, train_tables, EncodeError, TrainOptions,
+};
 
 /// `[tier][kv_head][table]` f32 tables.
 pub type Tables = Vec<Vec<Vec<Vec<f32>>>>;
@@ -19,7 +21,13 @@ pub struct PagedCache {
 }
 
 /// Fits every tier's tables to `[kv_head][token][head_dim]` keys and values.
-pub fn train(format: &Format, keys: &[f32], values: &[f32], kv_heads: usize, options: &TrainOptions) -> Result<Tables, EncodeError> {
+pub fn train(
+    format: &Format,
+    keys: &[f32],
+    values: &[f32],
+    kv_heads: usize,
+    options: &TrainOptions,
+) -> Result<Tables, EncodeError> {
     let tokens = check_block(format, "keys", keys, kv_heads)?;
     check_block(format, "values", values, kv_heads)?;
     let per_head = tokens * format.head_dim() as usize;
@@ -28,7 +36,12 @@ pub fn train(format: &Format, keys: &[f32], values: &[f32], kv_heads: usize, opt
             (0..kv_heads)
                 .map(|h| {
                     let range = h * per_head..(h + 1) * per_head;
-                    train_tables(format.layout(t), &keys[range.clone()], &values[range], options)
+                    train_tables(
+                        format.layout(t),
+                        &keys[range.clone()],
+                        &values[range],
+                        options,
+                    )
                 })
                 .collect()
         })
@@ -36,14 +49,19 @@ pub fn train(format: &Format, keys: &[f32], values: &[f32], kv_heads: usize, opt
 }
 
 /// Checks a `[kv_head][token][head_dim]` block; returns the token count.
-fn check_block(format: &Format, what: &'static str, data: &[f32], kv_heads: usize) -> Result<usize, EncodeError> {
+fn check_block(
+    format: &Format,
+    what: &'static str,
+    data: &[f32],
+    kv_heads: usize,
+) -> Result<usize, EncodeError> {
     let head_dim = format.head_dim() as usize;
-    if kv_heads == 0 || data.len() % (kv_heads * head_dim) != 0 {
-        return Err(EncodeError::Shape {
+    if kv_heads == 0 || !data.len().is_multiple_of(kv_heads * head_dim) {
+        return Err(EncodeError::Block {
             what,
             found: data.len(),
-            expected: kv_heads.max(1) * head_dim * (data.len() / (kv_heads.max(1) * head_dim)).max(1),
-            shape: format!("[kv_heads {kv_heads}][tokens][head_dim {head_dim}]"),
+            kv_heads,
+            head_dim,
         });
     }
     let tokens = data.len() / (kv_heads * head_dim);
@@ -53,15 +71,31 @@ fn check_block(format: &Format, what: &'static str, data: &[f32], kv_heads: usiz
 
 impl PagedCache {
     /// An empty cache with trained `tables` (`[tier][kv_head][table]`).
-    pub fn new(format: &Format, kv_heads: usize, tables: Tables) -> Result<PagedCache, EncodeError> {
+    pub fn new(
+        format: &Format,
+        kv_heads: usize,
+        tables: Tables,
+    ) -> Result<PagedCache, EncodeError> {
         let tiers = format.tiers().len();
         if tables.len() != tiers {
-            return Err(EncodeError::UnknownTier { tier: tables.len(), tiers });
+            return Err(EncodeError::UnknownTier {
+                tier: tables.len(),
+                tiers,
+            });
         }
         if let Some(t) = tables.iter().find(|t| t.len() != kv_heads) {
-            return Err(EncodeError::TableHeads { found: t.len(), expected: kv_heads });
+            return Err(EncodeError::TableHeads {
+                found: t.len(),
+                expected: kv_heads,
+            });
         }
-        Ok(PagedCache { format: format.clone(), kv_heads, tables, pools: vec![Vec::new(); tiers], page_tables: Vec::new() })
+        Ok(PagedCache {
+            format: format.clone(),
+            kv_heads,
+            tables,
+            pools: vec![Vec::new(); tiers],
+            page_tables: Vec::new(),
+        })
     }
 
     pub fn format(&self) -> &Format {
@@ -80,11 +114,19 @@ impl PagedCache {
     /// Encodes a sequence (`[kv_head][token][head_dim]` keys and values) into
     /// new pages; page `p` of every kv head goes to tier `tier_of_page(p)`.
     /// Returns the sequence index. Nothing is added if any input is rejected.
-    pub fn append_sequence(&mut self, keys: &[f32], values: &[f32], tier_of_page: impl Fn(usize) -> usize) -> Result<usize, EncodeError> {
+    pub fn append_sequence(
+        &mut self,
+        keys: &[f32],
+        values: &[f32],
+        tier_of_page: impl Fn(usize) -> usize,
+    ) -> Result<usize, EncodeError> {
         let tokens = check_block(&self.format, "keys", keys, self.kv_heads)?;
         let value_tokens = check_block(&self.format, "values", values, self.kv_heads)?;
         if tokens != value_tokens {
-            return Err(EncodeError::KeysValues { keys: tokens, values: value_tokens });
+            return Err(EncodeError::KeysValues {
+                keys: tokens,
+                values: value_tokens,
+            });
         }
         let items = self.format.spec().page.items as usize;
         let pages = tokens.div_ceil(items);
@@ -100,12 +142,22 @@ impl PagedCache {
             let mut refs = Vec::with_capacity(pages);
             for (p, &tier) in plan.iter().enumerate() {
                 let layout = self.format.layout(tier);
-                let rows = h * tokens * head_dim + p * items * head_dim..h * tokens * head_dim + ((p + 1) * items).min(tokens) * head_dim;
+                let rows = h * tokens * head_dim + p * items * head_dim
+                    ..h * tokens * head_dim + ((p + 1) * items).min(tokens) * head_dim;
                 let pool = &mut pools[tier];
                 let start = pool.len();
                 pool.resize(start + layout.page_bytes as usize, 0);
-                encode_page(layout, &self.tables[tier][h], &keys[rows.clone()], &values[rows], &mut pool[start..])?;
-                refs.push(PageRef { tier: tier as u32, page: (start / layout.page_bytes as usize) as u32 });
+                encode_page(
+                    layout,
+                    &self.tables[tier][h],
+                    &keys[rows.clone()],
+                    &values[rows],
+                    &mut pool[start..],
+                )?;
+                refs.push(PageRef {
+                    tier: tier as u32,
+                    page: (start / layout.page_bytes as usize) as u32,
+                });
             }
             heads.push(refs);
         }
@@ -117,7 +169,12 @@ impl PagedCache {
     /// The borrowed view executors run over.
     pub fn view(&self) -> CacheView<'_> {
         CacheView {
-            tiers: self.pools.iter().zip(&self.tables).map(|(pool, tables)| TierView { pool, tables }).collect(),
+            tiers: self
+                .pools
+                .iter()
+                .zip(&self.tables)
+                .map(|(pool, tables)| TierView { pool, tables })
+                .collect(),
             page_tables: &self.page_tables,
             kv_heads: self.kv_heads,
         }
@@ -130,7 +187,8 @@ impl PagedCache {
         for r in &self.page_tables[sequence][kv_head] {
             let layout = self.format.layout(r.tier as usize);
             let size = layout.page_bytes as usize;
-            let page = &self.pools[r.tier as usize][r.page as usize * size..(r.page as usize + 1) * size];
+            let page =
+                &self.pools[r.tier as usize][r.page as usize * size..(r.page as usize + 1) * size];
             let (k, v) = decode_page(layout, &self.tables[r.tier as usize][kv_head], page);
             keys.extend(k);
             values.extend(v);

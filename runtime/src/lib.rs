@@ -1,10 +1,11 @@
-pub mod math;
-pub mod tensor_io;
+pub mod builtin;
 pub mod cache;
+pub mod cli;
 pub mod encode;
+pub mod math;
 pub mod metrics;
 pub mod reference;
 pub mod synth;
 pub mod table;
-pub mod builtin;
-pub mod cli;
+pub mod tensor_io;
+pub mod exec;

@@ -1,1 +1,2 @@
 pub mod interp;
+pub mod text;

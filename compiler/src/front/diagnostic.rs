@@ -6,7 +6,7 @@ use std::fmt;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Diagnostic {
     pub file: String,
-    /// 1-based line.
+    /// 1-based line; 0 for a spec built in code (no source text).
     pub line: usize,
     /// 1-based column, in characters.
     pub column: usize,
@@ -18,7 +18,12 @@ pub struct Diagnostic {
 
 impl fmt::Display for Diagnostic {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}:{}:{}: ", self.file, self.line, self.column)?;
+        // Specs built in code have no source; they carry line 0 and no position.
+        if self.line == 0 {
+            write!(f, "{}: ", self.file)?;
+        } else {
+            write!(f, "{}:{}:{}: ", self.file, self.line, self.column)?;
+        }
         if !self.path.is_empty() {
             write!(f, "{}: ", self.path)?;
         }

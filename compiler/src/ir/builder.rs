@@ -1,17 +1,39 @@
 //! Emits expressions into an arena, folding integer constants so lowering can
 //! write index arithmetic plainly and still get compact, fully unrolled code.
 
+use std::collections::HashMap;
+
 use super::{
-    ArrayDecl, Arena, BinaryOp, Expr, Handle, Input, Literal, Stage, Store, TableDecl, UnaryOp,
+    Arena, ArrayDecl, BinaryOp, Expr, Handle, Input, Literal, Scalar, Stage, Store, TableDecl,
+    UnaryOp,
 };
 
 pub struct ExprBuilder<'a> {
     exprs: &'a mut Arena<Expr>,
+    /// Each distinct literal is emitted once.
+    literals: HashMap<(Scalar, u32), Handle<Expr>>,
 }
 
 impl<'a> ExprBuilder<'a> {
     pub fn new(exprs: &'a mut Arena<Expr>) -> Self {
-        ExprBuilder { exprs }
+        let literals = exprs
+            .iter()
+            .filter_map(|(h, e)| match *e {
+                Expr::Literal(l) => Some((literal_key(l), h)),
+                _ => None,
+            })
+            .collect();
+        ExprBuilder { exprs, literals }
+    }
+
+    fn literal(&mut self, literal: Literal) -> Handle<Expr> {
+        let key = literal_key(literal);
+        if let Some(&h) = self.literals.get(&key) {
+            return h;
+        }
+        let h = self.emit(Expr::Literal(literal));
+        self.literals.insert(key, h);
+        h
     }
 
     fn emit(&mut self, expr: Expr) -> Handle<Expr> {
@@ -26,10 +48,10 @@ impl<'a> ExprBuilder<'a> {
     }
 
     pub fn u32(&mut self, value: u32) -> Handle<Expr> {
-        self.emit(Expr::Literal(Literal::U32(value)))
+        self.literal(Literal::U32(value))
     }
     pub fn f32(&mut self, value: f32) -> Handle<Expr> {
-        self.emit(Expr::Literal(Literal::F32(value)))
+        self.literal(Literal::F32(value))
     }
     pub fn input(&mut self, input: Input) -> Handle<Expr> {
         self.emit(Expr::Input(input))
@@ -75,7 +97,12 @@ impl<'a> ExprBuilder<'a> {
 
     /// Binary op; u32 operations on two literals fold, and `x + 0`, `x * 1`,
     /// `x * 0` simplify.
-    pub fn binary(&mut self, op: BinaryOp, left: Handle<Expr>, right: Handle<Expr>) -> Handle<Expr> {
+    pub fn binary(
+        &mut self,
+        op: BinaryOp,
+        left: Handle<Expr>,
+        right: Handle<Expr>,
+    ) -> Handle<Expr> {
         match (self.literal_u32(left), self.literal_u32(right)) {
             (Some(a), Some(b)) => {
                 if let Some(v) = fold_u32(op, a, b) {
@@ -109,10 +136,16 @@ impl<'a> ExprBuilder<'a> {
         self.binary(BinaryOp::Multiply, a, b)
     }
     pub fn add_u32(&mut self, a: Handle<Expr>, b: u32) -> Handle<Expr> {
+        if b == 0 {
+            return a;
+        }
         let b = self.u32(b);
         self.add(a, b)
     }
     pub fn mul_u32(&mut self, a: Handle<Expr>, b: u32) -> Handle<Expr> {
+        if b == 1 {
+            return a;
+        }
         let b = self.u32(b);
         self.mul(a, b)
     }
@@ -155,6 +188,14 @@ impl<'a> ExprBuilder<'a> {
     }
 }
 
+fn literal_key(literal: Literal) -> (Scalar, u32) {
+    match literal {
+        Literal::U32(v) => (Scalar::U32, v),
+        Literal::I32(v) => (Scalar::I32, v as u32),
+        Literal::F32(v) => (Scalar::F32, v.to_bits()),
+    }
+}
+
 fn fold_u32(op: BinaryOp, a: u32, b: u32) -> Option<u32> {
     Some(match op {
         BinaryOp::Add => a.checked_add(b)?,
@@ -176,7 +217,10 @@ impl Stage {
     /// returning the stores.
     pub fn build(
         iterations: u32,
-        body: impl FnOnce(&mut ExprBuilder, Handle<Expr>) -> Vec<(Handle<ArrayDecl>, Handle<Expr>, Handle<Expr>)>,
+        body: impl FnOnce(
+            &mut ExprBuilder,
+            Handle<Expr>,
+        ) -> Vec<(Handle<ArrayDecl>, Handle<Expr>, Handle<Expr>)>,
     ) -> Stage {
         let mut exprs = Arena::default();
         let mut b = ExprBuilder::new(&mut exprs);

@@ -183,9 +183,14 @@ pub enum Expr {
     Input(Input),
     /// `width` (1..=32) bits of the current item of this program's codec stream,
     /// starting at `bit_offset` (u32), LSB-first little-endian, zero-extended.
-    ItemBits { bit_offset: Handle<Expr>, width: u8 },
+    ItemBits {
+        bit_offset: Handle<Expr>,
+        width: u8,
+    },
     /// f32 scale slot `slot` (u32) of the current page's header.
-    HeaderScale { slot: Handle<Expr> },
+    HeaderScale {
+        slot: Handle<Expr>,
+    },
     /// f32 element of a per-(layer, kv head) table.
     Table {
         table: Handle<TableDecl>,

@@ -6,7 +6,11 @@ use crate::layout::{bitmap_elem_bits, FieldLayout, ITEM_SCALE_BITS};
 use crate::spec::{BitmapElem, CoeffScale, DenseDtype};
 
 /// A `bits`-wide storage element at `bit_offset` as f32.
-pub fn dense_element(b: &mut ExprBuilder, bit_offset: Handle<Expr>, dtype: DenseDtype) -> Handle<Expr> {
+pub fn dense_element(
+    b: &mut ExprBuilder,
+    bit_offset: Handle<Expr>,
+    dtype: DenseDtype,
+) -> Handle<Expr> {
     let raw = b.item_bits(bit_offset, dtype.bits());
     let op = match dtype {
         DenseDtype::F16 => UnaryOp::HalfToFloat,
@@ -114,7 +118,11 @@ pub fn bitmap_slot(
 
 /// The coefficient scale factor that multiplies coordinate `c`, excluding the
 /// `component` kind (folded into the query on the key side).
-pub fn coeff_scale(b: &mut ExprBuilder, field: &FieldLayout, c: Handle<Expr>) -> Option<Handle<Expr>> {
+pub fn coeff_scale(
+    b: &mut ExprBuilder,
+    field: &FieldLayout,
+    c: Handle<Expr>,
+) -> Option<Handle<Expr>> {
     let FieldLayout::Coeff {
         item_scale: item_offset,
         scale,
@@ -125,7 +133,10 @@ pub fn coeff_scale(b: &mut ExprBuilder, field: &FieldLayout, c: Handle<Expr>) ->
         unreachable!("coeff_scale takes a coeff field")
     };
     match scale {
-        CoeffScale::Item => Some(item_scale(b, item_offset.expect("item scale has an offset"))),
+        CoeffScale::Item => Some(item_scale(
+            b,
+            item_offset.expect("item scale has an offset"),
+        )),
         CoeffScale::Page => Some(b.header_scale_at(slot)),
         CoeffScale::PageComponent => {
             let at = b.add_u32(c, slot);

@@ -1,6 +1,8 @@
 //! Key codec -> query prologue (transform, LUTs) and per-item score ⟨q, k⟩.
 
-use super::fields::{bitmap_element, bitmap_slot, coeff_scale, dense_element, item_scale, signed_element};
+use super::fields::{
+    bitmap_element, bitmap_slot, coeff_scale, dense_element, item_scale, signed_element,
+};
 use super::transform::{array, dot_with_table, elementwise, fwht, project};
 use super::Tables;
 use crate::ir::builder::ExprBuilder;
@@ -61,7 +63,12 @@ pub fn lower(
         } => {
             // Trained per-component scales fold into the query once.
             let scaled = array(arrays, "key.query_scaled".into(), n);
-            stages.push(elementwise(n, transformed, scaled, table.map(|t| tables.get(t))));
+            stages.push(elementwise(
+                n,
+                transformed,
+                scaled,
+                table.map(|t| tables.get(t)),
+            ));
             scaled
         }
         FieldLayout::Codebook {

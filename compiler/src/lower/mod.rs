@@ -39,7 +39,13 @@ pub fn lower_tier(format: &str, layout: &TierLayout) -> Module {
         name: "query".into(),
         len: layout.head_dim,
     });
-    let key = key::lower(&layout.key, layout.head_dim, query, &mut arrays, &tables_map);
+    let key = key::lower(
+        &layout.key,
+        layout.head_dim,
+        query,
+        &mut arrays,
+        &tables_map,
+    );
     let value = value::lower(&layout.value, layout.head_dim, &mut arrays, &tables_map);
     Module {
         format: format.to_string(),

@@ -2,7 +2,7 @@
 //! inverted on the accumulator in the value epilogue.
 
 use crate::ir::builder::ExprBuilder;
-use crate::ir::{ArrayDecl, Arena, BinaryOp, Handle, Input, Stage, TableDecl};
+use crate::ir::{Arena, ArrayDecl, BinaryOp, Handle, Input, Stage, TableDecl};
 
 /// Normalized Walsh–Hadamard transform of `input` into `output` as log2(n)
 /// butterfly stages (Sylvester order), ping-ponging through `scratch`.

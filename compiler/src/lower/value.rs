@@ -1,6 +1,8 @@
 //! Value codec -> per-item, per-channel accumulate and the inverse-transform epilogue.
 
-use super::fields::{bitmap_element, bitmap_slot, coeff_scale, dense_element, item_scale, signed_element};
+use super::fields::{
+    bitmap_element, bitmap_slot, coeff_scale, dense_element, item_scale, signed_element,
+};
 use super::transform::{array, elementwise, fwht, reconstruct};
 use super::Tables;
 use crate::ir::builder::ExprBuilder;

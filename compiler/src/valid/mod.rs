@@ -48,14 +48,25 @@ impl ValidModule {
 }
 
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
-#[error("invalid IR in {format}/{tier}, {program}{}: {kind}", expr.map(|e| format!(" at %{e}")).unwrap_or_default())]
+#[error("invalid IR in {location}{}: {kind}", expr.map(|e| format!(" at %{e}")).unwrap_or_default())]
 pub struct ValidationError {
-    pub format: String,
-    pub tier: String,
-    /// e.g. "key.score", "key.prologue[2]".
-    pub program: String,
+    /// `format/tier, program`, e.g. `spherical/mid, key.prologue[0]`.
+    pub location: String,
     pub expr: Option<usize>,
     pub kind: ErrorKind,
+}
+
+fn located(
+    module: &Module,
+    program: &str,
+    expr: Option<usize>,
+    kind: ErrorKind,
+) -> ValidationError {
+    ValidationError {
+        location: format!("{}/{}, {program}", module.format, module.tier),
+        expr,
+        kind,
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -63,9 +74,16 @@ pub enum ErrorKind {
     #[error("operand %{0} is not defined before its use")]
     ForwardReference(usize),
     #[error("operand type {found:?} where {expected} is required")]
-    Type { expected: &'static str, found: Scalar },
+    Type {
+        expected: &'static str,
+        found: Scalar,
+    },
     #[error("operands of {op:?} have different types {left:?} and {right:?}")]
-    Mismatch { op: BinaryOp, left: Scalar, right: Scalar },
+    Mismatch {
+        op: BinaryOp,
+        left: Scalar,
+        right: Scalar,
+    },
     #[error("input {0:?} is not available in this program")]
     InputNotAllowed(Input),
     #[error("{0} is not available in this program")]
@@ -73,7 +91,11 @@ pub enum ErrorKind {
     #[error("{what} index may reach {max} but the length is {len}")]
     OutOfBounds { what: String, max: u64, len: u64 },
     #[error("item bits {offset_max}+{width} may pass the stream's {bits} bits")]
-    ItemBitsOutOfBounds { offset_max: u64, width: u8, bits: u32 },
+    ItemBitsOutOfBounds {
+        offset_max: u64,
+        width: u8,
+        bits: u32,
+    },
     #[error("bit width {0} is outside 1..=32")]
     Width(u8),
     #[error("shift amount may reach {0}; it must stay below 32")]
@@ -103,15 +125,14 @@ struct Context<'a> {
 }
 
 pub fn validate(module: Module) -> Result<ValidModule, ValidationError> {
-    let fail = |program: &str, expr: Option<usize>, kind| ValidationError {
-        format: module.format.clone(),
-        tier: module.tier.clone(),
-        program: program.to_string(),
-        expr,
-        kind,
-    };
     let mut readable = HashSet::from([module.query]);
-    let prologue = validate_kernel(&module, &module.key.prologue, "key.prologue", &mut readable, None)?;
+    let prologue = validate_kernel(
+        &module,
+        &module.key.prologue,
+        "key.prologue",
+        &mut readable,
+        None,
+    )?;
     let score = validate_function(
         &Context {
             module: &module,
@@ -144,7 +165,12 @@ pub fn validate(module: Module) -> Result<ValidModule, ValidationError> {
         Some(Input::Denominator),
     )?;
     if !readable.contains(&module.value.output) {
-        return Err(fail("value.epilogue", None, ErrorKind::OutputNotWritten));
+        return Err(located(
+            &module,
+            "value.epilogue",
+            None,
+            ErrorKind::OutputNotWritten,
+        ));
     }
     let info = ModuleInfo {
         prologue,
@@ -179,13 +205,7 @@ fn validate_stage(
     readable: &HashSet<Handle<ArrayDecl>>,
     extra_input: Option<Input>,
 ) -> Result<FunctionInfo, ValidationError> {
-    let error = |expr, kind| ValidationError {
-        format: module.format.clone(),
-        tier: module.tier.clone(),
-        program: program.to_string(),
-        expr,
-        kind,
-    };
+    let error = |expr, kind| located(module, program, expr, kind);
     if stage.iterations == 0 {
         return Err(error(None, ErrorKind::EmptyStage));
     }
@@ -196,7 +216,10 @@ fn validate_stage(
         if let Expr::Shared { array, .. } = expr {
             if written.contains(array) {
                 let name = module.arrays[*array].name.clone();
-                return Err(error(Some(handle.index()), ErrorKind::ReadWhileWritten(name)));
+                return Err(error(
+                    Some(handle.index()),
+                    ErrorKind::ReadWhileWritten(name),
+                ));
             }
         }
     }
@@ -230,16 +253,15 @@ fn validate_stage(
     Ok(info)
 }
 
-fn validate_function(context: &Context, function: &Function) -> Result<FunctionInfo, ValidationError> {
+fn validate_function(
+    context: &Context,
+    function: &Function,
+) -> Result<FunctionInfo, ValidationError> {
     let info = check_exprs(context, &function.exprs)?;
-    let error = |expr, kind| ValidationError {
-        format: context.module.format.clone(),
-        tier: context.module.tier.clone(),
-        program: context.program.clone(),
-        expr,
-        kind,
-    };
-    let result = function.result.ok_or_else(|| error(None, ErrorKind::MissingResult))?;
+    let error = |expr, kind| located(context.module, &context.program, expr, kind);
+    let result = function
+        .result
+        .ok_or_else(|| error(None, ErrorKind::MissingResult))?;
     if result.index() >= info.types.len() {
         return Err(error(None, ErrorKind::ForwardReference(result.index())));
     }
@@ -247,7 +269,11 @@ fn validate_function(context: &Context, function: &Function) -> Result<FunctionI
     Ok(info)
 }
 
-fn expect_type(info: &FunctionInfo, handle: Handle<Expr>, expected: Scalar) -> Result<(), ErrorKind> {
+fn expect_type(
+    info: &FunctionInfo,
+    handle: Handle<Expr>,
+    expected: Scalar,
+) -> Result<(), ErrorKind> {
     let found = *info
         .types
         .get(handle.index())
@@ -280,12 +306,8 @@ fn check_exprs(
         ranges: Vec::with_capacity(exprs.len()),
     };
     for (handle, expr) in exprs.iter() {
-        let (ty, range) = check_expr(context, &info, handle, expr).map_err(|kind| ValidationError {
-            format: context.module.format.clone(),
-            tier: context.module.tier.clone(),
-            program: context.program.clone(),
-            expr: Some(handle.index()),
-            kind,
+        let (ty, range) = check_expr(context, &info, handle, expr).map_err(|kind| {
+            located(context.module, &context.program, Some(handle.index()), kind)
         })?;
         info.types.push(ty);
         info.ranges.push(range);
@@ -352,7 +374,9 @@ fn check_expr(
             }
         }
         Expr::ItemBits { bit_offset, width } => {
-            let side = context.stream.ok_or(ErrorKind::MemoryNotAllowed("the item stream"))?;
+            let side = context
+                .stream
+                .ok_or(ErrorKind::MemoryNotAllowed("the item stream"))?;
             if !(1..=32).contains(&width) {
                 return Err(ErrorKind::Width(width));
             }
@@ -371,7 +395,11 @@ fn check_expr(
             if context.stream.is_none() {
                 return Err(ErrorKind::MemoryNotAllowed("the page header"));
             }
-            bounded("header scale".into(), index_max(slot)?, module.layout.header_slots)?;
+            bounded(
+                "header scale".into(),
+                index_max(slot)?,
+                module.layout.header_slots,
+            )?;
             (Scalar::F32, None)
         }
         Expr::Table { table, index } => {
@@ -379,7 +407,11 @@ fn check_expr(
                 .tables
                 .try_get(table)
                 .ok_or(ErrorKind::MemoryNotAllowed("an undeclared table"))?;
-            bounded(format!("table `{}`", decl.name), index_max(index)?, decl.len)?;
+            bounded(
+                format!("table `{}`", decl.name),
+                index_max(index)?,
+                decl.len,
+            )?;
             (Scalar::F32, None)
         }
         Expr::Shared { array, index } => {
@@ -390,7 +422,11 @@ fn check_expr(
             if !context.readable.contains(&array) {
                 return Err(ErrorKind::ReadBeforeWrite(decl.name.clone()));
             }
-            bounded(format!("array `{}`", decl.name), index_max(index)?, decl.len)?;
+            bounded(
+                format!("array `{}`", decl.name),
+                index_max(index)?,
+                decl.len,
+            )?;
             (Scalar::F32, None)
         }
         Expr::Unary { op, arg } => {
@@ -443,13 +479,17 @@ fn check_expr(
                 });
             }
             let allowed: &[Scalar] = match op {
-                BinaryOp::Add | BinaryOp::Subtract | BinaryOp::Multiply | BinaryOp::Min | BinaryOp::Less => {
-                    &[Scalar::U32, Scalar::I32, Scalar::F32]
-                }
+                BinaryOp::Add
+                | BinaryOp::Subtract
+                | BinaryOp::Multiply
+                | BinaryOp::Min
+                | BinaryOp::Less => &[Scalar::U32, Scalar::I32, Scalar::F32],
                 BinaryOp::Divide => &[Scalar::U32, Scalar::F32],
-                BinaryOp::Modulo | BinaryOp::And | BinaryOp::Or | BinaryOp::ShiftLeft | BinaryOp::ShiftRight => {
-                    &[Scalar::U32]
-                }
+                BinaryOp::Modulo
+                | BinaryOp::And
+                | BinaryOp::Or
+                | BinaryOp::ShiftLeft
+                | BinaryOp::ShiftRight => &[Scalar::U32],
                 BinaryOp::Equal | BinaryOp::NotEqual => &[Scalar::U32, Scalar::I32, Scalar::F32],
             };
             if !allowed.contains(&lt) {

@@ -37,7 +37,13 @@ impl Range {
 
 /// Result range of a u32 operation (divisors and shift amounts already checked).
 pub fn binary(op: BinaryOp, a: Range, b: Range) -> Option<Range> {
-    let all_ones = |v: u64| if v == 0 { 0 } else { u64::MAX >> v.leading_zeros() };
+    let all_ones = |v: u64| {
+        if v == 0 {
+            0
+        } else {
+            u64::MAX >> v.leading_zeros()
+        }
+    };
     Some(match op {
         BinaryOp::Add => Range::or_wrap(a.lo + b.lo, a.hi + b.hi),
         BinaryOp::Subtract if a.lo >= b.hi => Range::new(a.lo - b.hi, a.hi - b.lo),
@@ -61,7 +67,10 @@ mod tests {
     #[test]
     fn wrapping_operations_widen_to_the_full_range() {
         let big = Range::new(0, MAX);
-        assert_eq!(binary(BinaryOp::Add, big, Range::exact(1)), Some(Range::full()));
+        assert_eq!(
+            binary(BinaryOp::Add, big, Range::exact(1)),
+            Some(Range::full())
+        );
         assert_eq!(
             binary(BinaryOp::Subtract, Range::new(0, 4), Range::exact(1)),
             Some(Range::full())

@@ -10,7 +10,11 @@ use kvcc_runtime::cli::{check, demo, eval};
 use kvcc_runtime::tensor_io::load_qkv;
 
 #[derive(Parser)]
-#[command(name = "kvcc", version, about = "A compiler for compressed-domain attention over KV-cache code formats")]
+#[command(
+    name = "kvcc",
+    version,
+    about = "A compiler for compressed-domain attention over KV-cache code formats"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -62,14 +66,22 @@ enum Command {
 
 fn bar(total: u64, message: &str) -> ProgressBar {
     let bar = ProgressBar::new(total);
-    bar.set_style(ProgressStyle::with_template("{msg:>12} [{bar:30}] {pos}/{len} {elapsed}").expect("static template").progress_chars("=> "));
+    bar.set_style(
+        ProgressStyle::with_template("{msg:>12} [{bar:30}] {pos}/{len} {elapsed}")
+            .expect("static template")
+            .progress_chars("=> "),
+    );
     bar.set_message(message.to_string());
     bar
 }
 
 fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
     match cli.command {
-        Command::Check { spec, context, json } => {
+        Command::Check {
+            spec,
+            context,
+            json,
+        } => {
             let format = Format::load(&spec)?;
             let report = check::report(&format, context);
             if json {
@@ -78,9 +90,20 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                 println!("{}", check::render(&report));
             }
         }
-        Command::Demo { specs, seed, tokens, context, json } => {
+        Command::Demo {
+            specs,
+            seed,
+            tokens,
+            context,
+            json,
+        } => {
             let formats = demo::formats(specs.as_deref())?;
-            let options = demo::DemoOptions { seed, tokens, context, ..Default::default() };
+            let options = demo::DemoOptions {
+                seed,
+                tokens,
+                context,
+                ..Default::default()
+            };
             let progress = bar(formats.len() as u64, "demo");
             let rows = demo::run(&formats, &options, |name| {
                 progress.set_message(name.to_string());
@@ -93,11 +116,20 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                 println!("{}", demo::render(&rows, &options));
             }
         }
-        Command::Eval { spec, qkv, prefix, max_queries, context, json } => {
+        Command::Eval {
+            spec,
+            qkv,
+            prefix,
+            max_queries,
+            context,
+            json,
+        } => {
             let format = Format::load(&spec)?;
             let data = load_qkv(&qkv, prefix.as_deref())?;
             let progress = bar(data.k.shape[0] as u64, "layers");
-            let report = eval::run(&format, &data, max_queries.max(1), context, |done, _| progress.set_position(done as u64))?;
+            let report = eval::run(&format, &data, max_queries.max(1), context, |done, _| {
+                progress.set_position(done as u64)
+            })?;
             progress.finish_and_clear();
             if json {
                 println!("{}", serde_json::to_string_pretty(&report)?);

@@ -58,7 +58,12 @@ pub fn report(format: &Format, context: u32) -> FormatReport {
             }
         })
         .collect();
-    FormatReport { format: format.name().to_string(), head_dim: format.head_dim(), dense_f16_bytes_per_token: dense, tiers }
+    FormatReport {
+        format: format.name().to_string(),
+        head_dim: format.head_dim(),
+        dense_f16_bytes_per_token: dense,
+        tiers,
+    }
 }
 
 /// "pca32 | coeff 8b x32 (page_component)" style summary of a codec.
@@ -71,21 +76,38 @@ pub fn describe(codec: &CodecLayout) -> String {
     };
     let fields = codec.fields.iter().map(|f| match *f {
         FieldLayout::Radius { groups, bits, .. } => format!("radius {groups}x{bits}b"),
-        FieldLayout::Codebook { groups, group_size, bits, codewords, .. } => {
-            format!("{:?} codebook {groups}x{bits}b (g{group_size})", codewords).to_lowercase()
+        FieldLayout::Codebook {
+            groups,
+            group_size,
+            bits,
+            codewords,
+            ..
+        } => format!("{:?} codebook {groups}x{bits}b (g{group_size})", codewords).to_lowercase(),
+        FieldLayout::Coeff {
+            count, bits, scale, ..
+        } => format!("coeff {count}x{bits}b ({scale:?})").to_lowercase(),
+        FieldLayout::Bitmap {
+            groups,
+            group_size,
+            keep,
+            elem,
+            ..
+        } => format!("bitmap {keep}/{groups} groups of {group_size} ({elem:?})").to_lowercase(),
+        FieldLayout::Dense { count, dtype, .. } => {
+            format!("dense {count}x{dtype:?}").to_lowercase()
         }
-        FieldLayout::Coeff { count, bits, scale, .. } => format!("coeff {count}x{bits}b ({scale:?})").to_lowercase(),
-        FieldLayout::Bitmap { groups, group_size, keep, elem, .. } => {
-            format!("bitmap {keep}/{groups} groups of {group_size} ({elem:?})").to_lowercase()
-        }
-        FieldLayout::Dense { count, dtype, .. } => format!("dense {count}x{dtype:?}").to_lowercase(),
     });
-    transform.into_iter().chain(fields).collect::<Vec<_>>().join(" + ")
+    transform
+        .into_iter()
+        .chain(fields)
+        .collect::<Vec<_>>()
+        .join(" + ")
 }
 
 pub fn render(report: &FormatReport) -> String {
     let mut table = Table::new(&[
-        "tier", "key", "value", "K B/item", "V B/item", "header B", "page B", "tables B", "smem B", "B/token", "vs f16",
+        "tier", "key", "value", "K B/item", "V B/item", "header B", "page B", "tables B", "smem B",
+        "B/token", "vs f16",
     ]);
     for column in 3..11 {
         table.right_align(column);

@@ -26,7 +26,13 @@ pub struct DemoOptions {
 
 impl Default for DemoOptions {
     fn default() -> Self {
-        DemoOptions { seed: 7, tokens: 1000, kv_heads: 2, q_heads: 8, context: 32_768 }
+        DemoOptions {
+            seed: 7,
+            tokens: 1000,
+            kv_heads: 2,
+            q_heads: 8,
+            context: 32_768,
+        }
     }
 }
 
@@ -44,10 +50,16 @@ pub struct DemoRow {
 /// Loads the specs to run: the bundled ones, or every `*.toml` in `dir`.
 pub fn formats(dir: Option<&Path>) -> Result<Vec<Format>, CompileError> {
     match dir {
-        None => SPECS.iter().map(|(file, source)| Format::parse(source, file)).collect(),
+        None => SPECS
+            .iter()
+            .map(|(file, source)| Format::parse(source, file))
+            .collect(),
         Some(dir) => {
             let mut paths: Vec<_> = std::fs::read_dir(dir)
-                .map_err(|source| kvcc_compiler::front::SpecError::Io { file: dir.display().to_string(), source })?
+                .map_err(|source| kvcc_compiler::front::SpecError::Io {
+                    file: dir.display().to_string(),
+                    source,
+                })?
                 .filter_map(|e| e.ok().map(|e| e.path()))
                 .filter(|p| p.extension().is_some_and(|e| e == "toml"))
                 .collect();
@@ -57,7 +69,11 @@ pub fn formats(dir: Option<&Path>) -> Result<Vec<Format>, CompileError> {
     }
 }
 
-pub fn run(formats: &[Format], options: &DemoOptions, mut progress: impl FnMut(&str)) -> Result<Vec<DemoRow>, Box<dyn std::error::Error>> {
+pub fn run(
+    formats: &[Format],
+    options: &DemoOptions,
+    mut progress: impl FnMut(&str),
+) -> Result<Vec<DemoRow>, Box<dyn std::error::Error>> {
     let mut rows = Vec::new();
     for format in formats {
         progress(format.name());
@@ -69,7 +85,13 @@ pub fn run(formats: &[Format], options: &DemoOptions, mut progress: impl FnMut(&
             tokens: options.tokens,
             head_dim: d,
         });
-        let tables = cache::train(format, &data.keys, &data.values, options.kv_heads, &TrainOptions::default())?;
+        let tables = cache::train(
+            format,
+            &data.keys,
+            &data.values,
+            options.kv_heads,
+            &TrainOptions::default(),
+        )?;
         let block = Block {
             keys: &data.keys,
             values: &data.values,
@@ -79,13 +101,20 @@ pub fn run(formats: &[Format], options: &DemoOptions, mut progress: impl FnMut(&
             query_rows: 1,
         };
         let tiers = format.tiers().len();
-        let plans: Vec<(String, Box<dyn Fn(usize) -> usize>)> = (0..tiers)
-            .map(|t| (format.layout(t).name.clone(), Box::new(move |_| t) as Box<dyn Fn(usize) -> usize>))
-            .chain((tiers > 1).then(|| ("mixed".to_string(), Box::new(move |p| p % tiers) as Box<dyn Fn(usize) -> usize>)))
+        // One row per tier, plus a cache whose pages cycle through every tier.
+        let plans: Vec<(String, Option<usize>)> = (0..tiers)
+            .map(|t| (format.layout(t).name.clone(), Some(t)))
+            .chain((tiers > 1).then(|| ("mixed".to_string(), None)))
             .collect();
-        for (name, plan) in plans {
+        for (name, tier) in plans {
             let mut acc = FidelityAccumulator::default();
-            let result = fidelity::run(format, &tables, &block, &plan, &mut acc)?;
+            let result = fidelity::run(
+                format,
+                &tables,
+                &block,
+                |p| tier.unwrap_or(p % tiers),
+                &mut acc,
+            )?;
             let bytes_per_token = match format.tier_index(&name) {
                 Some(t) => format.layout(t).effective_bytes_per_token(options.context),
                 // Mixed: what these pages actually take, tables of every tier amortized.
@@ -109,7 +138,17 @@ pub fn run(formats: &[Format], options: &DemoOptions, mut progress: impl FnMut(&
 }
 
 pub fn render(rows: &[DemoRow], options: &DemoOptions) -> String {
-    let mut table = Table::new(&["format", "tier", "B/token", "vs f16", "out rel err", "max logit drift", "mean drift", "top-8", "interp ms"]);
+    let mut table = Table::new(&[
+        "format",
+        "tier",
+        "B/token",
+        "vs f16",
+        "out rel err",
+        "max logit drift",
+        "mean drift",
+        "top-8",
+        "interp ms",
+    ]);
     for column in 2..9 {
         table.right_align(column);
     }

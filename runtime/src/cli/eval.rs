@@ -43,32 +43,68 @@ pub enum EvalError {
 
 /// Evaluates every tier; at most `max_query_rows` query rows per (layer, head),
 /// evenly spaced, attend to all of their layer's keys. `progress(done, total)`.
-pub fn run(format: &Format, qkv: &Qkv, max_query_rows: usize, context: u32, mut progress: impl FnMut(usize, usize)) -> Result<EvalReport, EvalError> {
+pub fn run(
+    format: &Format,
+    qkv: &Qkv,
+    max_query_rows: usize,
+    context: u32,
+    mut progress: impl FnMut(usize, usize),
+) -> Result<EvalReport, EvalError> {
     let [layers, kv_heads, tokens, d] = qkv.k.shape;
     let [_, q_heads, q_tokens, _] = qkv.q.shape;
     if d != format.head_dim() as usize {
-        return Err(EvalError::HeadDim { format: format.head_dim(), tensors: d });
+        return Err(EvalError::HeadDim {
+            format: format.head_dim(),
+            tensors: d,
+        });
     }
-    let rows: Vec<usize> = (0..max_query_rows.min(q_tokens)).map(|i| i * q_tokens / max_query_rows.min(q_tokens)).collect();
+    let rows: Vec<usize> = (0..max_query_rows.min(q_tokens))
+        .map(|i| i * q_tokens / max_query_rows.min(q_tokens))
+        .collect();
     let tiers = format.tiers().len();
-    let plans: Vec<(String, Option<usize>)> =
-        (0..tiers).map(|t| (format.layout(t).name.clone(), Some(t))).chain((tiers > 1).then(|| ("mixed".to_string(), None))).collect();
-    let mut accumulators: Vec<FidelityAccumulator> = plans.iter().map(|_| FidelityAccumulator::default()).collect();
+    let plans: Vec<(String, Option<usize>)> = (0..tiers)
+        .map(|t| (format.layout(t).name.clone(), Some(t)))
+        .chain((tiers > 1).then(|| ("mixed".to_string(), None)))
+        .collect();
+    let mut accumulators: Vec<FidelityAccumulator> = plans
+        .iter()
+        .map(|_| FidelityAccumulator::default())
+        .collect();
     let mut elapsed = vec![Duration::ZERO; plans.len()];
     let mut page_bytes = vec![0usize; plans.len()];
     for layer in 0..layers {
         progress(layer, layers);
         let kv = layer * kv_heads * tokens * d..(layer + 1) * kv_heads * tokens * d;
         let (keys, values) = (&qkv.k.data[kv.clone()], &qkv.v.data[kv]);
-        let q_layer = &qkv.q.data[layer * q_heads * q_tokens * d..(layer + 1) * q_heads * q_tokens * d];
+        let q_layer =
+            &qkv.q.data[layer * q_heads * q_tokens * d..(layer + 1) * q_heads * q_tokens * d];
         let queries: Vec<f32> = (0..q_heads)
-            .flat_map(|h| rows.iter().flat_map(move |&r| q_layer[(h * q_tokens + r) * d..(h * q_tokens + r + 1) * d].iter().copied()))
+            .flat_map(|h| {
+                rows.iter().flat_map(move |&r| {
+                    q_layer[(h * q_tokens + r) * d..(h * q_tokens + r + 1) * d]
+                        .iter()
+                        .copied()
+                })
+            })
             .collect();
         let tables = cache::train(format, keys, values, kv_heads, &TrainOptions::default())?;
-        let block = Block { keys, values, queries: &queries, kv_heads, q_heads, query_rows: rows.len() };
+        let block = Block {
+            keys,
+            values,
+            queries: &queries,
+            kv_heads,
+            q_heads,
+            query_rows: rows.len(),
+        };
         for (i, (_, tier)) in plans.iter().enumerate() {
             let tier = *tier;
-            let result = fidelity::run(format, &tables, &block, move |p| tier.unwrap_or(p % tiers), &mut accumulators[i])?;
+            let result = fidelity::run(
+                format,
+                &tables,
+                &block,
+                move |p| tier.unwrap_or(p % tiers),
+                &mut accumulators[i],
+            )?;
             elapsed[i] += result.elapsed;
             page_bytes[i] += result.page_bytes;
         }
@@ -81,7 +117,10 @@ pub fn run(format: &Format, qkv: &Qkv, max_query_rows: usize, context: u32, mut 
         .map(|(i, (name, tier))| {
             let bytes_per_token = match tier {
                 Some(t) => format.layout(*t).effective_bytes_per_token(context),
-                None => page_bytes[i] as f64 / (layers * kv_heads * tokens) as f64 + f64::from(table_bytes) / f64::from(context),
+                None => {
+                    page_bytes[i] as f64 / (layers * kv_heads * tokens) as f64
+                        + f64::from(table_bytes) / f64::from(context)
+                }
             };
             EvalRow {
                 tier: name.clone(),
@@ -92,11 +131,28 @@ pub fn run(format: &Format, qkv: &Qkv, max_query_rows: usize, context: u32, mut 
             }
         })
         .collect();
-    Ok(EvalReport { format: format.name().to_string(), layers, q_heads, kv_heads, tokens, query_rows: rows.len(), rows: rows_out })
+    Ok(EvalReport {
+        format: format.name().to_string(),
+        layers,
+        q_heads,
+        kv_heads,
+        tokens,
+        query_rows: rows.len(),
+        rows: rows_out,
+    })
 }
 
 pub fn render(report: &EvalReport) -> String {
-    let mut table = Table::new(&["tier", "B/token", "vs f16", "out rel err", "max logit drift", "mean drift", "top-8", "interp ms"]);
+    let mut table = Table::new(&[
+        "tier",
+        "B/token",
+        "vs f16",
+        "out rel err",
+        "max logit drift",
+        "mean drift",
+        "top-8",
+        "interp ms",
+    ]);
     for column in 1..8 {
         table.right_align(column);
     }

@@ -29,7 +29,13 @@ pub struct TierRun {
 /// Encodes `block` with pages placed by `tier_of_page` and measures fidelity of
 /// the interpreter against dense attention on the unencoded K/V.
 /// Rows are added to `acc`, so several layers can be scored together.
-pub fn run(format: &Format, tables: &Tables, block: &Block, tier_of_page: impl Fn(usize) -> usize, acc: &mut FidelityAccumulator) -> Result<TierRun, EncodeError> {
+pub fn run(
+    format: &Format,
+    tables: &Tables,
+    block: &Block,
+    tier_of_page: impl Fn(usize) -> usize,
+    acc: &mut FidelityAccumulator,
+) -> Result<TierRun, EncodeError> {
     let d = format.head_dim() as usize;
     let mut cache = PagedCache::new(format, block.kv_heads, tables.clone())?;
     cache.append_sequence(block.keys, block.values, tier_of_page)?;
@@ -47,11 +53,16 @@ pub fn run(format: &Format, tables: &Tables, block: &Block, tier_of_page: impl F
             let at = (q_head * block.query_rows + row) * d;
             let query = &block.queries[at..at + d];
             let start = Instant::now();
-            let got = interp.attend(&view, 0, kv_head, query).expect("pages written by this cache are valid");
+            let got = interp
+                .attend(&view, 0, kv_head, query)
+                .expect("pages written by this cache are valid");
             elapsed += start.elapsed();
             let want = dense_attention(query, keys, values, d, scale);
             acc.add_row(&got.output, &got.logits, &want.output, &want.logits);
         }
     }
-    Ok(TierRun { elapsed, page_bytes: cache.page_bytes() })
+    Ok(TierRun {
+        elapsed,
+        page_bytes: cache.page_bytes(),
+    })
 }

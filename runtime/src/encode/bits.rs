@@ -28,9 +28,16 @@ mod tests {
                 let mut bytes = vec![0xA5u8; 8];
                 let value = 0xDEAD_BEEFu32 & (u32::MAX >> (32 - width));
                 write_bits(&mut bytes, offset, width, value);
-                assert_eq!(read_bits(&bytes, offset, width), value, "offset {offset} width {width}");
+                assert_eq!(
+                    read_bits(&bytes, offset, width),
+                    value,
+                    "offset {offset} width {width}"
+                );
                 if offset > 0 {
-                    assert_eq!(read_bits(&bytes, 0, offset.min(8)), 0xA5 & ((1 << offset.min(8)) - 1));
+                    assert_eq!(
+                        read_bits(&bytes, 0, offset.min(8)),
+                        0xA5 & ((1 << offset.min(8)) - 1)
+                    );
                 }
             }
         }

@@ -11,10 +11,19 @@ use crate::math::kmeans::{best_direction, nearest};
 
 /// Encodes `items` (each `codec.dims` transformed coordinates) into `stream`
 /// (`items.len() * stride` bytes), setting this codec's slots of `header_scales`.
-pub fn encode_page(codec: &CodecLayout, tables: &[Vec<f32>], items: &[Vec<f32>], header_scales: &mut [f32], stream: &mut [u8]) {
+pub fn encode_page(
+    codec: &CodecLayout,
+    tables: &[Vec<f32>],
+    items: &[Vec<f32>],
+    header_scales: &mut [f32],
+    stream: &mut [u8],
+) {
     let stride = codec.stride as usize;
     let codes: Vec<Vec<u32>> = match *codec.body() {
-        FieldLayout::Codebook { .. } => items.iter().map(|x| choose_codewords(codec, tables, x)).collect(),
+        FieldLayout::Codebook { .. } => items
+            .iter()
+            .map(|x| choose_codewords(codec, tables, x))
+            .collect(),
         _ => Vec::new(),
     };
     set_page_scales(codec, tables, items, &codes, header_scales);
@@ -22,21 +31,42 @@ pub fn encode_page(codec: &CodecLayout, tables: &[Vec<f32>], items: &[Vec<f32>],
         let item = &mut stream[i * stride..(i + 1) * stride];
         item.fill(0);
         for field in &codec.fields {
-            encode_field(field, codec, tables, x, codes.get(i).map(Vec::as_slice), header_scales, item);
+            encode_field(
+                field,
+                codec,
+                tables,
+                x,
+                codes.get(i).map(Vec::as_slice),
+                header_scales,
+                item,
+            );
         }
     }
 }
 
 /// Codeword index per group: max dot product for unit directions, nearest for vectors.
 fn choose_codewords(codec: &CodecLayout, tables: &[Vec<f32>], x: &[f32]) -> Vec<u32> {
-    let FieldLayout::Codebook { groups, group_size, bits, codewords, per_group, table, .. } = *codec.body() else {
+    let FieldLayout::Codebook {
+        groups,
+        group_size,
+        bits,
+        codewords,
+        per_group,
+        table,
+        ..
+    } = *codec.body()
+    else {
         unreachable!("called for codebook bodies")
     };
     let g = group_size as usize;
     let book_len = (1usize << bits) * g;
     (0..groups as usize)
         .map(|j| {
-            let book = if per_group { &tables[table][j * book_len..(j + 1) * book_len] } else { &tables[table][..book_len] };
+            let book = if per_group {
+                &tables[table][j * book_len..(j + 1) * book_len]
+            } else {
+                &tables[table][..book_len]
+            };
             let part = &x[j * g..(j + 1) * g];
             let index = match codewords {
                 kvcc_compiler::spec::CodewordKind::Direction => best_direction(book, g, part),
@@ -48,12 +78,28 @@ fn choose_codewords(codec: &CodecLayout, tables: &[Vec<f32>], x: &[f32]) -> Vec<
 }
 
 /// The codeword a group index selects.
-fn codeword<'t>(codec: &CodecLayout, tables: &'t [Vec<f32>], group: usize, index: u32) -> &'t [f32] {
-    let FieldLayout::Codebook { group_size, bits, per_group, table, .. } = *codec.body() else {
+fn codeword<'t>(
+    codec: &CodecLayout,
+    tables: &'t [Vec<f32>],
+    group: usize,
+    index: u32,
+) -> &'t [f32] {
+    let FieldLayout::Codebook {
+        group_size,
+        bits,
+        per_group,
+        table,
+        ..
+    } = *codec.body()
+    else {
         unreachable!("called for codebook bodies")
     };
     let g = group_size as usize;
-    let book = if per_group { group * (1usize << bits) * g } else { 0 };
+    let book = if per_group {
+        group * (1usize << bits) * g
+    } else {
+        0
+    };
     let start = book + index as usize * g;
     &tables[table][start..start + g]
 }
@@ -70,22 +116,36 @@ fn radius_of(x: &[f32], c: &[f32]) -> f32 {
     }
 }
 
-fn set_page_scales(codec: &CodecLayout, tables: &[Vec<f32>], items: &[Vec<f32>], codes: &[Vec<u32>], scales: &mut [f32]) {
+fn set_page_scales(
+    codec: &CodecLayout,
+    tables: &[Vec<f32>],
+    items: &[Vec<f32>],
+    codes: &[Vec<u32>],
+    scales: &mut [f32],
+) {
     let nonzero = |s: f32| if s > 0.0 { s } else { 1.0 };
     for field in &codec.fields {
         match *field {
-            FieldLayout::Radius { groups, group_size, scale, slot, .. } => {
+            FieldLayout::Radius {
+                groups,
+                group_size,
+                scale,
+                slot,
+                ..
+            } => {
                 let g = group_size as usize;
                 let mut per_group = vec![0.0f32; groups as usize];
                 for (x, idx) in items.iter().zip(codes) {
                     for (j, max) in per_group.iter_mut().enumerate() {
-                        let r = radius_of(&x[j * g..(j + 1) * g], codeword(codec, tables, j, idx[j]));
+                        let r =
+                            radius_of(&x[j * g..(j + 1) * g], codeword(codec, tables, j, idx[j]));
                         *max = max.max(r);
                     }
                 }
                 match scale {
                     RadiusScale::Page => {
-                        scales[slot as usize] = nonzero(per_group.iter().copied().fold(0.0, f32::max));
+                        scales[slot as usize] =
+                            nonzero(per_group.iter().copied().fold(0.0, f32::max));
                     }
                     RadiusScale::PageGroup => {
                         for (j, m) in per_group.iter().enumerate() {
@@ -94,7 +154,13 @@ fn set_page_scales(codec: &CodecLayout, tables: &[Vec<f32>], items: &[Vec<f32>],
                     }
                 }
             }
-            FieldLayout::Coeff { count, bits, scale, slot, .. } => {
+            FieldLayout::Coeff {
+                count,
+                bits,
+                scale,
+                slot,
+                ..
+            } => {
                 let q = coeff_max(bits) as f32;
                 match scale {
                     CoeffScale::Page => {
@@ -131,9 +197,24 @@ fn quantize(x: f32, scale: f32, bits: u32) -> u32 {
     (code as u32) & ((1u32 << bits) - 1)
 }
 
-fn encode_field(field: &FieldLayout, codec: &CodecLayout, tables: &[Vec<f32>], x: &[f32], codes: Option<&[u32]>, scales: &[f32], item: &mut [u8]) {
+fn encode_field(
+    field: &FieldLayout,
+    codec: &CodecLayout,
+    tables: &[Vec<f32>],
+    x: &[f32],
+    codes: Option<&[u32]>,
+    scales: &[f32],
+    item: &mut [u8],
+) {
     match *field {
-        FieldLayout::Radius { offset, groups, group_size, bits, scale, slot } => {
+        FieldLayout::Radius {
+            offset,
+            groups,
+            group_size,
+            bits,
+            scale,
+            slot,
+        } => {
             let codes = codes.expect("radius pairs with a codebook");
             let g = group_size as usize;
             let levels = ((1u32 << bits) - 1) as f32;
@@ -152,7 +233,15 @@ fn encode_field(field: &FieldLayout, codec: &CodecLayout, tables: &[Vec<f32>], x
                 write_bits(item, offset + j as u32 * bits, bits, index);
             }
         }
-        FieldLayout::Coeff { item_scale, offset, count, bits, scale, slot, table } => {
+        FieldLayout::Coeff {
+            item_scale,
+            offset,
+            count,
+            bits,
+            scale,
+            slot,
+            table,
+        } => {
             let item_s = item_scale.map(|at| {
                 let max = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
                 let s = stored_half_scale(max, coeff_max(bits) as f32);
@@ -166,10 +255,23 @@ fn encode_field(field: &FieldLayout, codec: &CodecLayout, tables: &[Vec<f32>], x
                     CoeffScale::PageComponent => scales[slot as usize + c],
                     CoeffScale::Component => tables[table.expect("component table")][c],
                 };
-                write_bits(item, offset + c as u32 * bits, bits, quantize(x[c], s, bits));
+                write_bits(
+                    item,
+                    offset + c as u32 * bits,
+                    bits,
+                    quantize(x[c], s, bits),
+                );
             }
         }
-        FieldLayout::Bitmap { mask_offset, groups, group_size, keep, elem, item_scale, elems_offset } => {
+        FieldLayout::Bitmap {
+            mask_offset,
+            groups,
+            group_size,
+            keep,
+            elem,
+            item_scale,
+            elems_offset,
+        } => {
             let g = group_size as usize;
             let mut order: Vec<usize> = (0..groups as usize).collect();
             let energy = |j: usize| x[j * g..(j + 1) * g].iter().map(|v| v * v).sum::<f32>();
@@ -182,7 +284,10 @@ fn encode_field(field: &FieldLayout, codec: &CodecLayout, tables: &[Vec<f32>], x
             }
             let elem_bits = bitmap_elem_bits(elem);
             let int8_scale = item_scale.map(|at| {
-                let max = kept.iter().flat_map(|&j| &x[j * g..(j + 1) * g]).fold(0.0f32, |m, v| m.max(v.abs()));
+                let max = kept
+                    .iter()
+                    .flat_map(|&j| &x[j * g..(j + 1) * g])
+                    .fold(0.0f32, |m, v| m.max(v.abs()));
                 let s = stored_half_scale(max, 127.0);
                 write_bits(item, at, 16, u32::from(f16::from_f32(s).to_bits()));
                 s
@@ -194,16 +299,25 @@ fn encode_field(field: &FieldLayout, codec: &CodecLayout, tables: &[Vec<f32>], x
                         BitmapElem::F16 => u32::from(f16::from_f32(v).to_bits()),
                         BitmapElem::Int8 => quantize(v, int8_scale.expect("int8 scale"), 8),
                     };
-                    write_bits(item, elems_offset + (slot * g + t) as u32 * elem_bits, elem_bits, bits);
+                    write_bits(
+                        item,
+                        elems_offset + (slot * g + t) as u32 * elem_bits,
+                        elem_bits,
+                        bits,
+                    );
                 }
             }
         }
-        FieldLayout::Dense { offset, count, dtype } => {
-            for c in 0..count as usize {
+        FieldLayout::Dense {
+            offset,
+            count,
+            dtype,
+        } => {
+            for (c, &v) in x.iter().enumerate().take(count as usize) {
                 let (bits, width) = match dtype {
-                    DenseDtype::F16 => (u32::from(f16::from_f32(x[c]).to_bits()), 16),
-                    DenseDtype::Bf16 => (u32::from(bf16::from_f32(x[c]).to_bits()), 16),
-                    DenseDtype::F32 => (x[c].to_bits(), 32),
+                    DenseDtype::F16 => (u32::from(f16::from_f32(v).to_bits()), 16),
+                    DenseDtype::Bf16 => (u32::from(bf16::from_f32(v).to_bits()), 16),
+                    DenseDtype::F32 => (v.to_bits(), 32),
                 };
                 write_bits(item, offset + c as u32 * width, width, bits);
             }
@@ -217,21 +331,39 @@ fn signed(bits: u32, width: u32) -> f32 {
 }
 
 /// Reference decoder: the coordinates (codec dims) an item's bits stand for.
-pub fn decode_item(codec: &CodecLayout, tables: &[Vec<f32>], item: &[u8], scales: &[f32]) -> Vec<f32> {
+pub fn decode_item(
+    codec: &CodecLayout,
+    tables: &[Vec<f32>],
+    item: &[u8],
+    scales: &[f32],
+) -> Vec<f32> {
     let n = codec.dims as usize;
     let mut x = vec![0.0f32; n];
     match *codec.body() {
-        FieldLayout::Codebook { offset, groups, group_size, bits, .. } => {
+        FieldLayout::Codebook {
+            offset,
+            groups,
+            group_size,
+            bits,
+            ..
+        } => {
             let g = group_size as usize;
             for j in 0..groups as usize {
                 let index = read_bits(item, offset + j as u32 * bits, bits);
                 let r = match codec.radius() {
-                    Some(&FieldLayout::Radius { offset, bits, scale, slot, .. }) => {
+                    Some(&FieldLayout::Radius {
+                        offset,
+                        bits,
+                        scale,
+                        slot,
+                        ..
+                    }) => {
                         let s = match scale {
                             RadiusScale::Page => scales[slot as usize],
                             RadiusScale::PageGroup => scales[slot as usize + j],
                         };
-                        read_bits(item, offset + j as u32 * bits, bits) as f32 * s / ((1u32 << bits) - 1) as f32
+                        read_bits(item, offset + j as u32 * bits, bits) as f32 * s
+                            / ((1u32 << bits) - 1) as f32
                     }
                     _ => 1.0,
                 };
@@ -240,10 +372,21 @@ pub fn decode_item(codec: &CodecLayout, tables: &[Vec<f32>], item: &[u8], scales
                 }
             }
         }
-        FieldLayout::Coeff { item_scale, offset, count, bits, scale, slot, table } => {
+        FieldLayout::Coeff {
+            item_scale,
+            offset,
+            count,
+            bits,
+            scale,
+            slot,
+            table,
+        } => {
             for (c, value) in x.iter_mut().enumerate().take(count as usize) {
                 let s = match scale {
-                    CoeffScale::Item => f16::from_bits(read_bits(item, item_scale.expect("item scale"), 16) as u16).to_f32(),
+                    CoeffScale::Item => {
+                        f16::from_bits(read_bits(item, item_scale.expect("item scale"), 16) as u16)
+                            .to_f32()
+                    }
                     CoeffScale::Page => scales[slot as usize],
                     CoeffScale::PageComponent => scales[slot as usize + c],
                     CoeffScale::Component => tables[table.expect("component table")][c],
@@ -251,15 +394,28 @@ pub fn decode_item(codec: &CodecLayout, tables: &[Vec<f32>], item: &[u8], scales
                 *value = signed(read_bits(item, offset + c as u32 * bits, bits), bits) * s;
             }
         }
-        FieldLayout::Bitmap { mask_offset, groups, group_size, elem, item_scale, elems_offset, .. } => {
+        FieldLayout::Bitmap {
+            mask_offset,
+            groups,
+            group_size,
+            elem,
+            item_scale,
+            elems_offset,
+            ..
+        } => {
             let g = group_size as usize;
             let elem_bits = bitmap_elem_bits(elem);
-            let scale = item_scale.map(|at| f16::from_bits(read_bits(item, at, 16) as u16).to_f32());
+            let scale =
+                item_scale.map(|at| f16::from_bits(read_bits(item, at, 16) as u16).to_f32());
             let mut slot = 0usize;
             for j in 0..groups as usize {
                 if read_bits(item, mask_offset + j as u32, 1) == 1 {
                     for t in 0..g {
-                        let raw = read_bits(item, elems_offset + (slot * g + t) as u32 * elem_bits, elem_bits);
+                        let raw = read_bits(
+                            item,
+                            elems_offset + (slot * g + t) as u32 * elem_bits,
+                            elem_bits,
+                        );
                         x[j * g + t] = match elem {
                             BitmapElem::F16 => f16::from_bits(raw as u16).to_f32(),
                             BitmapElem::Int8 => signed(raw, 8) * scale.expect("int8 scale"),
@@ -269,7 +425,11 @@ pub fn decode_item(codec: &CodecLayout, tables: &[Vec<f32>], item: &[u8], scales
                 }
             }
         }
-        FieldLayout::Dense { offset, count, dtype } => {
+        FieldLayout::Dense {
+            offset,
+            count,
+            dtype,
+        } => {
             for (c, value) in x.iter_mut().enumerate().take(count as usize) {
                 let width = dtype.bits();
                 let raw = read_bits(item, offset + c as u32 * width, width);

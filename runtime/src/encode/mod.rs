@@ -13,12 +13,27 @@ pub use train::{train_tables, TrainOptions};
 
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum EncodeError {
-    #[error("{what} holds {found} values, which is not a whole number of {head_dim}-value vectors")]
-    Ragged { what: &'static str, found: usize, head_dim: usize },
-    #[error("{what} holds {found} values; expected {expected} ({shape})")]
-    Shape { what: &'static str, found: usize, expected: usize, shape: String },
+    #[error(
+        "{what} holds {found} values, which is not a whole number of {head_dim}-value vectors"
+    )]
+    Ragged {
+        what: &'static str,
+        found: usize,
+        head_dim: usize,
+    },
+    #[error("{what} hold {found} values, which is not a [kv_heads {kv_heads}][tokens][head_dim {head_dim}] block")]
+    Block {
+        what: &'static str,
+        found: usize,
+        kv_heads: usize,
+        head_dim: usize,
+    },
     #[error("{what} is not finite ({value}) at {position}")]
-    NonFinite { what: &'static str, value: f32, position: String },
+    NonFinite {
+        what: &'static str,
+        value: f32,
+        position: String,
+    },
     #[error("keys hold {keys} tokens but values {values}")]
     KeysValues { keys: usize, values: usize },
     #[error("{tokens} tokens do not fit a page of {capacity} items")]
@@ -47,38 +62,67 @@ pub fn check_finite(what: &'static str, data: &[f32], dims: &[usize]) -> Result<
                 .map(|(i, n)| format!("{n} {i}"))
                 .collect::<Vec<_>>()
                 .join(", ");
-            Err(EncodeError::NonFinite { what, value: data[at], position })
+            Err(EncodeError::NonFinite {
+                what,
+                value: data[at],
+                position,
+            })
         }
     }
 }
 
 /// Encodes the tokens of one kv head (`[token][head_dim]`, at most one page)
 /// into `page` (`layout.page_bytes`), with this head's `tables`.
-pub fn encode_page(layout: &TierLayout, tables: &[Vec<f32>], keys: &[f32], values: &[f32], page: &mut [u8]) -> Result<(), EncodeError> {
+pub fn encode_page(
+    layout: &TierLayout,
+    tables: &[Vec<f32>],
+    keys: &[f32],
+    values: &[f32],
+    page: &mut [u8],
+) -> Result<(), EncodeError> {
     let head_dim = layout.head_dim as usize;
     for (what, data) in [("keys", keys), ("values", values)] {
-        if data.len() % head_dim != 0 {
-            return Err(EncodeError::Ragged { what, found: data.len(), head_dim });
+        if !data.len().is_multiple_of(head_dim) {
+            return Err(EncodeError::Ragged {
+                what,
+                found: data.len(),
+                head_dim,
+            });
         }
         check_finite(what, data, &[data.len() / head_dim, head_dim])?;
     }
     let tokens = keys.len() / head_dim;
     if values.len() / head_dim != tokens {
-        return Err(EncodeError::KeysValues { keys: tokens, values: values.len() / head_dim });
+        return Err(EncodeError::KeysValues {
+            keys: tokens,
+            values: values.len() / head_dim,
+        });
     }
     if tokens > layout.items_per_page as usize {
-        return Err(EncodeError::PageOverflow { tokens, capacity: layout.items_per_page });
+        return Err(EncodeError::PageOverflow {
+            tokens,
+            capacity: layout.items_per_page,
+        });
     }
     page.fill(0);
     let mut scales = vec![0.0f32; layout.header_slots as usize];
     for (side, data) in [(Side::Key, keys), (Side::Value, values)] {
         let codec = layout.codec(side);
-        let items: Vec<Vec<f32>> = data.chunks(head_dim).map(|x| transform::forward(codec.transform, tables, x)).collect();
+        let items: Vec<Vec<f32>> = data
+            .chunks(head_dim)
+            .map(|x| transform::forward(codec.transform, tables, x))
+            .collect();
         let start = layout.stream_offset(side) as usize;
         let stream = &mut page[start..start + tokens * codec.stride as usize];
         codec::encode_page(codec, tables, &items, &mut scales, stream);
     }
-    PageHeader { tier: layout.index, count: tokens as u32, flags: 0, scales }.write(layout, page);
+    PageHeader {
+        tier: layout.index,
+        count: tokens as u32,
+        flags: 0,
+        scales,
+    }
+    .write(layout, page);
     Ok(())
 }
 
@@ -94,7 +138,12 @@ pub fn decode_page(layout: &TierLayout, tables: &[Vec<f32>], page: &[u8]) -> (Ve
         for i in 0..header.count as usize {
             let item = &page[start + i * stride..start + (i + 1) * stride];
             let y = codec::decode_item(codec, tables, item, &header.scales);
-            dense.extend(transform::inverse(codec.transform, tables, &y, layout.head_dim as usize));
+            dense.extend(transform::inverse(
+                codec.transform,
+                tables,
+                &y,
+                layout.head_dim as usize,
+            ));
         }
     }
     let [keys, values] = out;

@@ -1,7 +1,10 @@
 //! Fitting a tier's tables (codebooks, PCA bases, scales) to one kv head's data.
 
 use half::f16;
-use kvcc_compiler::layout::{coeff_max, CodecLayout, FieldLayout, TableRole, TableStorage, TierLayout, TransformLayout, srht_signs};
+use kvcc_compiler::layout::{
+    coeff_max, srht_signs, CodecLayout, FieldLayout, TableRole, TableStorage, TierLayout,
+    TransformLayout,
+};
 use kvcc_compiler::spec::{CodewordKind, CoeffScale};
 
 use super::transform;
@@ -27,8 +30,17 @@ impl Default for TrainOptions {
 }
 
 /// Tables of one tier for one kv head, from its keys and values ([token][head_dim]).
-pub fn train_tables(layout: &TierLayout, keys: &[f32], values: &[f32], options: &TrainOptions) -> Vec<Vec<f32>> {
-    let mut tables: Vec<Vec<f32>> = layout.tables.iter().map(|t| vec![0.0; t.len as usize]).collect();
+pub fn train_tables(
+    layout: &TierLayout,
+    keys: &[f32],
+    values: &[f32],
+    options: &TrainOptions,
+) -> Vec<Vec<f32>> {
+    let mut tables: Vec<Vec<f32>> = layout
+        .tables
+        .iter()
+        .map(|t| vec![0.0; t.len as usize])
+        .collect();
     let head_dim = layout.head_dim as usize;
     for (codec, data) in [(&layout.key, keys), (&layout.value, values)] {
         fit_transform(codec, layout, data, head_dim, &mut tables);
@@ -41,7 +53,13 @@ pub fn train_tables(layout: &TierLayout, keys: &[f32], values: &[f32], options: 
     tables
 }
 
-fn fit_transform(codec: &CodecLayout, layout: &TierLayout, data: &[f32], head_dim: usize, tables: &mut [Vec<f32>]) {
+fn fit_transform(
+    codec: &CodecLayout,
+    layout: &TierLayout,
+    data: &[f32],
+    head_dim: usize,
+    tables: &mut [Vec<f32>],
+) {
     match codec.transform {
         TransformLayout::Identity | TransformLayout::Hadamard => {}
         TransformLayout::Srht { seed, signs } => tables[signs] = srht_signs(seed, layout.head_dim),
@@ -53,10 +71,24 @@ fn fit_transform(codec: &CodecLayout, layout: &TierLayout, data: &[f32], head_di
     }
 }
 
-fn fit_fields(codec: &CodecLayout, layout: &TierLayout, items: &[Vec<f32>], options: &TrainOptions, tables: &mut [Vec<f32>]) {
+fn fit_fields(
+    codec: &CodecLayout,
+    layout: &TierLayout,
+    items: &[Vec<f32>],
+    options: &TrainOptions,
+    tables: &mut [Vec<f32>],
+) {
     for field in &codec.fields {
         match *field {
-            FieldLayout::Codebook { groups, group_size, bits, codewords, per_group, table, .. } => {
+            FieldLayout::Codebook {
+                groups,
+                group_size,
+                bits,
+                codewords,
+                per_group,
+                table,
+                ..
+            } => {
                 let g = group_size as usize;
                 let TableRole::Codebook { books, .. } = layout.tables[table].role else {
                     unreachable!("codebook fields own codebook tables")
@@ -64,10 +96,18 @@ fn fit_fields(codec: &CodecLayout, layout: &TierLayout, items: &[Vec<f32>], opti
                 let mut book = Vec::with_capacity(layout.tables[table].len as usize);
                 for b in 0..books as usize {
                     // One codebook per group, or one shared by every group.
-                    let sample_groups: Vec<usize> = if per_group { vec![b] } else { (0..groups as usize).collect() };
+                    let sample_groups: Vec<usize> = if per_group {
+                        vec![b]
+                    } else {
+                        (0..groups as usize).collect()
+                    };
                     let data: Vec<f32> = items
                         .iter()
-                        .flat_map(|x| sample_groups.iter().flat_map(move |&j| x[j * g..(j + 1) * g].iter().copied()))
+                        .flat_map(|x| {
+                            sample_groups
+                                .iter()
+                                .flat_map(move |&j| x[j * g..(j + 1) * g].iter().copied())
+                        })
                         .collect();
                     let opts = KMeansOptions {
                         clusters: 1 << bits,
@@ -82,12 +122,22 @@ fn fit_fields(codec: &CodecLayout, layout: &TierLayout, items: &[Vec<f32>], opti
                 }
                 tables[table] = stored(layout.tables[table].storage, book);
             }
-            FieldLayout::Coeff { count, bits, scale: CoeffScale::Component, table: Some(table), .. } => {
+            FieldLayout::Coeff {
+                count,
+                bits,
+                scale: CoeffScale::Component,
+                table: Some(table),
+                ..
+            } => {
                 let q = coeff_max(bits) as f32;
                 tables[table] = (0..count as usize)
                     .map(|c| {
                         let max = items.iter().fold(0.0f32, |m, x| m.max(x[c].abs()));
-                        if max > 0.0 { max / q } else { 1.0 }
+                        if max > 0.0 {
+                            max / q
+                        } else {
+                            1.0
+                        }
                     })
                     .collect();
             }
@@ -100,13 +150,24 @@ fn fit_fields(codec: &CodecLayout, layout: &TierLayout, items: &[Vec<f32>], opti
 pub fn stored(storage: TableStorage, values: Vec<f32>) -> Vec<f32> {
     match storage {
         TableStorage::F32 => values,
-        TableStorage::F16 => values.into_iter().map(|v| f16::from_f32(v).to_f32()).collect(),
+        TableStorage::F16 => values
+            .into_iter()
+            .map(|v| f16::from_f32(v).to_f32())
+            .collect(),
         TableStorage::I8Columns { columns } => {
             let columns = columns as usize;
             let scales: Vec<f32> = (0..columns)
                 .map(|k| {
-                    let max = values.iter().skip(k).step_by(columns).fold(0.0f32, |m, v| m.max(v.abs()));
-                    if max > 0.0 { max / 127.0 } else { 1.0 }
+                    let max = values
+                        .iter()
+                        .skip(k)
+                        .step_by(columns)
+                        .fold(0.0f32, |m, v| m.max(v.abs()));
+                    if max > 0.0 {
+                        max / 127.0
+                    } else {
+                        1.0
+                    }
                 })
                 .collect();
             values

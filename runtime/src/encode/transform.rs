@@ -36,7 +36,12 @@ pub fn forward(transform: TransformLayout, tables: &[Vec<f32>], x: &[f32]) -> Ve
 }
 
 /// x' (codec dims) -> x (head_dim).
-pub fn inverse(transform: TransformLayout, tables: &[Vec<f32>], y: &[f32], head_dim: usize) -> Vec<f32> {
+pub fn inverse(
+    transform: TransformLayout,
+    tables: &[Vec<f32>],
+    y: &[f32],
+    head_dim: usize,
+) -> Vec<f32> {
     match transform {
         TransformLayout::Identity => y.to_vec(),
         TransformLayout::Hadamard => {

@@ -173,10 +173,10 @@ mod tests {
             let coeffs: Vec<f32> = (0..rank)
                 .map(|k| (0..dim).map(|i| c[i] * p.basis[i * rank + k]).sum())
                 .collect();
-            for i in 0..dim {
-                let rec: f32 = (0..rank).map(|k| coeffs[k] * p.basis[i * rank + k]).sum();
-                resid += f64::from(c[i] - rec).powi(2);
-                total += f64::from(c[i]).powi(2);
+            for (&ci, basis_row) in c.iter().zip(p.basis.chunks_exact(rank)) {
+                let rec: f32 = coeffs.iter().zip(basis_row).map(|(a, b)| a * b).sum();
+                resid += f64::from(ci - rec).powi(2);
+                total += f64::from(ci).powi(2);
             }
         }
         resid / total

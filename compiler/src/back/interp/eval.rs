@@ -96,7 +96,9 @@ fn unary(op: UnaryOp, v: Value) -> Value {
         (UnaryOp::Negate, Value::F32(x)) => Value::F32(-x),
         (UnaryOp::Negate, Value::I32(x)) => Value::I32(x.wrapping_neg()),
         (UnaryOp::Popcount, Value::U32(x)) => Value::U32(x.count_ones()),
-        (UnaryOp::HalfToFloat, Value::U32(x)) => Value::F32(half::f16::from_bits(x as u16).to_f32()),
+        (UnaryOp::HalfToFloat, Value::U32(x)) => {
+            Value::F32(half::f16::from_bits(x as u16).to_f32())
+        }
         (UnaryOp::BfloatToFloat, Value::U32(x)) => Value::F32(f32::from_bits((x & 0xFFFF) << 16)),
         (UnaryOp::BitsToFloat, Value::U32(x)) => Value::F32(f32::from_bits(x)),
         (UnaryOp::ToFloat, Value::U32(x)) => Value::F32(x as f32),
@@ -151,7 +153,11 @@ fn eval_all(exprs: &Arena<Expr>, env: &Env, values: &mut Vec<Value>) {
 /// Runs a function; `values` is scratch reused across calls.
 pub fn run_function(function: &Function, env: &Env, values: &mut Vec<Value>) -> f32 {
     eval_all(&function.exprs, env, values);
-    values[function.result.expect("validated functions have a result").index()].f32()
+    values[function
+        .result
+        .expect("validated functions have a result")
+        .index()]
+    .f32()
 }
 
 /// Runs every iteration of a stage, then applies its stores (iterations are
@@ -182,6 +188,10 @@ mod tests {
         assert_eq!(read_bits(&bytes, 0, 4), 0b1100);
         assert_eq!(read_bits(&bytes, 4, 6), 0b11_1010);
         assert_eq!(read_bits(&bytes, 0, 24), 0xFF03AC);
-        assert_eq!(read_bits(&bytes, 20, 32), 0xF, "bytes past the end read as zero");
+        assert_eq!(
+            read_bits(&bytes, 20, 32),
+            0xF,
+            "bytes past the end read as zero"
+        );
     }
 }

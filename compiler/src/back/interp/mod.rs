@@ -61,7 +61,9 @@ pub enum DecodeError {
         sequences: usize,
         kv_heads: usize,
     },
-    #[error("tier {tier}, kv head {kv_head}: table {table} has {found} values, the layout {expected}")]
+    #[error(
+        "tier {tier}, kv head {kv_head}: table {table} has {found} values, the layout {expected}"
+    )]
     TableLength {
         tier: usize,
         kv_head: usize,
@@ -76,7 +78,9 @@ pub enum DecodeError {
         entry: usize,
         problem: String,
     },
-    #[error("query contains a non-finite value at sequence {sequence}, head {head}, channel {channel}")]
+    #[error(
+        "query contains a non-finite value at sequence {sequence}, head {head}, channel {channel}"
+    )]
     NonFiniteQuery {
         sequence: usize,
         head: usize,
@@ -168,11 +172,13 @@ impl<'m> Interpreter<'m> {
             }
             for (kv_head, refs) in heads.iter().enumerate() {
                 for (entry, page_ref) in refs.iter().enumerate() {
-                    self.check_page(cache, *page_ref).map_err(|problem| DecodeError::PageTable {
-                        sequence,
-                        kv_head,
-                        entry,
-                        problem,
+                    self.check_page(cache, *page_ref).map_err(|problem| {
+                        DecodeError::PageTable {
+                            sequence,
+                            kv_head,
+                            entry,
+                            problem,
+                        }
                     })?;
                 }
             }
@@ -181,8 +187,14 @@ impl<'m> Interpreter<'m> {
     }
 
     /// Checks a `[sequence][q_head][head_dim]` query block.
-    pub fn check_queries(&self, queries: &[f32], sequences: usize, q_heads: usize, kv_heads: usize) -> Result<(), DecodeError> {
-        if kv_heads == 0 || q_heads == 0 || q_heads % kv_heads != 0 {
+    pub fn check_queries(
+        &self,
+        queries: &[f32],
+        sequences: usize,
+        q_heads: usize,
+        kv_heads: usize,
+    ) -> Result<(), DecodeError> {
+        if kv_heads == 0 || q_heads == 0 || !q_heads.is_multiple_of(kv_heads) {
             return Err(DecodeError::Grouping { q_heads, kv_heads });
         }
         if queries.len() != sequences * q_heads * self.head_dim {
@@ -233,21 +245,32 @@ impl<'m> Interpreter<'m> {
             ));
         }
         if let Some(slot) = header.scales.iter().position(|s| !s.is_finite()) {
-            return Err(format!("page {} has a non-finite scale in slot {slot}", page_ref.page));
+            return Err(format!(
+                "page {} has a non-finite scale in slot {slot}",
+                page_ref.page
+            ));
         }
         Ok(())
     }
 
     /// Decode attention for every sequence and query head. `queries` and the
     /// result are `[sequence][q_head][head_dim]`.
-    pub fn decode(&self, cache: &CacheView, queries: &[f32], q_heads: usize) -> Result<Vec<f32>, DecodeError> {
+    pub fn decode(
+        &self,
+        cache: &CacheView,
+        queries: &[f32],
+        q_heads: usize,
+    ) -> Result<Vec<f32>, DecodeError> {
         self.check_cache(cache)?;
         self.check_queries(queries, cache.page_tables.len(), q_heads, cache.kv_heads)?;
         let group = q_heads / cache.kv_heads;
         let mut out = Vec::with_capacity(queries.len());
         for (sequence, rows) in queries.chunks(q_heads * self.head_dim).enumerate() {
             for (head, query) in rows.chunks(self.head_dim).enumerate() {
-                out.extend(self.attend_checked(cache, sequence, head / group, query).output);
+                out.extend(
+                    self.attend_checked(cache, sequence, head / group, query)
+                        .output,
+                );
             }
         }
         Ok(out)
@@ -274,7 +297,13 @@ impl<'m> Interpreter<'m> {
         Ok(self.attend_checked(cache, sequence, kv_head, query))
     }
 
-    fn attend_checked(&self, cache: &CacheView, sequence: usize, kv_head: usize, query: &[f32]) -> Attended {
+    fn attend_checked(
+        &self,
+        cache: &CacheView,
+        sequence: usize,
+        kv_head: usize,
+        query: &[f32],
+    ) -> Attended {
         let refs = &cache.page_tables[sequence][kv_head];
         let mut values: Vec<Value> = Vec::new();
         let mut arrays: Vec<Vec<Vec<f32>>> = vec![Vec::new(); self.tiers.len()];
@@ -286,9 +315,19 @@ impl<'m> Interpreter<'m> {
             let layout = &module.layout;
             let tables = &cache.tiers[t].tables[kv_head];
             if arrays[t].is_empty() {
-                arrays[t] = module.arrays.iter().map(|(_, d)| vec![0.0; d.len as usize]).collect();
+                arrays[t] = module
+                    .arrays
+                    .iter()
+                    .map(|(_, d)| vec![0.0; d.len as usize])
+                    .collect();
                 arrays[t][module.query.index()].copy_from_slice(query);
-                run_kernel(&module.key.prologue.stages, tables, &mut arrays[t], 0.0, &mut values);
+                run_kernel(
+                    &module.key.prologue.stages,
+                    tables,
+                    &mut arrays[t],
+                    0.0,
+                    &mut values,
+                );
             }
             let partial = partials[t].get_or_insert_with(|| Partial {
                 max: f32::NEG_INFINITY,
@@ -299,7 +338,8 @@ impl<'m> Interpreter<'m> {
             let header = PageHeader::read(layout, bytes).expect("checked page");
             for item in 0..header.count as usize {
                 let key = stream_item(bytes, layout.key_stream_offset, layout.key.stride, item);
-                let value = stream_item(bytes, layout.value_stream_offset, layout.value.stride, item);
+                let value =
+                    stream_item(bytes, layout.value_stream_offset, layout.value.stride, item);
                 let env = Env {
                     item: key,
                     header_scales: &header.scales,
@@ -338,12 +378,24 @@ impl<'m> Interpreter<'m> {
                 let module = self.tiers[t].module();
                 let tables = &cache.tiers[t].tables[kv_head];
                 arrays[t][module.value.accumulator.index()].copy_from_slice(&p.acc);
-                run_kernel(&module.value.epilogue.stages, tables, &mut arrays[t], p.sum, &mut values);
+                run_kernel(
+                    &module.value.epilogue.stages,
+                    tables,
+                    &mut arrays[t],
+                    p.sum,
+                    &mut values,
+                );
                 (p.max, p.sum, arrays[t][module.value.output.index()].clone())
             })
             .collect();
-        let global = finished.iter().map(|f| f.0).fold(f32::NEG_INFINITY, f32::max);
-        let total: f32 = finished.iter().map(|(m, l, _)| l * (m - global).exp()).sum();
+        let global = finished
+            .iter()
+            .map(|f| f.0)
+            .fold(f32::NEG_INFINITY, f32::max);
+        let total: f32 = finished
+            .iter()
+            .map(|(m, l, _)| l * (m - global).exp())
+            .sum();
         for (m, _, out) in &finished {
             let w = (m - global).exp() / total;
             for (o, x) in merged.iter_mut().zip(out) {
