@@ -9,3 +9,4 @@ pub mod synth;
 pub mod table;
 pub mod tensor_io;
 pub mod exec;
+pub mod cuda;

@@ -67,3 +67,378 @@ pub fn assert_rows_close(what: &str, got: &[f32], want: &[f32], row: usize, tole
         }
     }
 }
+
+#[allow(unused_imports)]
+pub use spec_gen::{random_specs, SplitMix64};
+
+/// Random valid spec generator (`tests/random_specs.rs`, `tests/gpu.rs`).
+mod spec_gen {
+    use std::fmt::Write as _;
+
+    /// SplitMix64: small and seedable, for picking test parameters.
+    pub struct SplitMix64(pub u64);
+
+    impl SplitMix64 {
+        pub fn next_u64(&mut self) -> u64 {
+            self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = self.0;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            z ^ (z >> 31)
+        }
+        /// Uniform in `0..n` (n > 0).
+        pub fn below(&mut self, n: usize) -> usize {
+            (self.next_u64() % n as u64) as usize
+        }
+        /// Uniform in `lo..=hi`.
+        pub fn range(&mut self, lo: u32, hi: u32) -> u32 {
+            lo + self.below((hi - lo + 1) as usize) as u32
+        }
+        pub fn pick<T: Copy>(&mut self, items: &[T]) -> T {
+            items[self.below(items.len())]
+        }
+        pub fn coin(&mut self) -> bool {
+            self.next_u64() & 1 == 1
+        }
+    }
+
+    const HEAD_DIMS: [u32; 6] = [16, 32, 64, 96, 128, 256];
+    const PAGE_ITEMS: [u32; 4] = [1, 7, 16, 64];
+    /// `front::check::SHARED_MEMORY_BUDGET`, in f32 words.
+    const SHARED_MEMORY_FLOATS: u64 = 96 * 1024 / 4;
+    const BODY_KINDS: usize = 5;
+    const TRANSFORM_KINDS: usize = 4;
+
+    #[derive(Clone, Copy)]
+    enum Transform {
+        Identity { explicit: bool },
+        Hadamard,
+        Srht { seed: u64 },
+        Pca { rank: u32, i8_basis: bool },
+    }
+
+    #[derive(Clone, Copy)]
+    struct Book {
+        group_size: u32,
+        bits: u32,
+        per_group: bool,
+        f32_table: bool,
+    }
+
+    #[derive(Clone, Copy)]
+    enum Body {
+        Dense(&'static str),
+        Coeff {
+            bits: u32,
+            scale: &'static str,
+        },
+        Vector(Book),
+        /// Radius bits and scale (`None`: the default, page) before a direction codebook.
+        Radius {
+            bits: u32,
+            scale: Option<&'static str>,
+            book: Book,
+        },
+        Bitmap {
+            group_size: u32,
+            keep: u32,
+            elem: &'static str,
+        },
+    }
+
+    struct Codec {
+        transform: Transform,
+        body: Body,
+    }
+
+    impl Book {
+        /// (key LUT floats, codebook floats) of `front::check`'s shared-memory estimate.
+        fn floats(&self, n: u32) -> (u64, u64) {
+            let groups = u64::from(n / self.group_size);
+            let entries = 1u64 << self.bits;
+            let books = if self.per_group { groups } else { 1 };
+            (
+                groups * entries,
+                books * entries * u64::from(self.group_size),
+            )
+        }
+
+        fn toml(&self, codewords: &str) -> String {
+            let mut s = format!(
+                "{{ kind = \"codebook\", group_size = {}, bits = {}, codewords = \"{codewords}\"",
+                self.group_size, self.bits
+            );
+            if self.per_group {
+                s.push_str(", per_group = true");
+            }
+            if self.f32_table {
+                s.push_str(", dtype = \"f32\"");
+            }
+            s.push_str(" }");
+            s
+        }
+    }
+
+    impl Codec {
+        /// Shared-memory floats: `max_query_group * key LUT + codebook floats`.
+        fn cost(&self, head_dim: u32, is_key: bool, max_query_group: u64) -> u64 {
+            let n = match self.transform {
+                Transform::Pca { rank, .. } => rank,
+                _ => head_dim,
+            };
+            match self.body {
+                Body::Vector(book) | Body::Radius { book, .. } => {
+                    let (lut, books) = book.floats(n);
+                    if is_key {
+                        max_query_group * lut + books
+                    } else {
+                        books
+                    }
+                }
+                _ => 0,
+            }
+        }
+
+        fn toml(&self, side: &str, out: &mut String) {
+            match self.transform {
+                Transform::Identity { explicit: false } => {}
+                Transform::Identity { explicit: true } => {
+                    writeln!(out, "{side}.transform = {{ kind = \"identity\" }}").unwrap()
+                }
+                Transform::Hadamard => {
+                    writeln!(out, "{side}.transform = {{ kind = \"hadamard\" }}").unwrap()
+                }
+                Transform::Srht { seed } => writeln!(
+                    out,
+                    "{side}.transform = {{ kind = \"srht\", seed = {seed} }}"
+                )
+                .unwrap(),
+                Transform::Pca { rank, i8_basis } => {
+                    let basis = if i8_basis { ", basis = \"i8\"" } else { "" };
+                    writeln!(
+                        out,
+                        "{side}.transform = {{ kind = \"pca\", rank = {rank}{basis} }}"
+                    )
+                    .unwrap()
+                }
+            }
+            let fields = match self.body {
+                Body::Dense(dtype) => format!("{{ kind = \"dense\", dtype = \"{dtype}\" }}"),
+                Body::Coeff { bits, scale } => {
+                    format!("{{ kind = \"coeff\", bits = {bits}, scale = \"{scale}\" }}")
+                }
+                Body::Vector(book) => book.toml("vector"),
+                Body::Radius { bits, scale, book } => {
+                    let scale = scale.map(|s| format!(", scale = \"{s}\"")).unwrap_or_default();
+                    format!(
+                        "\n  {{ kind = \"radius\", group_size = {}, bits = {bits}{scale} }},\n  {},\n",
+                        book.group_size,
+                        book.toml("direction")
+                    )
+                }
+                Body::Bitmap { group_size, keep, elem } => format!(
+                    "{{ kind = \"bitmap\", group_size = {group_size}, keep = {keep}, elem = \"{elem}\" }}"
+                ),
+            };
+            writeln!(out, "{side}.field = [{fields}]").unwrap();
+        }
+    }
+
+    struct Generator {
+        rng: SplitMix64,
+        /// Round-robin counters, so every body kind and transform appears in every
+        /// batch whatever the seed (the parameters inside stay random).
+        bodies: usize,
+        transforms: usize,
+    }
+
+    impl Generator {
+        fn transform(&mut self, head_dim: u32) -> Transform {
+            let kind = self.transforms % TRANSFORM_KINDS;
+            self.transforms += 1;
+            let power_of_two = head_dim.is_power_of_two();
+            match kind {
+                1 if power_of_two => Transform::Hadamard,
+                2 if power_of_two => Transform::Srht {
+                    // Sometimes beyond i64: the front end takes the whole u64 range.
+                    seed: if self.rng.below(8) == 0 {
+                        u64::MAX - self.rng.next_u64() % 16
+                    } else {
+                        self.rng.next_u64() >> 1
+                    },
+                },
+                // PCA, also standing in for hadamard/srht when head_dim is not a power of two.
+                1..=3 => {
+                    let ranks: Vec<u32> = [
+                        1,
+                        3,
+                        4,
+                        8,
+                        12,
+                        16,
+                        24,
+                        32,
+                        48,
+                        head_dim / 4,
+                        head_dim / 2,
+                        head_dim,
+                    ]
+                    .into_iter()
+                    .filter(|&r| r <= head_dim)
+                    .collect();
+                    Transform::Pca {
+                        rank: self.rng.pick(&ranks),
+                        i8_basis: self.rng.coin(),
+                    }
+                }
+                _ => Transform::Identity {
+                    explicit: self.rng.coin(),
+                },
+            }
+        }
+
+        /// A codebook over `n` dimensions within `budget` shared-memory floats.
+        fn book(&mut self, n: u32, budget: u64, is_key: bool, max_query_group: u64) -> Book {
+            let divisors: Vec<u32> = (1..=n.min(32)).filter(|&d| n.is_multiple_of(d)).collect();
+            let cost = |b: &Book| {
+                let (lut, books) = b.floats(n);
+                if is_key {
+                    max_query_group * lut + books
+                } else {
+                    books
+                }
+            };
+            for _ in 0..200 {
+                let book = Book {
+                    group_size: self.rng.pick(&divisors),
+                    bits: self.rng.range(1, 8),
+                    per_group: self.rng.coin(),
+                    f32_table: self.rng.coin(),
+                };
+                if cost(&book) <= budget {
+                    return book;
+                }
+            }
+            // The cheapest codebook (the budgets below always leave room for it).
+            let book = Book {
+                group_size: *divisors.last().unwrap(),
+                bits: 1,
+                per_group: false,
+                f32_table: false,
+            };
+            assert!(
+                cost(&book) <= budget,
+                "spec generator: no codebook fits {budget} floats"
+            );
+            book
+        }
+
+        fn codec(
+            &mut self,
+            head_dim: u32,
+            budget: u64,
+            is_key: bool,
+            max_query_group: u64,
+        ) -> Codec {
+            let transform = self.transform(head_dim);
+            let n = match transform {
+                Transform::Pca { rank, .. } => rank,
+                _ => head_dim,
+            };
+            let mut kind = self.bodies % BODY_KINDS;
+            self.bodies += 1;
+            // Bitmap groups must divide n and fill whole 32-bit mask words (or one partial).
+            let bitmap_groups: Vec<u32> = [1, 2, 4]
+                .into_iter()
+                .filter(|&g| n.is_multiple_of(g) && (n / g <= 32 || (n / g).is_multiple_of(32)))
+                .collect();
+            if kind == 4 && bitmap_groups.is_empty() {
+                kind = 1;
+            }
+            let body = match kind {
+                0 => Body::Dense(self.rng.pick(&["f16", "bf16", "f32"])),
+                1 => Body::Coeff {
+                    bits: self.rng.pick(&[4, 8]),
+                    scale: self
+                        .rng
+                        .pick(&["item", "page", "page_component", "component"]),
+                },
+                2 => Body::Vector(self.book(n, budget, is_key, max_query_group)),
+                3 => Body::Radius {
+                    bits: self.rng.range(1, 16),
+                    scale: self.rng.pick(&[None, Some("page"), Some("page_group")]),
+                    book: self.book(n, budget, is_key, max_query_group),
+                },
+                _ => {
+                    let group_size = self.rng.pick(&bitmap_groups);
+                    Body::Bitmap {
+                        group_size,
+                        keep: self.rng.range(1, n / group_size),
+                        elem: self.rng.pick(&["f16", "int8"]),
+                    }
+                }
+            };
+            Codec { transform, body }
+        }
+
+        fn spec(&mut self, index: usize, head_dim: Option<u32>, tiers: Option<usize>) -> String {
+            let head_dim = head_dim.unwrap_or_else(|| self.rng.pick(&HEAD_DIMS));
+            let tiers = tiers.unwrap_or_else(|| 1 + self.rng.below(3));
+            let items = self.rng.pick(&PAGE_ITEMS);
+            let max_query_group: u32 = self.rng.pick(&[4, 8]);
+            let mut toml = format!(
+                "# generated spec {index}\nname = \"random_{index}\"\nhead_dim = {head_dim}\n\n[page]\nitems = {items}\n"
+            );
+            // 8 is the default: sometimes left out.
+            if max_query_group != 8 || self.rng.coin() {
+                writeln!(toml, "max_query_group = {max_query_group}").unwrap();
+            }
+            let mqg = u64::from(max_query_group);
+            for t in 0..tiers {
+                // Floats left after the per-query head_dim terms; half for the key codec.
+                let budget = SHARED_MEMORY_FLOATS - mqg * 4 * u64::from(head_dim);
+                let key = self.codec(head_dim, budget / 2, true, mqg);
+                let key_cost = key.cost(head_dim, true, mqg);
+                let value = self.codec(head_dim, budget - key_cost, false, mqg);
+                assert!(
+                    key_cost + value.cost(head_dim, false, mqg) <= budget,
+                    "spec generator: over budget"
+                );
+                writeln!(toml, "\n[[tier]]\nname = \"t{t}\"").unwrap();
+                key.toml("key", &mut toml);
+                value.toml("value", &mut toml);
+            }
+            toml
+        }
+    }
+
+    /// `count` random specs (TOML text) that `front::check` must accept: head_dim
+    /// from {16, 32, 64, 96, 128, 256} (no hadamard/srht at 96), 1-3 tiers, page
+    /// items from {1, 7, 16, 64}; every codec a transform (identity, hadamard, srht,
+    /// pca) and a body (dense, coeff, vector codebook, radius + direction codebook,
+    /// bitmap), both kinds taken round-robin so each appears in every batch of 5+
+    /// specs, with random parameters within the shared-memory budget. Spec 0 is a
+    /// 3-tier head_dim 64 spec, spec 1 a 3-tier head_dim 256 spec, specs 2-5 have
+    /// head_dim 16, 32, 96 and 128; the rest are fully random.
+    pub fn random_specs(seed: u64, count: usize) -> Vec<String> {
+        let mut generator = Generator {
+            rng: SplitMix64(seed),
+            bodies: 0,
+            transforms: 0,
+        };
+        // Offset the round robins so body/transform pairings differ between seeds.
+        generator.bodies = generator.rng.below(BODY_KINDS);
+        generator.transforms = generator.rng.below(TRANSFORM_KINDS);
+        (0..count)
+            .map(|index| {
+                let (head_dim, tiers) = match index {
+                    0 => (Some(64), Some(3)),
+                    1 => (Some(256), Some(3)),
+                    2..=5 => (Some([16, 32, 96, 128][index - 2]), None),
+                    _ => (None, None),
+                };
+                generator.spec(index, head_dim, tiers)
+            })
+            .collect()
+    }
+}

@@ -1,2 +1,4 @@
+pub mod clif;
 pub mod interp;
+pub mod ptx;
 pub mod text;

@@ -6,7 +6,8 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 use kvcc_compiler::Format;
-use kvcc_runtime::cli::{check, demo, eval};
+use kvcc_runtime::cli::{bench, check, demo, eval};
+use kvcc_runtime::exec::ExecutorKind;
 use kvcc_runtime::tensor_io::load_qkv;
 
 #[derive(Parser)]
@@ -42,6 +43,37 @@ enum Command {
         tokens: usize,
         #[arg(long, default_value_t = 32_768)]
         context: u32,
+        /// Executor the fidelity columns come from (interp, jit); the
+        /// interpreter is timed beside it.
+        #[arg(long, default_value = "jit")]
+        executor: ExecutorKind,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Time the generated GPU kernels against dense decode baselines (needs a GPU).
+    Bench {
+        /// Run the specs in this folder instead of the bundled ones.
+        #[arg(long)]
+        specs: Option<PathBuf>,
+        /// Only formats whose name is listed (comma-separated).
+        #[arg(long, value_delimiter = ',')]
+        only: Vec<String>,
+        #[arg(long, default_value_t = 8)]
+        batch: usize,
+        #[arg(long, default_value_t = 32)]
+        q_heads: usize,
+        #[arg(long, default_value_t = 8)]
+        kv_heads: usize,
+        /// Context lengths (tokens per sequence), comma-separated.
+        #[arg(long, value_delimiter = ',', default_value = "8192,32768,131072")]
+        ctx: Vec<usize>,
+        #[arg(long, default_value_t = 10)]
+        warmup: usize,
+        #[arg(long, default_value_t = 50)]
+        iters: usize,
+        /// JSON written by benches/gpu/baseline.py in the same session.
+        #[arg(long)]
+        baseline: Option<PathBuf>,
         #[arg(long)]
         json: bool,
     },
@@ -59,6 +91,9 @@ enum Command {
         max_queries: usize,
         #[arg(long, default_value_t = 32_768)]
         context: u32,
+        /// Executor that decodes the queries (interp, jit).
+        #[arg(long, default_value = "jit")]
+        executor: ExecutorKind,
         #[arg(long)]
         json: bool,
     },
@@ -95,6 +130,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             seed,
             tokens,
             context,
+            executor,
             json,
         } => {
             let formats = demo::formats(specs.as_deref())?;
@@ -102,6 +138,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                 seed,
                 tokens,
                 context,
+                executor,
                 ..Default::default()
             };
             let progress = bar(formats.len() as u64, "demo");
@@ -116,18 +153,39 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                 println!("{}", demo::render(&rows, &options));
             }
         }
+        Command::Bench { specs, only, batch, q_heads, kv_heads, ctx, warmup, iters, baseline, json } => {
+            let mut formats = demo::formats(specs.as_deref())?;
+            if !only.is_empty() {
+                formats.retain(|f| only.iter().any(|o| o == f.name()));
+            }
+            let baselines = baseline.map(|p| bench::Baselines::load(&p)).transpose()?;
+            let options = bench::BenchOptions { batch, q_heads, kv_heads, contexts: ctx, warmup, iters, ..Default::default() };
+            let tiers: usize = formats.iter().map(|f| f.tiers().len()).sum();
+            let progress = bar((tiers * options.contexts.len()) as u64, "bench");
+            let report = bench::run(&formats, baselines, &options, |what| {
+                progress.set_message(what.to_string());
+                progress.inc(1);
+            })?;
+            progress.finish_and_clear();
+            if json {
+                println!("{}", serde_json::to_string_pretty(&report)?);
+            } else {
+                println!("{}", bench::render(&report));
+            }
+        }
         Command::Eval {
             spec,
             qkv,
             prefix,
             max_queries,
             context,
+            executor,
             json,
         } => {
             let format = Format::load(&spec)?;
             let data = load_qkv(&qkv, prefix.as_deref())?;
             let progress = bar(data.k.shape[0] as u64, "layers");
-            let report = eval::run(&format, &data, max_queries.max(1), context, |done, _| {
+            let report = eval::run(&format, &data, max_queries.max(1), context, executor, |done, _| {
                 progress.set_position(done as u64)
             })?;
             progress.finish_and_clear();

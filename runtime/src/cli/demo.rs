@@ -10,6 +10,7 @@ use super::fidelity::{self, Block};
 use crate::builtin::SPECS;
 use crate::cache;
 use crate::encode::TrainOptions;
+use crate::exec::ExecutorKind;
 use crate::metrics::{Fidelity, FidelityAccumulator};
 use crate::synth::{synthesize, SynthOptions};
 use crate::table::Table;
@@ -22,6 +23,9 @@ pub struct DemoOptions {
     pub q_heads: usize,
     /// Context the bytes/token column amortizes headers and tables over.
     pub context: u32,
+    /// Decodes the queries the fidelity columns score (the interpreter is
+    /// timed as well).
+    pub executor: ExecutorKind,
 }
 
 impl Default for DemoOptions {
@@ -32,6 +36,7 @@ impl Default for DemoOptions {
             kv_heads: 2,
             q_heads: 8,
             context: 32_768,
+            executor: ExecutorKind::default(),
         }
     }
 }
@@ -45,6 +50,9 @@ pub struct DemoRow {
     pub compression: f64,
     pub fidelity: Fidelity,
     pub interpreter_ms: f64,
+    /// The executor the fidelity numbers come from, and its time.
+    pub executor: String,
+    pub executor_ms: f64,
 }
 
 /// Loads the specs to run: the bundled ones, or every `*.toml` in `dir`.
@@ -75,6 +83,7 @@ pub fn run(
     mut progress: impl FnMut(&str),
 ) -> Result<Vec<DemoRow>, Box<dyn std::error::Error>> {
     let mut rows = Vec::new();
+    let executor = options.executor.executor();
     for format in formats {
         progress(format.name());
         let d = format.head_dim() as usize;
@@ -113,6 +122,8 @@ pub fn run(
                 &tables,
                 &block,
                 |p| tier.unwrap_or(p % tiers),
+                executor.as_ref(),
+                true,
                 &mut acc,
             )?;
             let bytes_per_token = match format.tier_index(&name) {
@@ -130,7 +141,9 @@ pub fn run(
                 bytes_per_token,
                 compression: f64::from(4 * format.head_dim()) / bytes_per_token,
                 fidelity: acc.finish(),
-                interpreter_ms: result.elapsed.as_secs_f64() * 1e3,
+                interpreter_ms: result.interpreter.unwrap_or(result.elapsed).as_secs_f64() * 1e3,
+                executor: executor.name().to_string(),
+                executor_ms: result.elapsed.as_secs_f64() * 1e3,
             });
         }
     }
@@ -138,7 +151,11 @@ pub fn run(
 }
 
 pub fn render(rows: &[DemoRow], options: &DemoOptions) -> String {
-    let mut table = Table::new(&[
+    let executor = options.executor.name();
+    // The selected executor's time beside the interpreter's.
+    let timed = options.executor != ExecutorKind::Interp;
+    let executor_ms = format!("{executor} ms");
+    let mut headers = vec![
         "format",
         "tier",
         "B/token",
@@ -148,12 +165,16 @@ pub fn render(rows: &[DemoRow], options: &DemoOptions) -> String {
         "mean drift",
         "top-8",
         "interp ms",
-    ]);
-    for column in 2..9 {
+    ];
+    if timed {
+        headers.push(executor_ms.as_str());
+    }
+    let mut table = Table::new(&headers);
+    for column in 2..headers.len() {
         table.right_align(column);
     }
     for r in rows {
-        table.row(vec![
+        let mut row = vec![
             r.format.clone(),
             r.tier.clone(),
             format!("{:.2}", r.bytes_per_token),
@@ -163,10 +184,14 @@ pub fn render(rows: &[DemoRow], options: &DemoOptions) -> String {
             format!("{:.4}", r.fidelity.mean_logit_drift),
             format!("{:.3}", r.fidelity.top8_overlap),
             format!("{:.1}", r.interpreter_ms),
-        ]);
+        ];
+        if timed {
+            row.push(format!("{:.2}", r.executor_ms));
+        }
+        table.row(row);
     }
     format!(
-        "kvcc demo: synthetic K/V (seed {}, {} tokens, {} kv heads, {} query heads), reference interpreter vs dense fp32 attention\n(B/token per kv head, headers and tables amortized over {} tokens)\n{}",
+        "kvcc demo: synthetic K/V (seed {}, {} tokens, {} kv heads, {} query heads), the {executor} executor vs dense fp32 attention\n(B/token per kv head, headers and tables amortized over {} tokens)\n{}",
         options.seed, options.tokens, options.kv_heads, options.q_heads, options.context, table
     )
 }

@@ -6,9 +6,10 @@ use std::time::Duration;
 use kvcc_compiler::Format;
 use serde::Serialize;
 
-use super::fidelity::{self, Block};
+use super::fidelity::{self, Block, FidelityError};
 use crate::cache;
 use crate::encode::TrainOptions;
+use crate::exec::ExecutorKind;
 use crate::metrics::{Fidelity, FidelityAccumulator};
 use crate::table::Table;
 use crate::tensor_io::Qkv;
@@ -19,12 +20,14 @@ pub struct EvalRow {
     pub bytes_per_token: f64,
     pub compression: f64,
     pub fidelity: Fidelity,
-    pub interpreter_ms: f64,
+    /// Time of the executor decoding every query row of every layer.
+    pub executor_ms: f64,
 }
 
 #[derive(Debug, Clone, Serialize)]
 pub struct EvalReport {
     pub format: String,
+    pub executor: String,
     pub layers: usize,
     pub q_heads: usize,
     pub kv_heads: usize,
@@ -39,15 +42,19 @@ pub enum EvalError {
     HeadDim { format: u32, tensors: usize },
     #[error(transparent)]
     Encode(#[from] crate::encode::EncodeError),
+    #[error(transparent)]
+    Fidelity(#[from] FidelityError),
 }
 
-/// Evaluates every tier; at most `max_query_rows` query rows per (layer, head),
-/// evenly spaced, attend to all of their layer's keys. `progress(done, total)`.
+/// Evaluates every tier on `executor`; at most `max_query_rows` query rows per
+/// (layer, head), evenly spaced, attend to all of their layer's keys.
+/// `progress(done, total)`.
 pub fn run(
     format: &Format,
     qkv: &Qkv,
     max_query_rows: usize,
     context: u32,
+    executor: ExecutorKind,
     mut progress: impl FnMut(usize, usize),
 ) -> Result<EvalReport, EvalError> {
     let [layers, kv_heads, tokens, d] = qkv.k.shape;
@@ -71,6 +78,7 @@ pub fn run(
         .map(|_| FidelityAccumulator::default())
         .collect();
     let mut elapsed = vec![Duration::ZERO; plans.len()];
+    let executor = executor.executor();
     let mut page_bytes = vec![0usize; plans.len()];
     for layer in 0..layers {
         progress(layer, layers);
@@ -103,6 +111,8 @@ pub fn run(
                 &tables,
                 &block,
                 move |p| tier.unwrap_or(p % tiers),
+                executor.as_ref(),
+                false,
                 &mut accumulators[i],
             )?;
             elapsed[i] += result.elapsed;
@@ -127,12 +137,13 @@ pub fn run(
                 bytes_per_token,
                 compression: f64::from(4 * format.head_dim()) / bytes_per_token,
                 fidelity: accumulators[i].finish(),
-                interpreter_ms: elapsed[i].as_secs_f64() * 1e3,
+                executor_ms: elapsed[i].as_secs_f64() * 1e3,
             }
         })
         .collect();
     Ok(EvalReport {
         format: format.name().to_string(),
+        executor: executor.name().to_string(),
         layers,
         q_heads,
         kv_heads,
@@ -143,6 +154,7 @@ pub fn run(
 }
 
 pub fn render(report: &EvalReport) -> String {
+    let executor_ms = format!("{} ms", report.executor);
     let mut table = Table::new(&[
         "tier",
         "B/token",
@@ -151,7 +163,7 @@ pub fn render(report: &EvalReport) -> String {
         "max logit drift",
         "mean drift",
         "top-8",
-        "interp ms",
+        &executor_ms,
     ]);
     for column in 1..8 {
         table.right_align(column);
@@ -165,7 +177,7 @@ pub fn render(report: &EvalReport) -> String {
             format!("{:.5}", r.fidelity.max_logit_drift),
             format!("{:.5}", r.fidelity.mean_logit_drift),
             format!("{:.3}", r.fidelity.top8_overlap),
-            format!("{:.1}", r.interpreter_ms),
+            format!("{:.1}", r.executor_ms),
         ]);
     }
     format!(

@@ -1,5 +1,6 @@
 //! The `kvcc` command's subcommands, as library code the binary calls.
 
+pub mod bench;
 pub mod check;
 pub mod demo;
 pub mod eval;

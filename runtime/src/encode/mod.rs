@@ -40,6 +40,17 @@ pub enum EncodeError {
     PageOverflow { tokens: usize, capacity: u32 },
     #[error("tier {tier} does not exist; the format has {tiers} tiers")]
     UnknownTier { tier: usize, tiers: usize },
+    #[error("the source cache has no sequence with a full page to replicate")]
+    Empty,
+    #[error("tables for {found} tiers given; the format has {tiers} tiers")]
+    TierTables { found: usize, tiers: usize },
+    #[error("tier {tier}, kv head {kv_head}: table lengths {found:?}, the layout needs {expected:?}")]
+    TableShape {
+        tier: String,
+        kv_head: usize,
+        found: Vec<usize>,
+        expected: Vec<usize>,
+    },
     #[error("tables for {found} kv heads given; expected {expected}")]
     TableHeads { found: usize, expected: usize },
 }

@@ -2,7 +2,7 @@
 
 use kvcc_compiler::back::interp::{Interpreter, Options};
 
-use super::{ExecError, Executor};
+use super::{Decoded, ExecError, Executor};
 use crate::cache::PagedCache;
 
 #[derive(Debug, Clone, Copy, Default)]
@@ -16,5 +16,23 @@ impl Executor for InterpExecutor {
     fn decode(&self, cache: &PagedCache, queries: &[f32], q_heads: usize) -> Result<Vec<f32>, ExecError> {
         let interp = Interpreter::new(cache.format().tiers(), Options::default());
         Ok(interp.decode(&cache.view(), queries, q_heads)?)
+    }
+
+    fn decode_with_logits(&self, cache: &PagedCache, queries: &[f32], q_heads: usize) -> Result<Decoded, ExecError> {
+        let interp = Interpreter::new(cache.format().tiers(), Options::default());
+        let view = cache.view();
+        interp.check_queries(queries, view.page_tables.len(), q_heads, view.kv_heads)?;
+        let d = cache.format().head_dim() as usize;
+        let group = q_heads / view.kv_heads;
+        let mut decoded = Decoded {
+            outputs: Vec::with_capacity(queries.len()),
+            logits: Vec::with_capacity(queries.len() / d),
+        };
+        for (row, query) in queries.chunks(d).enumerate() {
+            let attended = interp.attend(&view, row / q_heads, row % q_heads / group, query)?;
+            decoded.outputs.extend(attended.output);
+            decoded.logits.push(attended.logits);
+        }
+        Ok(decoded)
     }
 }

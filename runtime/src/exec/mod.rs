@@ -1,9 +1,13 @@
 //! Executors: decode attention over a paged cache. Every executor computes what
 //! the reference interpreter defines; they differ in where and how fast.
 
+mod cuda;
 mod interp;
+mod jit;
 
+pub use cuda::CudaExecutor;
 pub use interp::InterpExecutor;
+pub use jit::JitExecutor;
 
 use crate::cache::PagedCache;
 
@@ -19,10 +23,74 @@ pub enum ExecError {
         tier: String,
         message: String,
     },
+    #[error("the {executor} executor cannot report {what}")]
+    Unsupported {
+        executor: &'static str,
+        what: &'static str,
+    },
+}
+
+/// A decode's outputs (`[sequence][q_head][head_dim]`) and each row's logits:
+/// `logits[sequence * q_heads + q_head]` holds the softmax-scaled logit of
+/// every token of the sequence, in page-table order.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Decoded {
+    pub outputs: Vec<f32>,
+    pub logits: Vec<Vec<f32>>,
 }
 
 /// Decode attention: `queries` and the result are `[sequence][q_head][head_dim]`.
 pub trait Executor {
     fn name(&self) -> &'static str;
     fn decode(&self, cache: &PagedCache, queries: &[f32], q_heads: usize) -> Result<Vec<f32>, ExecError>;
+    /// `decode` with every row's logits (what fidelity metrics compare).
+    fn decode_with_logits(&self, _cache: &PagedCache, _queries: &[f32], _q_heads: usize) -> Result<Decoded, ExecError> {
+        Err(ExecError::Unsupported {
+            executor: self.name(),
+            what: "logits",
+        })
+    }
+}
+
+/// An executor by name, as `--executor` takes it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ExecutorKind {
+    Interp,
+    #[default]
+    Jit,
+}
+
+impl ExecutorKind {
+    pub const ALL: [ExecutorKind; 2] = [ExecutorKind::Interp, ExecutorKind::Jit];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            ExecutorKind::Interp => "interp",
+            ExecutorKind::Jit => "jit",
+        }
+    }
+
+    /// The executor (with its default options).
+    pub fn executor(self) -> Box<dyn Executor> {
+        match self {
+            ExecutorKind::Interp => Box::new(InterpExecutor),
+            ExecutorKind::Jit => Box::new(JitExecutor::default()),
+        }
+    }
+}
+
+impl std::str::FromStr for ExecutorKind {
+    type Err = String;
+    fn from_str(name: &str) -> Result<ExecutorKind, String> {
+        ExecutorKind::ALL
+            .into_iter()
+            .find(|k| k.name() == name)
+            .ok_or_else(|| {
+                let available: Vec<_> = ExecutorKind::ALL.iter().map(|k| k.name()).collect();
+                format!(
+                    "no executor `{name}` in this build; available: {}",
+                    available.join(", ")
+                )
+            })
+    }
 }

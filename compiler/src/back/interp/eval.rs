@@ -91,7 +91,7 @@ fn eval_expr(expr: &Expr, values: &[Value], env: &Env) -> Value {
     }
 }
 
-fn unary(op: UnaryOp, v: Value) -> Value {
+pub(crate) fn unary(op: UnaryOp, v: Value) -> Value {
     match (op, v) {
         (UnaryOp::Negate, Value::F32(x)) => Value::F32(-x),
         (UnaryOp::Negate, Value::I32(x)) => Value::I32(x.wrapping_neg()),
@@ -111,7 +111,7 @@ fn unary(op: UnaryOp, v: Value) -> Value {
     }
 }
 
-fn binary(op: BinaryOp, a: Value, b: Value) -> Value {
+pub(crate) fn binary(op: BinaryOp, a: Value, b: Value) -> Value {
     use Value::*;
     match (op, a, b) {
         (BinaryOp::Add, U32(x), U32(y)) => U32(x.wrapping_add(y)),

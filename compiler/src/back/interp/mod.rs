@@ -7,7 +7,8 @@
 //! partial (m, l, acc) per tier; run each tier's value epilogue on its partial;
 //! merge the partials with a log-sum-exp merge.
 
-mod eval;
+// The Cranelift backend folds constants with these same functions.
+pub(crate) mod eval;
 
 pub use eval::read_bits;
 use eval::{run_function, run_stage, Env, Value};
@@ -102,10 +103,61 @@ pub struct Interpreter<'m> {
     scale: f32,
 }
 
+/// Online-softmax state of one partial: the running max and denominator.
+/// Executors share it so every backend rescales in exactly the same order.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Softmax {
+    pub max: f32,
+    pub sum: f32,
+}
+
+impl Default for Softmax {
+    fn default() -> Self {
+        Softmax {
+            max: f32::NEG_INFINITY,
+            sum: 0.0,
+        }
+    }
+}
+
+impl Softmax {
+    /// Folds in one logit and returns `(decay, weight)`: the partial's
+    /// accumulator becomes `acc * decay + weight * v` (two products and a sum,
+    /// not fused).
+    pub fn push(&mut self, logit: f32) -> (f32, f32) {
+        let max = self.max.max(logit);
+        let decay = (self.max - max).exp();
+        let weight = (logit - max).exp();
+        self.max = max;
+        self.sum = self.sum * decay + weight;
+        (decay, weight)
+    }
+}
+
+/// The log-sum-exp merge of finished partials `(softmax, epilogue output)`,
+/// in tier order, into one head_dim output.
+pub fn merge(finished: &[(Softmax, Vec<f32>)], head_dim: usize) -> Vec<f32> {
+    let mut merged = vec![0.0f32; head_dim];
+    let global = finished
+        .iter()
+        .map(|f| f.0.max)
+        .fold(f32::NEG_INFINITY, f32::max);
+    let total: f32 = finished
+        .iter()
+        .map(|(s, _)| s.sum * (s.max - global).exp())
+        .sum();
+    for (s, out) in finished {
+        let w = (s.max - global).exp() / total;
+        for (o, x) in merged.iter_mut().zip(out) {
+            *o += w * x;
+        }
+    }
+    merged
+}
+
 /// Running softmax state of one tier.
 struct Partial {
-    max: f32,
-    sum: f32,
+    softmax: Softmax,
     acc: Vec<f32>,
 }
 
@@ -120,6 +172,11 @@ impl<'m> Interpreter<'m> {
                 .softmax_scale
                 .unwrap_or(1.0 / (head_dim as f32).sqrt()),
         }
+    }
+
+    /// The softmax scale logits are multiplied by.
+    pub fn softmax_scale(&self) -> f32 {
+        self.scale
     }
 
     /// Checks tables and every page reference against the format.
@@ -330,8 +387,7 @@ impl<'m> Interpreter<'m> {
                 );
             }
             let partial = partials[t].get_or_insert_with(|| Partial {
-                max: f32::NEG_INFINITY,
-                sum: 0.0,
+                softmax: Softmax::default(),
                 acc: vec![0.0; module.value.dims as usize],
             });
             let bytes = page(cache, *page_ref, layout.page_bytes);
@@ -351,11 +407,7 @@ impl<'m> Interpreter<'m> {
                 };
                 let logit = run_function(&module.key.score, &env, &mut values) * self.scale;
                 logits.push(logit);
-                let max = partial.max.max(logit);
-                let decay = (partial.max - max).exp();
-                let weight = (logit - max).exp();
-                partial.max = max;
-                partial.sum = partial.sum * decay + weight;
+                let (decay, weight) = partial.softmax.push(logit);
                 for (channel, acc) in partial.acc.iter_mut().enumerate() {
                     let env = Env {
                         item: value,
@@ -368,12 +420,11 @@ impl<'m> Interpreter<'m> {
             }
         }
         // Epilogue per tier, then the log-sum-exp merge of the partials.
-        let mut merged = vec![0.0f32; self.head_dim];
-        let finished: Vec<(f32, f32, Vec<f32>)> = partials
+        let finished: Vec<(Softmax, Vec<f32>)> = partials
             .into_iter()
             .enumerate()
             .filter_map(|(t, p)| p.map(|p| (t, p)))
-            .filter(|(_, p)| p.sum > 0.0)
+            .filter(|(_, p)| p.softmax.sum > 0.0)
             .map(|(t, p)| {
                 let module = self.tiers[t].module();
                 let tables = &cache.tiers[t].tables[kv_head];
@@ -382,28 +433,14 @@ impl<'m> Interpreter<'m> {
                     &module.value.epilogue.stages,
                     tables,
                     &mut arrays[t],
-                    p.sum,
+                    p.softmax.sum,
                     &mut values,
                 );
-                (p.max, p.sum, arrays[t][module.value.output.index()].clone())
+                (p.softmax, arrays[t][module.value.output.index()].clone())
             })
             .collect();
-        let global = finished
-            .iter()
-            .map(|f| f.0)
-            .fold(f32::NEG_INFINITY, f32::max);
-        let total: f32 = finished
-            .iter()
-            .map(|(m, l, _)| l * (m - global).exp())
-            .sum();
-        for (m, _, out) in &finished {
-            let w = (m - global).exp() / total;
-            for (o, x) in merged.iter_mut().zip(out) {
-                *o += w * x;
-            }
-        }
         Attended {
-            output: merged,
+            output: merge(&finished, self.head_dim),
             logits,
         }
     }

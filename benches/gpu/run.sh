@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: correctness, sanitizers, DRAM bytes, benchmark.
+# Binaries are built on a CPU machine and carried in .gpu/ (see build.sh):
+#   .gpu/kvcc, .gpu/gpu-tests (the tests/gpu.rs test binary); wheels in .whl/.
+# Usage: benches/gpu/run.sh STEP...   STEP: env | test | sanitize | ncu | baseline | bench
+# Logs and JSON go to $OUT (or ./gpu-out when OUT is unset).
+set -uo pipefail
+out=${OUT:-gpu-out}
+mkdir -p "$out"
+export KVCC_REQUIRE_GPU=1
+status=0
+step() { echo "=== $1"; }
+for s in "$@"; do
+  case "$s" in
+    env)
+      step env
+      nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem --format=csv | tee "$out/env.txt"
+      ;;
+    test)
+      step "GPU equivalence tests"
+      .gpu/gpu-tests --test-threads 1 --nocapture 2>&1 | tee "$out/test.log" | grep -E "^test |test result|SKIPPED|panicked|KVCC_TEST_SEED" || status=1
+      grep -q "test result: ok" "$out/test.log" || status=1
+      ;;
+    sanitize)
+      step "compute-sanitizer memcheck + racecheck"
+      for tool in memcheck racecheck; do
+        compute-sanitizer --tool "$tool" --error-exitcode 9 .gpu/gpu-tests gpu_matches_interpreter_on_every_bundled_tier --test-threads 1 \
+          > "$out/sanitize-$tool.log" 2>&1
+        echo "$tool exit $?: $(grep -E 'ERROR SUMMARY|test result' "$out/sanitize-$tool.log" | tr '\n' ' ')"
+      done
+      ;;
+    ncu)
+      step "ncu DRAM bytes read (one 32K decode step per spec)"
+      ncu --metrics dram__bytes_read.sum --clock-control none --csv --kernel-name regex:kvcc_ --log-file "$out/ncu.csv" \
+        .gpu/kvcc bench --ctx 32768 --warmup 0 --iters 1 --json > "$out/ncu-bench.json" 2> "$out/ncu.err"
+      echo "ncu exit $? ($(wc -l < "$out/ncu.csv") lines)"
+      ;;
+    baseline)
+      step "dense baselines (SDPA, FlashInfer)"
+      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+      PYTHONUNBUFFERED=1 python3 benches/gpu/baseline.py --json "$out/baseline.json" 2>&1 | tail -12
+      ;;
+    bench)
+      step "kvcc bench"
+      .gpu/kvcc bench --baseline "$out/baseline.json" --json > "$out/bench.json" 2> "$out/bench.err" || { status=1; tail -5 "$out/bench.err"; }
+      .gpu/kvcc bench --baseline "$out/baseline.json" --ctx 32768 --iters 20 2>/dev/null | tail -30
+      ;;
+  esac
+done
+exit $status

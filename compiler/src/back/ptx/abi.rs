@@ -1,0 +1,389 @@
+//! The contract between the generated kernels and the runtime that launches
+//! them: kernel names, parameters in order, launch shape, dynamic shared memory,
+//! and the layouts of every device buffer the kernels read or write.
+//!
+//! Per format there is one decode kernel per tier (each in its own PTX module)
+//! and one merge kernel. A decode step is:
+//!
+//! 1. for every tier `t` with pages: launch its decode kernel on the grid
+//!    [`DecodeKernel::launch`]`(splits_t, kv_heads, sequences)`; it writes
+//!    `splits_t` partials per (sequence, query head) into slots
+//!    `slot_base_t .. slot_base_t + splits_t` of the partials buffer
+//!    ([`slot_bases`]);
+//! 2. launch the merge kernel ([`MergeKernel::launch`]), which combines all
+//!    `slot_count` partials of each (sequence, query head) into the output.
+//!
+//! Every slot of every (sequence, query head) must be written by some decode
+//! launch before the merge: a tier launches even when a sequence has no page of
+//! that tier (its CTAs write empty partials), or the runtime leaves that tier's
+//! slots out of `slot_count` altogether.
+
+use crate::ir::Module;
+use crate::page::PageRef;
+
+use super::plan::Plan;
+
+/// Type of a kernel parameter as the launcher passes it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ParamType {
+    /// A device pointer (`u64`), 16-byte aligned.
+    Pointer,
+    U32,
+    F32,
+}
+
+impl ParamType {
+    /// PTX declaration type.
+    pub fn ptx(self) -> &'static str {
+        match self {
+            ParamType::Pointer => ".u64",
+            ParamType::U32 => ".u32",
+            ParamType::F32 => ".f32",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Param {
+    pub name: &'static str,
+    pub ty: ParamType,
+    pub doc: &'static str,
+}
+
+const fn param(name: &'static str, ty: ParamType, doc: &'static str) -> Param {
+    Param { name, ty, doc }
+}
+
+/// Parameters of every decode kernel, in order; [`DecodeArgs`] holds values for them.
+pub const DECODE_PARAMS: [Param; 12] = [
+    param(
+        "pool",
+        ParamType::Pointer,
+        "this tier's page pool: pages of `page_bytes` bytes back to back",
+    ),
+    param(
+        "page_offsets",
+        ParamType::Pointer,
+        "u32[sequences * kv_heads + 1]: pages of row (sequence * kv_heads + kv_head) are page_ids[page_offsets[row] .. page_offsets[row + 1]]",
+    ),
+    param(
+        "page_ids",
+        ParamType::Pointer,
+        "u32 page indices into this tier's pool, per row in token order (see `page_lists`)",
+    ),
+    param(
+        "tables",
+        ParamType::Pointer,
+        "f32 tables of this tier, laid out as `TableBuffer`",
+    ),
+    param(
+        "queries",
+        ParamType::Pointer,
+        "f32[sequences][q_heads][head_dim]",
+    ),
+    param(
+        "partials",
+        ParamType::Pointer,
+        "f32 partial records, laid out as `PartialLayout`",
+    ),
+    param(
+        "q_heads",
+        ParamType::U32,
+        "query heads per sequence: kv_heads * group, group <= max_query_group",
+    ),
+    param(
+        "kv_heads",
+        ParamType::U32,
+        "kv heads per sequence (gridDim.y)",
+    ),
+    param(
+        "splits",
+        ParamType::U32,
+        "CTAs per (sequence, kv head) (gridDim.x); each takes a contiguous share of the row's pages",
+    ),
+    param(
+        "slot_base",
+        ParamType::U32,
+        "first partial slot of this launch; split s writes slot slot_base + s",
+    ),
+    param(
+        "slot_count",
+        ParamType::U32,
+        "partial slots per (sequence, query head), over all launches",
+    ),
+    param(
+        "softmax_scale",
+        ParamType::F32,
+        "multiplies every logit (1/sqrt(head_dim) for standard attention)",
+    ),
+];
+
+/// Parameters of the merge kernel, in order; [`MergeArgs`] holds values for them.
+pub const MERGE_PARAMS: [Param; 4] = [
+    param(
+        "partials",
+        ParamType::Pointer,
+        "f32 partial records, laid out as `PartialLayout`",
+    ),
+    param(
+        "output",
+        ParamType::Pointer,
+        "f32[sequences][q_heads][head_dim]: the attention output",
+    ),
+    param("q_heads", ParamType::U32, "query heads per sequence"),
+    param(
+        "slot_count",
+        ParamType::U32,
+        "partial slots per (sequence, query head)",
+    ),
+];
+
+/// Argument values of a decode launch, field order = [`DECODE_PARAMS`] order.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DecodeArgs {
+    pub pool: u64,
+    pub page_offsets: u64,
+    pub page_ids: u64,
+    pub tables: u64,
+    pub queries: u64,
+    pub partials: u64,
+    pub q_heads: u32,
+    pub kv_heads: u32,
+    pub splits: u32,
+    pub slot_base: u32,
+    pub slot_count: u32,
+    pub softmax_scale: f32,
+}
+
+/// Argument values of a merge launch, field order = [`MERGE_PARAMS`] order.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct MergeArgs {
+    pub partials: u64,
+    pub output: u64,
+    pub q_heads: u32,
+    pub slot_count: u32,
+}
+
+/// Grid, block and dynamic shared memory of a launch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Launch {
+    pub grid: [u32; 3],
+    pub block: [u32; 3],
+    /// Dynamic shared memory bytes. Above 48 KiB the kernel must first be
+    /// allowed it (`cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)`).
+    pub shared_bytes: u32,
+}
+
+/// Where a tier's tables live in its device buffer: f32 values, per kv head a
+/// block of `stride` floats; table `k` of kv head `h` starts at float
+/// `h * stride + offsets[k]` and holds `lens[k]` values. Offsets are multiples
+/// of 4 floats (16 bytes): kernels copy tables with 16-byte loads, and read the
+/// padding after a table, which the runtime should zero.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TableBuffer {
+    pub offsets: Vec<u32>,
+    pub lens: Vec<u32>,
+    pub stride: u32,
+}
+
+impl TableBuffer {
+    /// Tables in module order (`Module::tables`, which is the layout's order).
+    pub fn of(module: &Module) -> TableBuffer {
+        let mut offsets = Vec::new();
+        let mut lens = Vec::new();
+        let mut at = 0;
+        for (_, decl) in module.tables.iter() {
+            offsets.push(at);
+            lens.push(decl.len);
+            at += decl.len.div_ceil(4) * 4;
+        }
+        TableBuffer {
+            offsets,
+            lens,
+            stride: at,
+        }
+    }
+
+    /// The buffer's contents from `[kv_head][table]` f32 tables (as in
+    /// `page::TierView::tables`), padding zeroed. Panics if a table's length
+    /// differs from the layout (the interpreter's `check_cache` reports that
+    /// as an error first).
+    pub fn fill(&self, tables: &[Vec<Vec<f32>>]) -> Vec<f32> {
+        let mut out = vec![0.0; tables.len() * self.stride as usize];
+        for (head, head_tables) in tables.iter().enumerate() {
+            assert_eq!(head_tables.len(), self.lens.len(), "table count");
+            for (k, values) in head_tables.iter().enumerate() {
+                assert_eq!(values.len(), self.lens[k] as usize, "table {k} length");
+                let at = head * self.stride as usize + self.offsets[k] as usize;
+                out[at..at + values.len()].copy_from_slice(values);
+            }
+        }
+        out
+    }
+}
+
+/// The partials buffer: f32 records of `record` floats, one per
+/// (sequence, query head, slot), record index
+/// `(sequence * q_heads + q_head) * slot_count + slot`. A record holds the
+/// unnormalized output (`head_dim` floats: the value epilogue applied to
+/// Σ exp(s − m)·v), then `m` (the largest logit, −∞ if the slot saw no item)
+/// and `l` (Σ exp(s − m), 0 if none), then padding to 16 bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PartialLayout {
+    pub head_dim: u32,
+    pub record: u32,
+}
+
+impl PartialLayout {
+    pub fn new(head_dim: u32) -> PartialLayout {
+        PartialLayout {
+            head_dim,
+            record: (head_dim + 2).div_ceil(4) * 4,
+        }
+    }
+    /// Float offset of `m` in a record (`l` follows it).
+    pub fn max_offset(&self) -> u32 {
+        self.head_dim
+    }
+    pub fn sum_offset(&self) -> u32 {
+        self.head_dim + 1
+    }
+    /// Float index of a record's first value.
+    pub fn record_index(
+        &self,
+        sequence: usize,
+        q_head: usize,
+        slot: usize,
+        q_heads: usize,
+        slot_count: usize,
+    ) -> usize {
+        ((sequence * q_heads + q_head) * slot_count + slot) * self.record as usize
+    }
+    /// Floats of the whole buffer.
+    pub fn len(&self, sequences: usize, q_heads: usize, slot_count: usize) -> usize {
+        sequences * q_heads * slot_count * self.record as usize
+    }
+}
+
+/// One tier's decode kernel.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DecodeKernel {
+    /// Entry name in the tier's PTX module.
+    pub name: String,
+    pub tier: u32,
+    pub threads: u32,
+    /// Dynamic shared memory (bytes) of every launch.
+    pub shared_bytes: u32,
+    /// Largest query group (q_heads / kv_heads) the kernel serves.
+    pub max_query_group: u32,
+    /// Bytes per page of the pool.
+    pub page_bytes: u32,
+    /// Items per tile (a page is streamed as `ceil(items_per_page / tile_items)` tiles).
+    pub tile_items: u32,
+    pub tables: TableBuffer,
+    pub partials: PartialLayout,
+}
+
+impl DecodeKernel {
+    pub(super) fn new(name: String, module: &Module, plan: &Plan) -> DecodeKernel {
+        DecodeKernel {
+            name,
+            tier: module.layout.index,
+            threads: plan.threads,
+            shared_bytes: plan.shared_bytes,
+            max_query_group: plan.group_max,
+            page_bytes: plan.page_bytes,
+            tile_items: plan.tile_items,
+            tables: TableBuffer::of(module),
+            partials: PartialLayout::new(module.head_dim),
+        }
+    }
+
+    /// Dynamic shared memory per CTA, bytes (the same for every launch shape).
+    pub fn dynamic_shared_bytes(&self) -> u32 {
+        self.shared_bytes
+    }
+
+    /// Grid (splits, kv_heads, sequences): one CTA per (sequence, kv head, split).
+    pub fn launch(&self, splits: u32, kv_heads: u32, sequences: u32) -> Launch {
+        Launch {
+            grid: [splits, kv_heads, sequences],
+            block: [self.threads, 1, 1],
+            shared_bytes: self.shared_bytes,
+        }
+    }
+}
+
+/// The merge kernel of a format.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MergeKernel {
+    pub name: String,
+    pub threads: u32,
+    pub partials: PartialLayout,
+}
+
+impl MergeKernel {
+    /// Grid (q_heads, sequences): one CTA per output row; no shared memory.
+    pub fn launch(&self, q_heads: u32, sequences: u32) -> Launch {
+        Launch {
+            grid: [q_heads, sequences, 1],
+            block: [self.threads, 1, 1],
+            shared_bytes: 0,
+        }
+    }
+}
+
+/// First slot of each tier's launch when tier `t` runs `splits[t]` splits
+/// (0 for a tier that is not launched); the total is `slot_count`.
+pub fn slot_bases(splits: &[u32]) -> (Vec<u32>, u32) {
+    let mut bases = Vec::with_capacity(splits.len());
+    let mut next = 0;
+    for &s in splits {
+        bases.push(next);
+        next += s;
+    }
+    (bases, next)
+}
+
+/// The `page_offsets` / `page_ids` arrays of tier `tier` from a cache's page
+/// tables (`[sequence][kv_head]`, as in `page::CacheView`): each row keeps its
+/// pages of that tier, in token order.
+pub fn page_lists(page_tables: &[Vec<Vec<PageRef>>], tier: u32) -> (Vec<u32>, Vec<u32>) {
+    let mut offsets = vec![0];
+    let mut ids = Vec::new();
+    for row in page_tables.iter().flatten() {
+        ids.extend(row.iter().filter(|r| r.tier == tier).map(|r| r.page));
+        offsets.push(ids.len() as u32);
+    }
+    (offsets, ids)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn page_lists_split_rows_by_tier() {
+        let r = |tier, page| PageRef { tier, page };
+        let tables = vec![
+            vec![vec![r(0, 0), r(1, 0), r(0, 1)], vec![r(1, 1)]],
+            vec![vec![], vec![r(0, 2)]],
+        ];
+        assert_eq!(page_lists(&tables, 0), (vec![0, 2, 2, 2, 3], vec![0, 1, 2]));
+        assert_eq!(page_lists(&tables, 1), (vec![0, 1, 2, 2, 2], vec![0, 1]));
+        assert_eq!(slot_bases(&[2, 0, 3]), (vec![0, 2, 2], 5));
+    }
+
+    #[test]
+    fn records_are_16_byte_aligned() {
+        for d in [8, 16, 100, 128, 1024] {
+            let p = PartialLayout::new(d);
+            assert_eq!(p.record % 4, 0);
+            assert!(p.record >= d + 2);
+            assert_eq!(
+                p.record_index(1, 2, 3, 4, 5),
+                (((4 + 2) * 5) + 3) * p.record as usize
+            );
+        }
+    }
+}

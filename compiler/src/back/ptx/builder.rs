@@ -1,0 +1,922 @@
+//! A typed PTX builder: virtual registers carry their PTX type in the Rust type,
+//! so an `add.rn.f32` on a u32 register, a shared load through a 64-bit global
+//! address or a `selp` on predicates does not compile. The builder emits text;
+//! ptxas allocates the real registers.
+//!
+//! One [`Kernel`] builds one `.entry`; [`module`] wraps kernels into a PTX module
+//! for a [`Target`](super::Target).
+
+use std::fmt::Write;
+use std::marker::PhantomData;
+
+/// A PTX register type: how its registers are declared and named.
+pub trait Type: Copy + 'static {
+    /// Declared type, e.g. `.u32`.
+    const DECL: &'static str;
+    /// Register name prefix, unique per type so the declarations never overlap.
+    const PREFIX: &'static str;
+    /// Index of this type's register counter.
+    const CLASS: usize;
+    /// Rust type of an immediate operand.
+    type Imm: Copy;
+    fn imm(value: Self::Imm) -> String;
+}
+
+/// Types with arithmetic (`add`, `sub`, `mul`, `min`, `max`, `setp`).
+pub trait Arith: Type {
+    /// Type suffix of comparisons and min/max.
+    const SUFFIX: &'static str;
+    /// Suffix of add/sub/mul: floats round to nearest explicitly, which also
+    /// forbids ptxas from contracting a mul and an add into an fma (the IR only
+    /// fuses where it says `Fma`).
+    const ADD: &'static str;
+    const MUL: &'static str;
+}
+
+/// 32-bit types that move as raw bits (`mov.b32`, `selp.b32`, `shfl`, ld/st).
+pub trait Bits32: Type {
+    /// Suffix of loads, stores and `selp` (`u32`, `s32`, `f32`, `b32`).
+    const SUFFIX: &'static str;
+}
+
+macro_rules! reg_type {
+    ($name:ident, $decl:literal, $prefix:literal, $class:literal, $imm:ty, $fmt:expr) => {
+        #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+        pub struct $name;
+        impl Type for $name {
+            const DECL: &'static str = $decl;
+            const PREFIX: &'static str = $prefix;
+            const CLASS: usize = $class;
+            type Imm = $imm;
+            fn imm(value: $imm) -> String {
+                let format: fn($imm) -> String = $fmt;
+                format(value)
+            }
+        }
+    };
+}
+
+reg_type!(U32, ".u32", "%r", 0, u32, |v| v.to_string());
+reg_type!(S32, ".s32", "%s", 1, i32, |v| v.to_string());
+// Hex float immediates are exact.
+reg_type!(F32, ".f32", "%f", 2, f32, |v| format!(
+    "0f{:08X}",
+    v.to_bits()
+));
+reg_type!(B32, ".b32", "%b", 3, u32, |v| format!("0x{v:08X}"));
+reg_type!(U64, ".u64", "%rd", 4, u64, |v| v.to_string());
+reg_type!(B16, ".b16", "%h", 5, u16, |v| v.to_string());
+reg_type!(Pred, ".pred", "%p", 6, bool, |v| u8::from(v).to_string());
+const CLASSES: usize = 7;
+
+impl Arith for U32 {
+    const SUFFIX: &'static str = "u32";
+    const ADD: &'static str = "u32";
+    const MUL: &'static str = "lo.u32";
+}
+impl Arith for S32 {
+    const SUFFIX: &'static str = "s32";
+    const ADD: &'static str = "s32";
+    const MUL: &'static str = "lo.s32";
+}
+impl Arith for F32 {
+    const SUFFIX: &'static str = "f32";
+    const ADD: &'static str = "rn.f32";
+    const MUL: &'static str = "rn.f32";
+}
+impl Arith for U64 {
+    const SUFFIX: &'static str = "u64";
+    const ADD: &'static str = "u64";
+    const MUL: &'static str = "lo.u64";
+}
+impl Bits32 for U32 {
+    const SUFFIX: &'static str = "u32";
+}
+impl Bits32 for S32 {
+    const SUFFIX: &'static str = "s32";
+}
+impl Bits32 for F32 {
+    const SUFFIX: &'static str = "f32";
+}
+impl Bits32 for B32 {
+    const SUFFIX: &'static str = "b32";
+}
+
+/// A virtual register of type `T`.
+pub struct Reg<T> {
+    id: u32,
+    marker: PhantomData<T>,
+}
+
+impl<T> Clone for Reg<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for Reg<T> {}
+impl<T: Type> std::fmt::Display for Reg<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}{}", T::PREFIX, self.id)
+    }
+}
+impl<T> std::fmt::Debug for Reg<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "reg{}", self.id)
+    }
+}
+
+/// A source operand: a register or an immediate of the same type.
+pub enum Op<T: Type> {
+    Reg(Reg<T>),
+    Imm(T::Imm),
+}
+
+impl<T: Type> Clone for Op<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T: Type> Copy for Op<T> {}
+impl<T: Type> std::fmt::Display for Op<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Op::Reg(r) => write!(f, "{r}"),
+            Op::Imm(v) => f.write_str(&T::imm(*v)),
+        }
+    }
+}
+impl<T: Type> From<Reg<T>> for Op<T> {
+    fn from(r: Reg<T>) -> Self {
+        Op::Reg(r)
+    }
+}
+impl From<u32> for Op<U32> {
+    fn from(v: u32) -> Self {
+        Op::Imm(v)
+    }
+}
+impl From<i32> for Op<S32> {
+    fn from(v: i32) -> Self {
+        Op::Imm(v)
+    }
+}
+impl From<f32> for Op<F32> {
+    fn from(v: f32) -> Self {
+        Op::Imm(v)
+    }
+}
+impl From<u64> for Op<U64> {
+    fn from(v: u64) -> Self {
+        Op::Imm(v)
+    }
+}
+
+/// A shared-memory address: 32-bit register plus byte offset.
+#[derive(Debug, Clone, Copy)]
+pub struct Shared {
+    pub base: Reg<U32>,
+    pub offset: i64,
+}
+
+/// A global-memory address: 64-bit register plus byte offset.
+#[derive(Debug, Clone, Copy)]
+pub struct Global {
+    pub base: Reg<U64>,
+    pub offset: i64,
+}
+
+impl Shared {
+    pub fn at(base: Reg<U32>) -> Shared {
+        Shared { base, offset: 0 }
+    }
+    pub fn plus(self, bytes: i64) -> Shared {
+        Shared {
+            base: self.base,
+            offset: self.offset + bytes,
+        }
+    }
+}
+
+impl Global {
+    pub fn at(base: Reg<U64>) -> Global {
+        Global { base, offset: 0 }
+    }
+    pub fn plus(self, bytes: i64) -> Global {
+        Global {
+            base: self.base,
+            offset: self.offset + bytes,
+        }
+    }
+}
+
+fn address(base: impl std::fmt::Display, offset: i64) -> String {
+    match offset {
+        0 => format!("[{base}]"),
+        o if o > 0 => format!("[{base}+{o}]"),
+        o => format!("[{base}{o}]"),
+    }
+}
+
+impl std::fmt::Display for Shared {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&address(self.base, self.offset))
+    }
+}
+impl std::fmt::Display for Global {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&address(self.base, self.offset))
+    }
+}
+
+/// A kernel parameter of type `T`.
+pub struct Param<T> {
+    name: String,
+    marker: PhantomData<T>,
+}
+
+/// A branch target.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Label(u32);
+
+impl std::fmt::Display for Label {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "$L{}", self.0)
+    }
+}
+
+/// Comparison of `setp`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Cmp {
+    Lt,
+    Le,
+    Gt,
+    Ge,
+    Eq,
+    Ne,
+    /// Float not-equal that is true when either side is NaN (Rust's `!=`).
+    Neu,
+}
+
+impl Cmp {
+    fn name(self) -> &'static str {
+        match self {
+            Cmp::Lt => "lt",
+            Cmp::Le => "le",
+            Cmp::Gt => "gt",
+            Cmp::Ge => "ge",
+            Cmp::Eq => "eq",
+            Cmp::Ne => "ne",
+            Cmp::Neu => "neu",
+        }
+    }
+}
+
+/// Grid axis of `%ctaid`.
+#[derive(Debug, Clone, Copy)]
+pub enum Axis {
+    X,
+    Y,
+    Z,
+}
+
+impl Axis {
+    fn name(self) -> &'static str {
+        match self {
+            Axis::X => "x",
+            Axis::Y => "y",
+            Axis::Z => "z",
+        }
+    }
+}
+
+/// Builds one kernel entry.
+pub struct Kernel {
+    name: String,
+    params: Vec<(String, &'static str)>,
+    threads: u32,
+    counters: [u32; CLASSES],
+    labels: u32,
+    guard: Option<String>,
+    body: String,
+    shared_symbol: &'static str,
+}
+
+impl Kernel {
+    /// A kernel launched with exactly `threads` threads per block, whose
+    /// dynamic shared memory is the symbol `shared_symbol`. The entry starts by
+    /// trapping on any other block size. It carries no `.reqntid`/`.maxntid`:
+    /// with those, ptxas trades small spills for occupancy, and these kernels'
+    /// occupancy is bounded by shared memory anyway.
+    pub fn new(name: &str, threads: u32, shared_symbol: &'static str) -> Kernel {
+        Kernel {
+            name: name.to_string(),
+            params: Vec::new(),
+            threads,
+            counters: [0; CLASSES],
+            labels: 0,
+            guard: None,
+            body: String::new(),
+            shared_symbol,
+        }
+    }
+
+    pub fn threads(&self) -> u32 {
+        self.threads
+    }
+
+    /// Declares the next parameter (parameters are positional, in call order).
+    pub fn param<T: Type>(&mut self, name: &str) -> Param<T> {
+        debug_assert!(
+            self.params.iter().all(|(n, _)| n != name),
+            "duplicate parameter {name}"
+        );
+        self.params.push((name.to_string(), T::DECL));
+        Param {
+            name: name.to_string(),
+            marker: PhantomData,
+        }
+    }
+
+    pub fn reg<T: Type>(&mut self) -> Reg<T> {
+        let id = self.counters[T::CLASS];
+        self.counters[T::CLASS] += 1;
+        Reg {
+            id,
+            marker: PhantomData,
+        }
+    }
+
+    fn line(&mut self, text: std::fmt::Arguments) {
+        self.body.push('\t');
+        if let Some(guard) = &self.guard {
+            self.body.push_str(guard);
+            self.body.push(' ');
+        }
+        let _ = self.body.write_fmt(text);
+        self.body.push_str(";\n");
+    }
+
+    /// A comment line in the output, to keep the PTX reviewable.
+    pub fn comment(&mut self, text: &str) {
+        let _ = writeln!(self.body, "\t// {text}");
+    }
+
+    /// Emits the instructions of `f` under the predicate `p` (negated if `!when`).
+    pub fn guarded(&mut self, p: Reg<Pred>, when: bool, f: impl FnOnce(&mut Kernel)) {
+        debug_assert!(self.guard.is_none(), "guards do not nest");
+        self.guard = Some(format!("@{}{p}", if when { "" } else { "!" }));
+        f(self);
+        self.guard = None;
+    }
+
+    // ---- control flow -------------------------------------------------------
+
+    pub fn label(&mut self) -> Label {
+        self.labels += 1;
+        Label(self.labels)
+    }
+    pub fn place(&mut self, label: Label) {
+        debug_assert!(self.guard.is_none());
+        let _ = writeln!(self.body, "{label}:");
+    }
+    pub fn bra(&mut self, label: Label) {
+        debug_assert!(self.guard.is_none(), "use bra_if for a conditional branch");
+        self.line(format_args!("bra.uni {label}"));
+    }
+    /// Branches when `p` equals `when`.
+    pub fn bra_if(&mut self, p: Reg<Pred>, when: bool, label: Label) {
+        debug_assert!(self.guard.is_none());
+        let bang = if when { "" } else { "!" };
+        self.line(format_args!("@{bang}{p} bra {label}"));
+    }
+    pub fn bar_sync(&mut self) {
+        self.line(format_args!("bar.sync 0"));
+    }
+    pub fn ret(&mut self) {
+        self.line(format_args!("ret"));
+    }
+
+    // ---- special registers and parameters ----------------------------------
+
+    pub fn tid_x(&mut self) -> Reg<U32> {
+        let d = self.reg();
+        self.line(format_args!("mov.u32 {d}, %tid.x"));
+        d
+    }
+    pub fn ctaid(&mut self, axis: Axis) -> Reg<U32> {
+        let d = self.reg();
+        self.line(format_args!("mov.u32 {d}, %ctaid.{}", axis.name()));
+        d
+    }
+    /// Shared-window address of the dynamic shared memory.
+    pub fn shared_base(&mut self) -> Reg<U32> {
+        let d = self.reg();
+        let symbol = self.shared_symbol;
+        self.line(format_args!("mov.u32 {d}, {symbol}"));
+        d
+    }
+    pub fn ld_param<T: Type>(&mut self, param: &Param<T>) -> Reg<T> {
+        let d = self.reg();
+        self.line(format_args!("ld.param{} {d}, [{}]", T::DECL, param.name));
+        d
+    }
+    /// A global pointer parameter, converted to a global-space address.
+    pub fn ld_pointer(&mut self, param: &Param<U64>) -> Reg<U64> {
+        let generic = self.ld_param(param);
+        let d = self.reg();
+        self.line(format_args!("cvta.to.global.u64 {d}, {generic}"));
+        d
+    }
+
+    // ---- moves and arithmetic ----------------------------------------------
+
+    pub fn mov<T: Type>(&mut self, src: impl Into<Op<T>>) -> Reg<T> {
+        let d = self.reg();
+        self.assign(d, src);
+        d
+    }
+    /// `dst = src` for a register updated in a loop.
+    pub fn assign<T: Type>(&mut self, dst: Reg<T>, src: impl Into<Op<T>>) {
+        let src = src.into();
+        self.line(format_args!("mov{} {dst}, {src}", T::DECL));
+    }
+    pub fn add<T: Arith>(&mut self, a: impl Into<Op<T>>, b: impl Into<Op<T>>) -> Reg<T> {
+        let d = self.reg();
+        self.add_to(d, a, b);
+        d
+    }
+    /// `dst = a + b` into an existing register (loop counters).
+    pub fn add_to<T: Arith>(&mut self, dst: Reg<T>, a: impl Into<Op<T>>, b: impl Into<Op<T>>) {
+        let (a, b) = (a.into(), b.into());
+        self.line(format_args!("add.{} {dst}, {a}, {b}", T::ADD));
+    }
+    pub fn sub<T: Arith>(&mut self, a: impl Into<Op<T>>, b: impl Into<Op<T>>) -> Reg<T> {
+        let d = self.reg();
+        let (a, b) = (a.into(), b.into());
+        self.line(format_args!("sub.{} {d}, {a}, {b}", T::ADD));
+        d
+    }
+    /// Low half of the product (wrapping) for integers, rounded for floats.
+    pub fn mul<T: Arith>(&mut self, a: impl Into<Op<T>>, b: impl Into<Op<T>>) -> Reg<T> {
+        let d = self.reg();
+        let (a, b) = (a.into(), b.into());
+        self.line(format_args!("mul.{} {d}, {a}, {b}", T::MUL));
+        d
+    }
+    pub fn min<T: Arith>(&mut self, a: impl Into<Op<T>>, b: impl Into<Op<T>>) -> Reg<T> {
+        let d = self.reg();
+        let (a, b) = (a.into(), b.into());
+        self.line(format_args!("min.{} {d}, {a}, {b}", T::SUFFIX));
+        d
+    }
+    pub fn max<T: Arith>(&mut self, a: impl Into<Op<T>>, b: impl Into<Op<T>>) -> Reg<T> {
+        let d = self.reg();
+        let (a, b) = (a.into(), b.into());
+        self.line(format_args!("max.{} {d}, {a}, {b}", T::SUFFIX));
+        d
+    }
+    /// `a * b + c` on u32, wrapping.
+    pub fn mad_lo(
+        &mut self,
+        a: impl Into<Op<U32>>,
+        b: impl Into<Op<U32>>,
+        c: impl Into<Op<U32>>,
+    ) -> Reg<U32> {
+        let d = self.reg();
+        let (a, b, c) = (a.into(), b.into(), c.into());
+        self.line(format_args!("mad.lo.u32 {d}, {a}, {b}, {c}"));
+        d
+    }
+    /// Full 64-bit product of two u32.
+    pub fn mul_wide(&mut self, a: impl Into<Op<U32>>, b: impl Into<Op<U32>>) -> Reg<U64> {
+        let d = self.reg();
+        let (a, b) = (a.into(), b.into());
+        self.line(format_args!("mul.wide.u32 {d}, {a}, {b}"));
+        d
+    }
+    /// Fused `a * b + c`, rounded once (the IR's `Fma`).
+    pub fn fma(
+        &mut self,
+        a: impl Into<Op<F32>>,
+        b: impl Into<Op<F32>>,
+        c: impl Into<Op<F32>>,
+    ) -> Reg<F32> {
+        let d = self.reg();
+        self.fma_to(d, a, b, c);
+        d
+    }
+    /// Fused `dst = a * b + c` into an existing register (accumulators).
+    pub fn fma_to(
+        &mut self,
+        dst: Reg<F32>,
+        a: impl Into<Op<F32>>,
+        b: impl Into<Op<F32>>,
+        c: impl Into<Op<F32>>,
+    ) {
+        let (a, b, c) = (a.into(), b.into(), c.into());
+        self.line(format_args!("fma.rn.f32 {dst}, {a}, {b}, {c}"));
+    }
+    /// IEEE division, correctly rounded.
+    pub fn div_f32(&mut self, a: impl Into<Op<F32>>, b: impl Into<Op<F32>>) -> Reg<F32> {
+        let d = self.reg();
+        let (a, b) = (a.into(), b.into());
+        self.line(format_args!("div.rn.f32 {d}, {a}, {b}"));
+        d
+    }
+    pub fn div_u32(&mut self, a: impl Into<Op<U32>>, b: impl Into<Op<U32>>) -> Reg<U32> {
+        let d = self.reg();
+        let (a, b) = (a.into(), b.into());
+        self.line(format_args!("div.u32 {d}, {a}, {b}"));
+        d
+    }
+    pub fn rem_u32(&mut self, a: impl Into<Op<U32>>, b: impl Into<Op<U32>>) -> Reg<U32> {
+        let d = self.reg();
+        let (a, b) = (a.into(), b.into());
+        self.line(format_args!("rem.u32 {d}, {a}, {b}"));
+        d
+    }
+    pub fn neg_f32(&mut self, a: Reg<F32>) -> Reg<F32> {
+        let d = self.reg();
+        self.line(format_args!("neg.f32 {d}, {a}"));
+        d
+    }
+    /// Two's-complement negation (wrapping).
+    pub fn neg_s32(&mut self, a: Reg<S32>) -> Reg<S32> {
+        let d = self.reg();
+        self.line(format_args!("neg.s32 {d}, {a}"));
+        d
+    }
+    /// 2^a, approximate (flushes subnormal results to zero).
+    pub fn ex2(&mut self, a: Reg<F32>) -> Reg<F32> {
+        let d = self.reg();
+        self.line(format_args!("ex2.approx.ftz.f32 {d}, {a}"));
+        d
+    }
+    /// exp(a − b) as 2^((a − b)·log2 e): relative error about 2^-21 for the
+    /// exponents of a softmax, and exp(−∞) = 0.
+    pub fn exp_diff(&mut self, a: Reg<F32>, b: Reg<F32>) -> Reg<F32> {
+        let d = self.sub(a, b);
+        let x = self.mul(d, std::f32::consts::LOG2_E);
+        self.ex2(x)
+    }
+
+    // ---- bits ---------------------------------------------------------------
+
+    pub fn and(&mut self, a: impl Into<Op<U32>>, b: impl Into<Op<U32>>) -> Reg<U32> {
+        let d = self.reg();
+        let (a, b) = (a.into(), b.into());
+        self.line(format_args!("and.b32 {d}, {a}, {b}"));
+        d
+    }
+    pub fn or(&mut self, a: impl Into<Op<U32>>, b: impl Into<Op<U32>>) -> Reg<U32> {
+        let d = self.reg();
+        let (a, b) = (a.into(), b.into());
+        self.line(format_args!("or.b32 {d}, {a}, {b}"));
+        d
+    }
+    /// `a << b`; amounts of 32 or more give 0.
+    pub fn shl(&mut self, a: impl Into<Op<U32>>, b: impl Into<Op<U32>>) -> Reg<U32> {
+        let d = self.reg();
+        let (a, b) = (a.into(), b.into());
+        self.line(format_args!("shl.b32 {d}, {a}, {b}"));
+        d
+    }
+    /// Logical `a >> b`.
+    pub fn shr(&mut self, a: impl Into<Op<U32>>, b: impl Into<Op<U32>>) -> Reg<U32> {
+        let d = self.reg();
+        let (a, b) = (a.into(), b.into());
+        self.line(format_args!("shr.u32 {d}, {a}, {b}"));
+        d
+    }
+    /// Low 32 bits of the 64-bit `hi:lo` shifted right by `shift & 31`.
+    pub fn shf_r_wrap(
+        &mut self,
+        lo: Reg<U32>,
+        hi: Reg<U32>,
+        shift: impl Into<Op<U32>>,
+    ) -> Reg<U32> {
+        let d = self.reg();
+        let shift = shift.into();
+        self.line(format_args!("shf.r.wrap.b32 {d}, {lo}, {hi}, {shift}"));
+        d
+    }
+    /// `len` bits of `a` from bit `pos`, zero-extended.
+    pub fn bfe_u32(
+        &mut self,
+        a: Reg<U32>,
+        pos: impl Into<Op<U32>>,
+        len: impl Into<Op<U32>>,
+    ) -> Reg<U32> {
+        let d = self.reg();
+        let (pos, len) = (pos.into(), len.into());
+        self.line(format_args!("bfe.u32 {d}, {a}, {pos}, {len}"));
+        d
+    }
+    /// `len` bits of `a` from bit `pos` as a two's-complement integer.
+    pub fn bfe_s32(
+        &mut self,
+        a: Reg<U32>,
+        pos: impl Into<Op<U32>>,
+        len: impl Into<Op<U32>>,
+    ) -> Reg<S32> {
+        let d = self.reg();
+        let (pos, len) = (pos.into(), len.into());
+        self.line(format_args!("bfe.s32 {d}, {a}, {pos}, {len}"));
+        d
+    }
+    /// `base` with `len` bits from bit `pos` replaced by the low bits of `field`.
+    pub fn bfi(
+        &mut self,
+        field: Reg<U32>,
+        base: Reg<U32>,
+        pos: impl Into<Op<U32>>,
+        len: impl Into<Op<U32>>,
+    ) -> Reg<U32> {
+        let d = self.reg();
+        let (pos, len) = (pos.into(), len.into());
+        self.line(format_args!("bfi.b32 {d}, {field}, {base}, {pos}, {len}"));
+        d
+    }
+    pub fn popc(&mut self, a: Reg<U32>) -> Reg<U32> {
+        let d = self.reg();
+        self.line(format_args!("popc.b32 {d}, {a}"));
+        d
+    }
+
+    // ---- conversions --------------------------------------------------------
+
+    /// Low 16 bits.
+    pub fn low16(&mut self, a: Reg<U32>) -> Reg<B16> {
+        let d = self.reg();
+        self.line(format_args!("cvt.u16.u32 {d}, {a}"));
+        d
+    }
+    /// IEEE binary16 bits to f32 (exact).
+    pub fn f16_to_f32(&mut self, a: Reg<B16>) -> Reg<F32> {
+        let d = self.reg();
+        self.line(format_args!("cvt.f32.f16 {d}, {a}"));
+        d
+    }
+    pub fn u32_to_f32(&mut self, a: Reg<U32>) -> Reg<F32> {
+        let d = self.reg();
+        self.line(format_args!("cvt.rn.f32.u32 {d}, {a}"));
+        d
+    }
+    pub fn s32_to_f32(&mut self, a: Reg<S32>) -> Reg<F32> {
+        let d = self.reg();
+        self.line(format_args!("cvt.rn.f32.s32 {d}, {a}"));
+        d
+    }
+    pub fn u32_to_u64(&mut self, a: Reg<U32>) -> Reg<U64> {
+        let d = self.reg();
+        self.line(format_args!("cvt.u64.u32 {d}, {a}"));
+        d
+    }
+    /// Reinterprets 32 bits as another 32-bit type.
+    pub fn bitcast<A: Bits32, B: Bits32>(&mut self, a: Reg<A>) -> Reg<B> {
+        let d = self.reg();
+        self.line(format_args!("mov.b32 {d}, {a}"));
+        d
+    }
+
+    // ---- comparisons and selection -----------------------------------------
+
+    pub fn setp<T: Arith>(
+        &mut self,
+        cmp: Cmp,
+        a: impl Into<Op<T>>,
+        b: impl Into<Op<T>>,
+    ) -> Reg<Pred> {
+        debug_assert!(cmp != Cmp::Neu || T::SUFFIX == "f32", "neu compares floats");
+        let d = self.reg();
+        let (a, b) = (a.into(), b.into());
+        self.line(format_args!(
+            "setp.{}.{} {d}, {a}, {b}",
+            cmp.name(),
+            T::SUFFIX
+        ));
+        d
+    }
+    /// `p ? a : b`.
+    pub fn selp<T: Bits32>(
+        &mut self,
+        a: impl Into<Op<T>>,
+        b: impl Into<Op<T>>,
+        p: Reg<Pred>,
+    ) -> Reg<T> {
+        let d = self.reg();
+        let (a, b) = (a.into(), b.into());
+        self.line(format_args!("selp.{} {d}, {a}, {b}, {p}", T::SUFFIX));
+        d
+    }
+    pub fn and_pred(&mut self, a: Reg<Pred>, b: Reg<Pred>) -> Reg<Pred> {
+        let d = self.reg();
+        self.line(format_args!("and.pred {d}, {a}, {b}"));
+        d
+    }
+    pub fn or_pred(&mut self, a: Reg<Pred>, b: Reg<Pred>) -> Reg<Pred> {
+        let d = self.reg();
+        self.line(format_args!("or.pred {d}, {a}, {b}"));
+        d
+    }
+    pub fn not_pred(&mut self, a: Reg<Pred>) -> Reg<Pred> {
+        let d = self.reg();
+        self.line(format_args!("not.pred {d}, {a}"));
+        d
+    }
+
+    // ---- warp ---------------------------------------------------------------
+
+    /// The value of lane `lane ^ mask` (all 32 lanes take part).
+    pub fn shfl_bfly<T: Bits32>(&mut self, a: Reg<T>, mask: u32) -> Reg<T> {
+        debug_assert!(mask < 32);
+        let d = self.reg();
+        self.line(format_args!(
+            "shfl.sync.bfly.b32 {d}, {a}, {mask}, 31, 0xffffffff"
+        ));
+        d
+    }
+
+    // ---- memory -------------------------------------------------------------
+
+    pub fn ld_shared<T: Bits32>(&mut self, at: Shared) -> Reg<T> {
+        let d = self.reg();
+        self.line(format_args!("ld.shared.{} {d}, {at}", T::SUFFIX));
+        d
+    }
+    /// 16 bytes; `at` must be 16-byte aligned.
+    pub fn ld_shared_v4<T: Bits32>(&mut self, at: Shared) -> [Reg<T>; 4] {
+        let d = [self.reg(), self.reg(), self.reg(), self.reg()];
+        self.line(format_args!(
+            "ld.shared.v4.{} {{{}, {}, {}, {}}}, {at}",
+            T::SUFFIX,
+            d[0],
+            d[1],
+            d[2],
+            d[3]
+        ));
+        d
+    }
+    pub fn st_shared<T: Bits32>(&mut self, at: Shared, value: impl Into<Op<T>>) {
+        let value = value.into();
+        self.line(format_args!("st.shared.{} {at}, {value}", T::SUFFIX));
+    }
+    /// 16 bytes; `at` must be 16-byte aligned.
+    pub fn st_shared_v4<T: Bits32>(&mut self, at: Shared, values: [Reg<T>; 4]) {
+        self.line(format_args!(
+            "st.shared.v4.{} {at}, {{{}, {}, {}, {}}}",
+            T::SUFFIX,
+            values[0],
+            values[1],
+            values[2],
+            values[3]
+        ));
+    }
+    /// Read-only, non-coherent global load (tables, page lists, queries).
+    pub fn ld_global_nc<T: Bits32>(&mut self, at: Global) -> Reg<T> {
+        let d = self.reg();
+        self.line(format_args!("ld.global.nc.{} {d}, {at}", T::SUFFIX));
+        d
+    }
+    /// 16 bytes, read-only; `at` must be 16-byte aligned.
+    pub fn ld_global_nc_v4<T: Bits32>(&mut self, at: Global) -> [Reg<T>; 4] {
+        let d = [self.reg(), self.reg(), self.reg(), self.reg()];
+        self.line(format_args!(
+            "ld.global.nc.v4.{} {{{}, {}, {}, {}}}, {at}",
+            T::SUFFIX,
+            d[0],
+            d[1],
+            d[2],
+            d[3]
+        ));
+        d
+    }
+    pub fn ld_global<T: Bits32>(&mut self, at: Global) -> Reg<T> {
+        let d = self.reg();
+        self.line(format_args!("ld.global.{} {d}, {at}", T::SUFFIX));
+        d
+    }
+    pub fn st_global<T: Bits32>(&mut self, at: Global, value: impl Into<Op<T>>) {
+        let value = value.into();
+        self.line(format_args!("st.global.{} {at}, {value}", T::SUFFIX));
+    }
+    /// Asynchronous 16-byte copy global -> shared (sm_80+), bypassing L1; both
+    /// addresses 16-byte aligned. Completes with [`cp_async_wait`](Self::cp_async_wait).
+    pub fn cp_async_16(&mut self, dst: Shared, src: Global) {
+        self.line(format_args!("cp.async.cg.shared.global {dst}, {src}, 16"));
+    }
+    /// Closes the current group of `cp.async` copies (an empty group is fine).
+    pub fn cp_async_commit(&mut self) {
+        self.line(format_args!("cp.async.commit_group"));
+    }
+    /// Waits until at most `pending` of this thread's groups are in flight.
+    pub fn cp_async_wait(&mut self, pending: u32) {
+        self.line(format_args!("cp.async.wait_group {pending}"));
+    }
+
+    /// Address arithmetic: `base + index * scale` in the global space.
+    pub fn global_index(&mut self, base: Reg<U64>, index: Reg<U32>, scale: u32) -> Reg<U64> {
+        let offset = if scale == 1 {
+            self.u32_to_u64(index)
+        } else {
+            self.mul_wide(index, scale)
+        };
+        self.add(base, offset)
+    }
+
+    /// The finished `.entry` text.
+    pub fn finish(self) -> String {
+        let mut out = String::new();
+        let _ = writeln!(out, ".visible .entry {}(", self.name);
+        for (i, (name, ty)) in self.params.iter().enumerate() {
+            let comma = if i + 1 < self.params.len() { "," } else { "" };
+            let _ = writeln!(out, "\t.param {ty} {name}{comma}");
+        }
+        let _ = writeln!(out, ")");
+        let _ = writeln!(out, "{{");
+        let decls: [(&str, &str); CLASSES] = [
+            (U32::DECL, U32::PREFIX),
+            (S32::DECL, S32::PREFIX),
+            (F32::DECL, F32::PREFIX),
+            (B32::DECL, B32::PREFIX),
+            (U64::DECL, U64::PREFIX),
+            (B16::DECL, B16::PREFIX),
+            (Pred::DECL, Pred::PREFIX),
+        ];
+        // The launch guard's two registers come after the body's.
+        let mut counters = self.counters;
+        counters[U32::CLASS] += 1;
+        counters[Pred::CLASS] += 1;
+        for ((decl, prefix), &count) in decls.iter().zip(&counters) {
+            let _ = writeln!(out, "\t.reg {decl} {prefix}<{count}>;");
+        }
+        let (ntid, wrong) = (
+            format!("{}{}", U32::PREFIX, self.counters[U32::CLASS]),
+            format!("{}{}", Pred::PREFIX, self.counters[Pred::CLASS]),
+        );
+        let _ = writeln!(out, "\tmov.u32 {ntid}, %ntid.x;");
+        let _ = writeln!(out, "\tsetp.ne.u32 {wrong}, {ntid}, {};", self.threads);
+        let _ = writeln!(out, "\t@{wrong} trap;");
+        out.push_str(&self.body);
+        out.push_str("}\n");
+        out
+    }
+}
+
+/// A PTX module: header, the dynamic shared-memory symbol, then the kernels.
+pub fn module(version: &str, target: &str, shared_symbol: &str, kernels: &[String]) -> String {
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "//\n// Generated by kvcc (kvcc_compiler::back::ptx). Do not edit.\n//"
+    );
+    let _ = writeln!(out, ".version {version}");
+    let _ = writeln!(out, ".target {target}");
+    let _ = writeln!(out, ".address_size 64\n");
+    let _ = writeln!(out, ".extern .shared .align 16 .b8 {shared_symbol}[];\n");
+    for kernel in kernels {
+        out.push_str(kernel);
+        out.push('\n');
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn registers_are_typed_and_declared_per_type() {
+        let mut k = Kernel::new("k", 64, "smem");
+        let n = k.param::<U32>("n");
+        let n = k.ld_param(&n);
+        let x = k.add(n, 3u32);
+        let f = k.u32_to_f32(x);
+        let g = k.fma(f, 2.0f32, f);
+        let p = k.setp(Cmp::Neu, g, 0.0f32);
+        let s = k.selp(g, 1.0f32, p);
+        let base = k.shared_base();
+        k.st_shared(Shared::at(base).plus(8), s);
+        k.ret();
+        let text = k.finish();
+        assert!(text.contains(".param .u32 n\n"));
+        assert!(text.contains(".reg .u32 %r<4>;"));
+        assert!(text.contains(".reg .f32 %f<3>;"));
+        assert!(text.contains("add.u32 %r1, %r0, 3;"));
+        assert!(text.contains("fma.rn.f32 %f1, %f0, 0f40000000, %f0;"));
+        assert!(text.contains("setp.neu.f32 %p0, %f1, 0f00000000;"));
+        assert!(text.contains("st.shared.f32 [%r2+8], %f2;"));
+        assert!(text.contains("setp.ne.u32 %p1, %r3, 64;\n\t@%p1 trap;"));
+    }
+
+    #[test]
+    fn guards_prefix_every_instruction_in_their_scope() {
+        let mut k = Kernel::new("k", 32, "smem");
+        let t = k.tid_x();
+        let p = k.setp(Cmp::Lt, t, 4u32);
+        k.guarded(p, false, |k| {
+            k.add(t, 1u32);
+        });
+        assert!(k.finish().contains("@!%p0 add.u32 %r1, %r0, 1;"));
+    }
+}

@@ -1,0 +1,662 @@
+//! IR expressions -> PTX, generic over programs: the skeleton says where the
+//! program's memories are ([`Env`]) and the emitter walks the arena once.
+//!
+//! **Replicas.** The per-item programs run for several query heads or several
+//! channels of the same item at once. An expression that depends on the
+//! replica (a shared-array read when replicas are heads; `Input::Channel` when
+//! they are channels; anything computed from those) is emitted once per
+//! replica, everything else once: a key's codes are decoded once and looked up
+//! for every head of the group, a value item's scale read once for all of a
+//! thread's channels. Emission follows arena order, so the live ranges are the
+//! program's own.
+//!
+//! **Item bits** come from the item's bytes in shared memory, at any bit
+//! alignment: see [`ItemReader`].
+
+use std::collections::HashMap;
+
+use super::builder::{Cmp, Global, Kernel, Op, Pred, Reg, Shared, F32, S32, U32, U64};
+use crate::ir::{Arena, BinaryOp, Expr, Handle, Input, Literal, UnaryOp};
+
+/// A value of an IR type.
+#[derive(Clone, Copy)]
+pub enum Val {
+    U32(Op<U32>),
+    I32(Op<S32>),
+    F32(Op<F32>),
+    Bool(Reg<Pred>),
+}
+
+impl Val {
+    pub fn u32(self) -> Op<U32> {
+        match self {
+            Val::U32(v) => v,
+            _ => unreachable!("validated IR: expected u32"),
+        }
+    }
+    pub fn f32(self) -> Op<F32> {
+        match self {
+            Val::F32(v) => v,
+            _ => unreachable!("validated IR: expected f32"),
+        }
+    }
+    pub fn bool(self) -> Reg<Pred> {
+        match self {
+            Val::Bool(v) => v,
+            _ => unreachable!("validated IR: expected bool"),
+        }
+    }
+}
+
+/// Where a table is read from; table starts are 16-byte aligned and padded
+/// to 16 bytes (abi::TableBuffer, plan), so four elements load as one vector.
+#[derive(Clone, Copy)]
+pub enum TableAccess {
+    /// Staged in shared memory at this address.
+    Shared(Reg<U32>),
+    /// In global memory (read-only cache) at this address.
+    Global(Reg<U64>),
+}
+
+/// A shared array as a program sees it: replica `r`'s copy starts at
+/// `base + r * replica_stride`. Bases and strides are 16-byte aligned and
+/// copies are padded to 16 bytes, so four elements load as one vector.
+#[derive(Clone, Copy)]
+pub struct ArrayAccess {
+    pub base: Reg<U32>,
+    pub replica_stride: u32,
+}
+
+/// The current item of the program's stream in shared memory: its byte
+/// address and the alignment the address is known to have.
+#[derive(Clone, Copy)]
+pub struct ItemSource {
+    pub base: Reg<U32>,
+    pub align: u32,
+}
+
+/// What a program's replicas are.
+#[derive(Clone, Copy)]
+pub enum Replicas<'a> {
+    One,
+    /// Query heads: shared arrays are per head.
+    Heads(u32),
+    /// Channels: `Input::Channel` of each replica.
+    Channels(&'a [Reg<U32>]),
+}
+
+/// Everything a program may read, as the skeleton provides it.
+pub struct Env<'a> {
+    pub replicas: Replicas<'a>,
+    /// Per IR array (`None`: the program may not read it).
+    pub arrays: &'a [Option<ArrayAccess>],
+    /// Per IR table.
+    pub tables: &'a [Option<TableAccess>],
+    /// Shared address of the page header's scale slot 0.
+    pub header: Option<Reg<U32>>,
+    pub item: Option<ItemSource>,
+    pub iteration: Option<Reg<U32>>,
+    pub denominator: Option<Reg<F32>>,
+}
+
+/// Emitted values: one per expression, or one per replica for those that vary.
+pub struct Values(Vec<Vec<Val>>);
+
+impl Values {
+    pub fn get(&self, handle: Handle<Expr>, replica: usize) -> Val {
+        let v = &self.0[handle.index()];
+        if v.len() == 1 {
+            v[0]
+        } else {
+            v[replica]
+        }
+    }
+}
+
+/// Emits a program (a function body or one stage iteration).
+pub fn emit(k: &mut Kernel, exprs: &Arena<Expr>, env: &Env) -> Values {
+    let replicas = match env.replicas {
+        Replicas::One => 1,
+        Replicas::Heads(n) => n as usize,
+        Replicas::Channels(c) => c.len(),
+    };
+    let zeros = known_zeros(exprs);
+    let mut reader = env.item.map(ItemReader::new);
+    let mut chunks = Chunks::default();
+    let mut varies = Vec::with_capacity(exprs.len());
+    let mut values: Vec<Vec<Val>> = Vec::with_capacity(exprs.len());
+    for (_, expr) in exprs.iter() {
+        let vary = match *expr {
+            Expr::Input(Input::Channel) => matches!(env.replicas, Replicas::Channels(_)),
+            Expr::Shared { index, .. } => {
+                matches!(env.replicas, Replicas::Heads(_)) || varies[index.index()]
+            }
+            _ => operands(expr).iter().any(|h| varies[h.index()]),
+        };
+        varies.push(vary);
+        let count = if vary { replicas } else { 1 };
+        let mut out = Vec::with_capacity(count);
+        // A shared read whose index is the same for every head computes the
+        // address once; each head's load adds its copy's offset.
+        let per_head_copy = match *expr {
+            Expr::Shared { array, index } if vary && !varies[index.index()] => Some((array, index)),
+            _ => None,
+        };
+        if let Some((array, index)) = per_head_copy {
+            let access = env.arrays[array.index()].expect("skeleton provides every readable array");
+            let index = values[index.index()][0].u32();
+            let at = shared_element(k, access.base, index);
+            for r in 0..count {
+                let stride = access.replica_stride * r as u32;
+                let value = match index {
+                    Op::Imm(i) => {
+                        chunks.shared(k, (Source::Array(array.index()), r), access.base, stride, i)
+                    }
+                    Op::Reg(_) => k.ld_shared(at.plus(i64::from(stride))),
+                };
+                out.push(Val::F32(Op::Reg(value)));
+            }
+        } else {
+            for r in 0..count {
+                let get = |h: Handle<Expr>| {
+                    let v = &values[h.index()];
+                    if v.len() == 1 {
+                        v[0]
+                    } else {
+                        v[r]
+                    }
+                };
+                let value = emit_one(k, expr, r, get, env, &mut reader, &mut chunks, &zeros);
+                out.push(value);
+            }
+        }
+        values.push(out);
+    }
+    Values(values)
+}
+
+/// `array[index] = value` for a stage store (one replica).
+pub fn store(k: &mut Kernel, access: ArrayAccess, index: Val, value: Val) {
+    let at = shared_element(k, access.base, index.u32());
+    let value = materialize_f32(k, value.f32());
+    k.st_shared(at, value);
+}
+
+pub fn materialize_f32(k: &mut Kernel, v: Op<F32>) -> Reg<F32> {
+    match v {
+        Op::Reg(r) => r,
+        imm => k.mov(imm),
+    }
+}
+
+fn materialize_u32(k: &mut Kernel, v: Op<U32>) -> Reg<U32> {
+    match v {
+        Op::Reg(r) => r,
+        imm => k.mov(imm),
+    }
+}
+
+fn materialize_s32(k: &mut Kernel, v: Op<S32>) -> Reg<S32> {
+    match v {
+        Op::Reg(r) => r,
+        imm => k.mov(imm),
+    }
+}
+
+/// Address of f32 element `index` of a shared array.
+pub fn shared_element(k: &mut Kernel, base: Reg<U32>, index: Op<U32>) -> Shared {
+    match index {
+        Op::Imm(i) => Shared::at(base).plus(4 * i64::from(i)),
+        Op::Reg(r) => Shared::at(k.mad_lo(r, 4u32, base)),
+    }
+}
+
+fn global_element(k: &mut Kernel, base: Reg<U64>, index: Op<U32>) -> Global {
+    match index {
+        Op::Imm(i) => Global::at(base).plus(4 * i64::from(i)),
+        Op::Reg(r) => Global::at(k.global_index(base, r, 4)),
+    }
+}
+
+fn operands(expr: &Expr) -> Vec<Handle<Expr>> {
+    match *expr {
+        Expr::Literal(_) | Expr::Input(_) => vec![],
+        Expr::ItemBits { bit_offset, .. } => vec![bit_offset],
+        Expr::HeaderScale { slot } => vec![slot],
+        Expr::Table { index, .. } | Expr::Shared { index, .. } => vec![index],
+        Expr::Unary { arg, .. } => vec![arg],
+        Expr::Binary { left, right, .. } => vec![left, right],
+        Expr::Fma { a, b, c } => vec![a, b, c],
+        Expr::Select {
+            condition,
+            accept,
+            reject,
+        } => vec![condition, accept, reject],
+    }
+}
+
+/// Trailing zero bits every u32 expression is known to have (32 for zero):
+/// lets a runtime-offset bit read use one 32-bit load when the field cannot
+/// straddle two words (an f16 at `16 * channel`, say).
+fn known_zeros(exprs: &Arena<Expr>) -> Vec<u32> {
+    let mut zeros: Vec<u32> = Vec::with_capacity(exprs.len());
+    for (_, expr) in exprs.iter() {
+        let z = |h: Handle<Expr>| zeros[h.index()];
+        let value = match *expr {
+            Expr::Literal(Literal::U32(v)) => v.trailing_zeros(),
+            Expr::Binary { op, left, right } => match op {
+                BinaryOp::Add | BinaryOp::Subtract | BinaryOp::Or | BinaryOp::Min => {
+                    z(left).min(z(right))
+                }
+                BinaryOp::Multiply => (z(left) + z(right)).min(32),
+                BinaryOp::And => z(left).max(z(right)),
+                BinaryOp::ShiftLeft => match exprs[right] {
+                    Expr::Literal(Literal::U32(amount)) => (z(left) + amount).min(32),
+                    _ => z(left),
+                },
+                _ => 0,
+            },
+            Expr::Select { accept, reject, .. } => z(accept).min(z(reject)),
+            _ => 0,
+        };
+        zeros.push(value);
+    }
+    zeros
+}
+
+#[allow(clippy::too_many_arguments)]
+fn emit_one(
+    k: &mut Kernel,
+    expr: &Expr,
+    replica: usize,
+    get: impl Fn(Handle<Expr>) -> Val,
+    env: &Env,
+    reader: &mut Option<ItemReader>,
+    chunks: &mut Chunks,
+    zeros: &[u32],
+) -> Val {
+    match *expr {
+        Expr::Literal(Literal::U32(v)) => Val::U32(Op::Imm(v)),
+        Expr::Literal(Literal::I32(v)) => Val::I32(Op::Imm(v)),
+        Expr::Literal(Literal::F32(v)) => Val::F32(Op::Imm(v)),
+        Expr::Input(input) => match input {
+            Input::Channel => match env.replicas {
+                Replicas::Channels(c) => Val::U32(Op::Reg(c[replica])),
+                _ => unreachable!("validated IR: channel only in accumulate"),
+            },
+            Input::Iteration => Val::U32(Op::Reg(
+                env.iteration
+                    .expect("validated IR: iteration only in stages"),
+            )),
+            Input::Denominator => Val::F32(Op::Reg(
+                env.denominator
+                    .expect("validated IR: denominator only in the epilogue"),
+            )),
+        },
+        Expr::ItemBits { bit_offset, width } => {
+            let reader = reader
+                .as_mut()
+                .expect("validated IR: item bits in item programs");
+            let bits = match get(bit_offset).u32() {
+                Op::Imm(offset) => reader.read_static(k, offset, width.into()),
+                Op::Reg(offset) => {
+                    reader.read_dynamic(k, offset, width.into(), zeros[bit_offset.index()])
+                }
+            };
+            Val::U32(Op::Reg(bits))
+        }
+        Expr::HeaderScale { slot } => {
+            let header = env.header.expect("validated IR: header in item programs");
+            let at = shared_element(k, header, get(slot).u32());
+            Val::F32(Op::Reg(k.ld_shared(at)))
+        }
+        Expr::Table { table, index } => {
+            let index = get(index).u32();
+            let key = (Source::Table(table.index()), 0);
+            let value = match (
+                env.tables[table.index()].expect("skeleton provides every table"),
+                index,
+            ) {
+                (TableAccess::Shared(base), Op::Imm(i)) => chunks.shared(k, key, base, 0, i),
+                (TableAccess::Global(base), Op::Imm(i)) => chunks.global(k, key, base, i),
+                (TableAccess::Shared(base), index) => {
+                    let at = shared_element(k, base, index);
+                    k.ld_shared(at)
+                }
+                (TableAccess::Global(base), index) => {
+                    let at = global_element(k, base, index);
+                    k.ld_global_nc(at)
+                }
+            };
+            Val::F32(Op::Reg(value))
+        }
+        Expr::Shared { array, index } => {
+            let access = env.arrays[array.index()].expect("skeleton provides every readable array");
+            let stride = match env.replicas {
+                Replicas::Heads(_) => access.replica_stride * replica as u32,
+                _ => 0,
+            };
+            let value = match get(index).u32() {
+                Op::Imm(i) => {
+                    let key = (Source::Array(array.index()), replica);
+                    chunks.shared(k, key, access.base, stride, i)
+                }
+                index => {
+                    let base = match stride {
+                        0 => access.base,
+                        _ => k.add(access.base, stride),
+                    };
+                    let at = shared_element(k, base, index);
+                    k.ld_shared(at)
+                }
+            };
+            Val::F32(Op::Reg(value))
+        }
+        Expr::Unary { op, arg } => unary(k, op, get(arg)),
+        Expr::Binary { op, left, right } => binary(k, op, get(left), get(right)),
+        Expr::Fma { a, b, c } => {
+            let a = get(a).f32();
+            let a = Op::Reg(materialize_f32(k, a));
+            Val::F32(Op::Reg(k.fma(a, get(b).f32(), get(c).f32())))
+        }
+        Expr::Select {
+            condition,
+            accept,
+            reject,
+        } => {
+            let p = get(condition).bool();
+            match (get(accept), get(reject)) {
+                (Val::U32(a), Val::U32(b)) => Val::U32(Op::Reg(k.selp(a, b, p))),
+                (Val::I32(a), Val::I32(b)) => Val::I32(Op::Reg(k.selp(a, b, p))),
+                (Val::F32(a), Val::F32(b)) => Val::F32(Op::Reg(k.selp(a, b, p))),
+                (Val::Bool(a), Val::Bool(b)) => {
+                    let not_p = k.not_pred(p);
+                    let take_a = k.and_pred(p, a);
+                    let take_b = k.and_pred(not_p, b);
+                    Val::Bool(k.or_pred(take_a, take_b))
+                }
+                _ => unreachable!("validated IR: select arms of one type"),
+            }
+        }
+    }
+}
+
+fn unary(k: &mut Kernel, op: UnaryOp, arg: Val) -> Val {
+    let f = |r: Reg<F32>| Val::F32(Op::Reg(r));
+    match (op, arg) {
+        (UnaryOp::Negate, Val::F32(x)) => {
+            let x = materialize_f32(k, x);
+            f(k.neg_f32(x))
+        }
+        (UnaryOp::Negate, Val::I32(x)) => {
+            let x = materialize_s32(k, x);
+            Val::I32(Op::Reg(k.neg_s32(x)))
+        }
+        (UnaryOp::Popcount, Val::U32(x)) => {
+            let x = materialize_u32(k, x);
+            Val::U32(Op::Reg(k.popc(x)))
+        }
+        (UnaryOp::HalfToFloat, Val::U32(x)) => {
+            let x = materialize_u32(k, x);
+            let half = k.low16(x);
+            f(k.f16_to_f32(half))
+        }
+        (UnaryOp::BfloatToFloat, Val::U32(x)) => {
+            // bf16 is the high half of an f32: shifting drops the unused bits.
+            let high = k.shl(x, 16u32);
+            f(k.bitcast(high))
+        }
+        (UnaryOp::BitsToFloat, Val::U32(x)) => {
+            let x = materialize_u32(k, x);
+            f(k.bitcast(x))
+        }
+        (UnaryOp::ToFloat, Val::U32(x)) => {
+            let x = materialize_u32(k, x);
+            f(k.u32_to_f32(x))
+        }
+        (UnaryOp::ToFloat, Val::I32(x)) => {
+            let x = materialize_s32(k, x);
+            f(k.s32_to_f32(x))
+        }
+        (UnaryOp::SignExtend(bits), Val::U32(x)) => {
+            let x = materialize_u32(k, x);
+            Val::I32(Op::Reg(k.bfe_s32(x, 0u32, u32::from(bits))))
+        }
+        _ => unreachable!("validated IR: {op:?} operand type"),
+    }
+}
+
+fn binary(k: &mut Kernel, op: BinaryOp, left: Val, right: Val) -> Val {
+    use BinaryOp::*;
+    match (left, right) {
+        (Val::U32(a), Val::U32(b)) => {
+            // Keep one operand in a register (two immediates only arise from
+            // literals the IR builder did not fold, e.g. a wrapping subtraction).
+            let a = Op::Reg(materialize_u32(k, a));
+            let r = |r: Reg<U32>| Val::U32(Op::Reg(r));
+            match op {
+                Add => r(k.add(a, b)),
+                Subtract => r(k.sub(a, b)),
+                Multiply => r(k.mul(a, b)),
+                Divide => r(k.div_u32(a, b)),
+                Modulo => r(k.rem_u32(a, b)),
+                Min => r(k.min(a, b)),
+                And => r(k.and(a, b)),
+                Or => r(k.or(a, b)),
+                ShiftLeft => r(k.shl(a, b)),
+                ShiftRight => r(k.shr(a, b)),
+                Less => Val::Bool(k.setp(Cmp::Lt, a, b)),
+                Equal => Val::Bool(k.setp(Cmp::Eq, a, b)),
+                NotEqual => Val::Bool(k.setp(Cmp::Ne, a, b)),
+            }
+        }
+        (Val::I32(a), Val::I32(b)) => {
+            let a = Op::Reg(materialize_s32(k, a));
+            let r = |r: Reg<S32>| Val::I32(Op::Reg(r));
+            match op {
+                Add => r(k.add(a, b)),
+                Subtract => r(k.sub(a, b)),
+                Multiply => r(k.mul(a, b)),
+                Min => r(k.min(a, b)),
+                Less => Val::Bool(k.setp(Cmp::Lt, a, b)),
+                Equal => Val::Bool(k.setp(Cmp::Eq, a, b)),
+                NotEqual => Val::Bool(k.setp(Cmp::Ne, a, b)),
+                _ => unreachable!("validated IR: {op:?} on i32"),
+            }
+        }
+        (Val::F32(a), Val::F32(b)) => {
+            let a = Op::Reg(materialize_f32(k, a));
+            let r = |r: Reg<F32>| Val::F32(Op::Reg(r));
+            match op {
+                Add => r(k.add(a, b)),
+                Subtract => r(k.sub(a, b)),
+                Multiply => r(k.mul(a, b)),
+                Divide => r(k.div_f32(a, b)),
+                // PTX min returns the non-NaN operand, as f32::min does.
+                Min => r(k.min(a, b)),
+                Less => Val::Bool(k.setp(Cmp::Lt, a, b)),
+                Equal => Val::Bool(k.setp(Cmp::Eq, a, b)),
+                // Rust's != is true when either side is NaN.
+                NotEqual => Val::Bool(k.setp(Cmp::Neu, a, b)),
+                _ => unreachable!("validated IR: {op:?} on f32"),
+            }
+        }
+        _ => unreachable!("validated IR: {op:?} operands of one type"),
+    }
+}
+
+/// A memory a program reads f32 elements from.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+enum Source {
+    Array(usize),
+    Table(usize),
+}
+
+/// Elements at constant indices load 16 bytes at a time, once per program:
+/// a dot product with the query reads a quarter as many times, for every
+/// head. Keyed by memory, replica and 16-byte chunk.
+#[derive(Default)]
+struct Chunks(HashMap<(Source, usize, u32), [Reg<F32>; 4]>);
+
+impl Chunks {
+    /// Element `index` of the 16-byte-aligned shared memory at `base + offset`.
+    fn shared(
+        &mut self,
+        k: &mut Kernel,
+        (source, replica): (Source, usize),
+        base: Reg<U32>,
+        offset: u32,
+        index: u32,
+    ) -> Reg<F32> {
+        let chunk = self
+            .0
+            .entry((source, replica, index / 4))
+            .or_insert_with(|| {
+                k.ld_shared_v4(Shared::at(base).plus(i64::from(offset + 16 * (index / 4))))
+            });
+        chunk[(index % 4) as usize]
+    }
+
+    /// Element `index` of the 16-byte-aligned global memory at `base`.
+    fn global(
+        &mut self,
+        k: &mut Kernel,
+        (source, replica): (Source, usize),
+        base: Reg<U64>,
+        index: u32,
+    ) -> Reg<F32> {
+        let chunk = self
+            .0
+            .entry((source, replica, index / 4))
+            .or_insert_with(|| k.ld_global_nc_v4(Global::at(base).plus(16 * i64::from(index / 4))));
+        chunk[(index % 4) as usize]
+    }
+}
+
+/// Reads bit fields of one item in shared memory, LSB-first little-endian.
+///
+/// A field at a constant bit offset lives in the item's 32-bit words `k` (and
+/// `k + 1` when it straddles them): one `bfe`, or a funnel shift of the two
+/// words and a `bfe`. Words are loaded once per program. When the item's
+/// address is 16-byte aligned they come four at a time (`ld.shared.v4`); when
+/// it is not 4-byte aligned (6- or 14-byte items) each item word is rebuilt
+/// from the two aligned words around it with a funnel shift by the item's
+/// byte misalignment, once, and everything after that is as if aligned.
+/// Runtime offsets compute the word address and shift per read.
+struct ItemReader {
+    base: Reg<U32>,
+    align: u32,
+    words: HashMap<u32, Reg<U32>>,
+    chunks: HashMap<u32, [Reg<U32>; 4]>,
+    raw: HashMap<u32, Reg<U32>>,
+    /// For unaligned items: the aligned address below the item and the bit
+    /// shift from it to the item's first bit.
+    unaligned: Option<(Reg<U32>, Reg<U32>)>,
+}
+
+impl ItemReader {
+    fn new(source: ItemSource) -> ItemReader {
+        ItemReader {
+            base: source.base,
+            align: source.align,
+            words: HashMap::new(),
+            chunks: HashMap::new(),
+            raw: HashMap::new(),
+            unaligned: None,
+        }
+    }
+
+    fn unaligned(&mut self, k: &mut Kernel) -> (Reg<U32>, Reg<U32>) {
+        let base = self.base;
+        *self.unaligned.get_or_insert_with(|| {
+            let word_base = k.and(base, !3u32);
+            let bytes = k.and(base, 3u32);
+            let shift = k.shl(bytes, 3u32);
+            (word_base, shift)
+        })
+    }
+
+    /// Item word `index`: bits `32 * index ..` of the item.
+    fn word(&mut self, k: &mut Kernel, index: u32) -> Reg<U32> {
+        if let Some(&w) = self.words.get(&index) {
+            return w;
+        }
+        let word = if self.align >= 16 {
+            let base = self.base;
+            let chunk = *self.chunks.entry(index / 4).or_insert_with(|| {
+                k.ld_shared_v4(Shared::at(base).plus(16 * i64::from(index / 4)))
+            });
+            chunk[(index % 4) as usize]
+        } else if self.align >= 4 {
+            k.ld_shared(Shared::at(self.base).plus(4 * i64::from(index)))
+        } else {
+            let (_, shift) = self.unaligned(k);
+            let lo = self.raw(k, index);
+            let hi = self.raw(k, index + 1);
+            k.shf_r_wrap(lo, hi, shift)
+        };
+        self.words.insert(index, word);
+        word
+    }
+
+    /// Aligned word `index` at or below the item's start.
+    fn raw(&mut self, k: &mut Kernel, index: u32) -> Reg<U32> {
+        if let Some(&w) = self.raw.get(&index) {
+            return w;
+        }
+        let (word_base, _) = self.unaligned(k);
+        let w = k.ld_shared(Shared::at(word_base).plus(4 * i64::from(index)));
+        self.raw.insert(index, w);
+        w
+    }
+
+    fn mask(k: &mut Kernel, value: Reg<U32>, position: Op<U32>, width: u32) -> Reg<U32> {
+        if width == 32 {
+            value
+        } else {
+            k.bfe_u32(value, position, width)
+        }
+    }
+
+    fn read_static(&mut self, k: &mut Kernel, offset: u32, width: u32) -> Reg<U32> {
+        let (index, shift) = (offset / 32, offset % 32);
+        let lo = self.word(k, index);
+        if shift + width <= 32 {
+            Self::mask(k, lo, Op::Imm(shift), width)
+        } else {
+            let hi = self.word(k, index + 1);
+            let joined = k.shf_r_wrap(lo, hi, shift);
+            Self::mask(k, joined, Op::Imm(0), width)
+        }
+    }
+
+    /// `zeros`: trailing zero bits `offset` is known to have.
+    fn read_dynamic(
+        &mut self,
+        k: &mut Kernel,
+        offset: Reg<U32>,
+        width: u32,
+        zeros: u32,
+    ) -> Reg<U32> {
+        let (word_base, bit) = if self.align >= 4 {
+            (self.base, offset)
+        } else {
+            let (word_base, shift) = self.unaligned(k);
+            (word_base, k.add(offset, shift))
+        };
+        let index = k.shr(bit, 5u32);
+        let at = k.mad_lo(index, 4u32, word_base);
+        let shift = k.and(bit, 31u32);
+        let lo = k.ld_shared(Shared::at(at));
+        // A field that starts on a multiple of its width never straddles two
+        // words (widths of 1, 2, 4, 8, 16, 32 bits at aligned offsets).
+        let single = self.align >= 4 && width <= 1 << zeros.min(5);
+        if single {
+            Self::mask(k, lo, Op::Reg(shift), width)
+        } else {
+            let hi = k.ld_shared(Shared::at(at).plus(4));
+            let joined = k.shf_r_wrap(lo, hi, shift);
+            Self::mask(k, joined, Op::Imm(0), width)
+        }
+    }
+}

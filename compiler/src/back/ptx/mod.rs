@@ -1,0 +1,248 @@
+//! The PTX backend: per tier of a format, a flash-decoding kernel that computes
+//! attention straight from the tier's pages, plus one merge kernel per format.
+//! Pure Rust; no CUDA toolkit is needed to generate. The kernel design and the
+//! mapping of every IR construct are in `docs/ptx-backend.md`; the launch
+//! contract is [`abi`].
+//!
+//! - [`builder`]: the typed PTX builder (registers, instructions, modules).
+//! - `expr`: IR expressions -> PTX, generic over programs.
+//! - `plan`: tile geometry, work split and shared-memory layout of a tier.
+//! - `skeleton`: the decode kernel around a tier's programs.
+//! - `merge`: the log-sum-exp merge kernel.
+//! - [`abi`]: kernel names, parameters, launch shapes, buffer layouts.
+
+pub mod abi;
+pub mod builder;
+mod expr;
+mod merge;
+mod plan;
+mod skeleton;
+
+use crate::valid::ValidModule;
+use crate::Format;
+
+/// PTX ISA version of the modules: accepted by CUDA 12.0+ drivers (the target
+/// GPUs run CUDA 13.0's) and by ptxas for both targets.
+pub const PTX_VERSION: &str = "8.0";
+
+/// GPU architecture the modules are written for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Target {
+    /// Ampere (A100): `cp.async`, 163 KiB of shared memory per block.
+    Sm80,
+    /// Hopper (H100, H200): 227 KiB of shared memory per block.
+    Sm90,
+}
+
+impl Target {
+    pub const ALL: [Target; 2] = [Target::Sm80, Target::Sm90];
+
+    /// The `.target` name, also used in file names.
+    pub fn name(self) -> &'static str {
+        match self {
+            Target::Sm80 => "sm_80",
+            Target::Sm90 => "sm_90",
+        }
+    }
+
+    /// Most dynamic shared memory one block may opt into (bytes).
+    pub fn max_shared_bytes(self) -> u32 {
+        match self {
+            Target::Sm80 => 163 * 1024,
+            Target::Sm90 => 227 * 1024,
+        }
+    }
+}
+
+/// Generation parameters: the target and the tile shape. Splits are a launch
+/// parameter ([`abi::DecodeKernel::launch`]); the page size comes from the spec.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Options {
+    pub target: Target,
+    /// Warps per CTA (1..=32), for the decode and the merge kernels.
+    pub warps: u32,
+    /// Items per tile (one `cp.async` batch); `None`: as many as fit
+    /// `tile_bytes`, at most a page.
+    pub tile_items: Option<u32>,
+    /// Shared-memory budget of one tile buffer when `tile_items` is `None`
+    /// (two buffers are allocated).
+    pub tile_bytes: u32,
+    /// Query heads per score / accumulate work unit: each value code is decoded
+    /// once per block of this many heads.
+    pub head_block: u32,
+    /// Accumulator registers per thread in the accumulate phase; channels per
+    /// thread are capped at `max_accumulators / head_block`.
+    pub max_accumulators: u32,
+    /// Query heads per kv head the kernels serve at most; `None`: the spec's
+    /// `page.max_query_group`. A model's actual group (at most the spec's)
+    /// avoids computing for heads it does not have.
+    pub query_group: Option<u32>,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            target: Target::Sm90,
+            warps: 4,
+            tile_items: None,
+            tile_bytes: 40 * 1024,
+            head_block: 8,
+            max_accumulators: 32,
+            query_group: None,
+        }
+    }
+}
+
+impl Options {
+    pub fn for_target(target: Target) -> Options {
+        Options {
+            target,
+            ..Options::default()
+        }
+    }
+
+    fn check(&self) -> Result<(), Error> {
+        let bad = |what: String| Err(Error::Options(what));
+        if !(1..=32).contains(&self.warps) {
+            return bad(format!("warps {} is outside 1..=32", self.warps));
+        }
+        if self.tile_items == Some(0) {
+            return bad("tile_items must be at least 1".into());
+        }
+        if self.head_block == 0 {
+            return bad("head_block must be at least 1".into());
+        }
+        if self.max_accumulators == 0 {
+            return bad("max_accumulators must be at least 1".into());
+        }
+        if self.query_group == Some(0) {
+            return bad("query_group must be at least 1".into());
+        }
+        Ok(())
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum Error {
+    #[error("invalid PTX options: {0}")]
+    Options(String),
+    #[error(
+        "format {format}, tier {tier}: the decode kernel needs {needed} bytes of shared memory, \
+         more than {target} allows ({limit}); lower page.max_query_group, tile_items or tile_bytes"
+    )]
+    SharedMemory {
+        format: String,
+        tier: String,
+        needed: u32,
+        limit: u32,
+        target: &'static str,
+    },
+}
+
+/// One tier's module.
+#[derive(Debug, Clone)]
+pub struct TierKernel {
+    pub tier: String,
+    /// The PTX module text (one `.entry`).
+    pub ptx: String,
+    pub kernel: abi::DecodeKernel,
+}
+
+/// The format's merge module.
+#[derive(Debug, Clone)]
+pub struct MergeOutput {
+    pub ptx: String,
+    pub kernel: abi::MergeKernel,
+}
+
+#[derive(Debug, Clone)]
+pub struct Output {
+    pub target: Target,
+    /// Indexed by tier.
+    pub tiers: Vec<TierKernel>,
+    pub merge: MergeOutput,
+}
+
+/// Generates the decode module of every tier and the merge module of `format`.
+pub fn write(format: &Format, options: &Options) -> Result<Output, Error> {
+    options.check()?;
+    let spec_group = format.spec().page.max_query_group;
+    let group_max = match options.query_group {
+        Some(g) if g > spec_group => {
+            return Err(Error::Options(format!(
+                "query_group {g} is larger than the spec's page.max_query_group {spec_group}"
+            )))
+        }
+        Some(g) => g,
+        None => spec_group,
+    };
+    let tiers = format
+        .tiers()
+        .iter()
+        .map(|module| write_tier(module, group_max, options))
+        .collect::<Result<_, _>>()?;
+    let name = format!("kvcc_{}_merge", identifier(format.name()));
+    let threads = 32 * options.warps;
+    let ptx = builder::module(
+        PTX_VERSION,
+        options.target.name(),
+        skeleton::SHARED_SYMBOL,
+        &[merge::merge(format.head_dim(), threads, &name)],
+    );
+    Ok(Output {
+        target: options.target,
+        tiers,
+        merge: MergeOutput {
+            ptx,
+            kernel: abi::MergeKernel {
+                name,
+                threads,
+                partials: abi::PartialLayout::new(format.head_dim()),
+            },
+        },
+    })
+}
+
+/// The decode module of one tier, its shared memory sized for `group_max`
+/// query heads per kv head.
+pub fn write_tier(
+    module: &ValidModule,
+    group_max: u32,
+    options: &Options,
+) -> Result<TierKernel, Error> {
+    options.check()?;
+    let m = module.module();
+    let plan = plan::Plan::new(m, group_max, options)?;
+    let name = format!(
+        "kvcc_{}_{}_decode",
+        identifier(&m.format),
+        identifier(&m.tier)
+    );
+    let entry = skeleton::decode(module, &plan, &name);
+    let ptx = builder::module(
+        PTX_VERSION,
+        options.target.name(),
+        skeleton::SHARED_SYMBOL,
+        &[entry],
+    );
+    Ok(TierKernel {
+        tier: m.tier.clone(),
+        ptx,
+        kernel: abi::DecodeKernel::new(name, m, &plan),
+    })
+}
+
+/// A spec name as a PTX identifier (`-` is not allowed there).
+fn identifier(name: &str) -> String {
+    name.replace('-', "_")
+}
+
+/// Snapshot file name of a tier's module inside `generated/<format>/`.
+pub fn file_name(tier: &str, target: Target) -> String {
+    format!("{tier}.{}.ptx", target.name())
+}
+
+/// Snapshot file name of the merge module inside `generated/<format>/`.
+pub fn merge_file_name(target: Target) -> String {
+    format!("merge.{}.ptx", target.name())
+}

@@ -1,0 +1,447 @@
+//! The static plan of one tier's decode kernel: tile geometry, how the
+//! accumulate work is split over threads, and where everything lives in shared
+//! memory. The skeleton emits code from it and the ABI reports it, so the two
+//! can never disagree about sizes.
+
+use std::collections::HashSet;
+
+use super::{Error, Options};
+use crate::ir::{ArrayDecl, Expr, Handle, Module, Stage};
+use crate::layout::{round_up, Side, TierLayout};
+
+/// Bytes a `cp.async` moves; pages, streams and tables are aligned to it.
+pub const CHUNK: u32 = 16;
+/// Extra bytes after each tile buffer: an unaligned item reader may load the
+/// 32-bit word after the last item's last byte.
+const SLACK: u32 = 16;
+
+/// One item stream (key or value) of a tile.
+#[derive(Debug, Clone, Copy)]
+pub struct Stream {
+    /// Byte offset of the stream in the page.
+    pub page_offset: u32,
+    /// Item stride in the page.
+    pub stride: u32,
+    /// Item stride in shared memory: `stride`, or `stride + 16` when the stride
+    /// is an even number of 16-byte chunks (then lanes reading the same offset
+    /// of consecutive items would hit the same banks).
+    pub shared_stride: u32,
+    /// Byte offset of the stream's items in a tile buffer.
+    pub buffer_offset: u32,
+}
+
+impl Stream {
+    fn new(page_offset: u32, stride: u32) -> Stream {
+        let padded = stride.is_multiple_of(CHUNK) && (stride / CHUNK).is_multiple_of(2);
+        Stream {
+            page_offset,
+            stride,
+            shared_stride: if padded { stride + CHUNK } else { stride },
+            buffer_offset: 0,
+        }
+    }
+
+    /// Whether items are copied one by one to padded rows (else the stream is
+    /// copied as one contiguous run of chunks).
+    pub fn padded(&self) -> bool {
+        self.shared_stride != self.stride
+    }
+
+    /// Known alignment of an item's shared address (1, 2, 4, 8 or 16).
+    pub fn align(&self) -> u32 {
+        1 << self.shared_stride.trailing_zeros().min(4)
+    }
+
+    /// Bytes of a tile of `items` items in shared memory.
+    fn capacity(&self, items: u32) -> u32 {
+        round_up(items * self.shared_stride, CHUNK)
+    }
+}
+
+/// How the accumulate phase splits (items × channels × heads) over threads.
+#[derive(Debug, Clone, Copy)]
+pub struct Accumulate {
+    /// Threads sharing one channel, each taking every `item_lanes`-th item; their
+    /// sums are combined with warp shuffles (a power of two, at most 32).
+    pub item_lanes: u32,
+    /// Channel slots: `threads / item_lanes`.
+    pub slots: u32,
+    /// Channels per thread per round (static register arrays).
+    pub channels: u32,
+    /// Rounds over channels per head block.
+    pub channel_rounds: u32,
+}
+
+#[derive(Debug, Clone)]
+pub struct Plan {
+    pub threads: u32,
+    pub warps: u32,
+    /// Query heads the shared memory is sized for (`page.max_query_group`).
+    pub group_max: u32,
+    /// Query heads per score / accumulate work unit (register arrays).
+    pub head_block: u32,
+    pub head_blocks: u32,
+    pub items_per_page: u32,
+    pub page_bytes: u32,
+    /// Items per tile, and tiles per page.
+    pub tile_items: u32,
+    pub tiles_per_page: u32,
+    pub header_bytes: u32,
+    pub key: Stream,
+    pub value: Stream,
+    pub buffer_bytes: u32,
+    pub dims: u32,
+    pub accumulate: Accumulate,
+    /// Shared offsets of the tables score/accumulate read (`None`: read from
+    /// global memory, by the prologue or epilogue only).
+    pub tables: Vec<Option<u32>>,
+    /// Shared offset of each array's copy for query head 0, and the byte stride
+    /// between heads' copies. Unused arrays get offset 0 and are never touched.
+    pub arrays: Vec<u32>,
+    pub array_stride: Vec<u32>,
+    /// Per-head softmax state: running max, running sum, last rescale factor.
+    pub max: u32,
+    pub sum: u32,
+    pub decay: u32,
+    /// Two tile buffers, then the tile's logits (softmax weights after the
+    /// softmax phase): item `i`, head `h` at float `i * head_stride + h`, so
+    /// the accumulate phase loads a head block's weights as vectors.
+    pub buffers: u32,
+    pub logits: u32,
+    /// Floats per item row of the logits: the head blocks' heads, rounded up to 4.
+    pub head_stride: u32,
+    /// Whether the first tile's copy is issued before the prologue runs (its
+    /// arrays then live apart from the tile buffers).
+    pub prefetch: bool,
+    pub shared_bytes: u32,
+}
+
+/// Which arrays a set of programs reads and writes.
+fn arrays_of_stages(stages: &[Stage], into: &mut HashSet<Handle<ArrayDecl>>) {
+    for stage in stages {
+        into.extend(stage.stores.iter().map(|s| s.array));
+        arrays_read(&stage.exprs, into);
+    }
+}
+
+fn arrays_read(exprs: &crate::ir::Arena<Expr>, into: &mut HashSet<Handle<ArrayDecl>>) {
+    into.extend(exprs.iter().filter_map(|(_, e)| match *e {
+        Expr::Shared { array, .. } => Some(array),
+        _ => None,
+    }));
+}
+
+/// Tables the per-item programs read: staged in shared memory once per CTA.
+pub fn staged_tables(module: &Module) -> HashSet<usize> {
+    [&module.key.score.exprs, &module.value.accumulate.exprs]
+        .into_iter()
+        .flat_map(|exprs| exprs.iter())
+        .filter_map(|(_, e)| match *e {
+            Expr::Table { table, .. } => Some(table.index()),
+            _ => None,
+        })
+        .collect()
+}
+
+/// A bump allocator of 16-byte-aligned shared regions.
+struct Bump(u32);
+
+impl Bump {
+    fn take(&mut self, bytes: u32) -> u32 {
+        let at = self.0;
+        self.0 = round_up(self.0 + bytes, CHUNK);
+        at
+    }
+}
+
+/// Bytes of one head's copy of an array (16-byte aligned, for vector access).
+fn array_bytes(len: u32) -> u32 {
+    round_up(4 * len, CHUNK)
+}
+
+impl Plan {
+    /// The plan for `group_max` query heads per kv head. With automatic tiles,
+    /// the tile shrinks until the kernel fits the target's shared memory.
+    pub fn new(module: &Module, group_max: u32, options: &Options) -> Result<Plan, Error> {
+        let layout = &module.layout;
+        let key = Stream::new(layout.key_stream_offset, layout.key.stride);
+        let value = Stream::new(layout.value_stream_offset, layout.value.stride);
+        let mut budget = options.tile_bytes;
+        loop {
+            let tile = tile_items(&key, &value, layout, options.tile_items, budget);
+            match Plan::with_tile(module, group_max, options, tile) {
+                Err(Error::SharedMemory { .. })
+                    if options.tile_items.is_none()
+                        && tile_items(&key, &value, layout, None, budget / 2) < tile =>
+                {
+                    budget /= 2
+                }
+                result => return result,
+            }
+        }
+    }
+
+    fn with_tile(
+        module: &Module,
+        group_max: u32,
+        options: &Options,
+        tile_items: u32,
+    ) -> Result<Plan, Error> {
+        let layout = &module.layout;
+        let threads = 32 * options.warps;
+        let head_block = options.head_block.min(group_max);
+        let head_blocks = group_max.div_ceil(head_block);
+        let mut key = Stream::new(layout.key_stream_offset, layout.key.stride);
+        let mut value = Stream::new(layout.value_stream_offset, layout.value.stride);
+        let items_per_page = layout.items_per_page;
+        key.buffer_offset = layout.header_bytes;
+        value.buffer_offset = key.buffer_offset + key.capacity(tile_items);
+        let buffer_bytes = value.buffer_offset + value.capacity(tile_items) + SLACK;
+
+        let dims = module.value.dims;
+        let accumulate = partition(threads, dims, head_block, options.max_accumulators);
+
+        // Shared memory: staged tables and the arrays score/accumulate keep for
+        // the whole stream first; then the stream's region, which the epilogue's
+        // arrays overlap; the prologue's arrays after it when they fit, so the
+        // first tile can load while the prologue runs.
+        let mut bump = Bump(0);
+        let staged = staged_tables(module);
+        let tables = module
+            .tables
+            .iter()
+            .map(|(h, decl)| {
+                staged
+                    .contains(&h.index())
+                    .then(|| bump.take(array_bytes(decl.len)))
+            })
+            .collect();
+
+        let mut score_reads = HashSet::new();
+        arrays_read(&module.key.score.exprs, &mut score_reads);
+        let mut persistent = score_reads;
+        persistent.insert(module.value.accumulator);
+        let mut prologue = HashSet::from([module.query]);
+        arrays_of_stages(&module.key.prologue.stages, &mut prologue);
+        let mut epilogue = HashSet::from([module.value.output]);
+        arrays_of_stages(&module.value.epilogue.stages, &mut epilogue);
+        // An array both phases use must survive the stream.
+        persistent.extend(prologue.intersection(&epilogue).copied());
+        prologue.retain(|a| !persistent.contains(a));
+        epilogue.retain(|a| !persistent.contains(a));
+
+        let count = module.arrays.len();
+        let mut arrays = vec![0; count];
+        let mut array_stride = vec![0; count];
+        let place = |bump: &mut Bump,
+                     set: &HashSet<Handle<ArrayDecl>>,
+                     arrays: &mut [u32],
+                     stride: &mut [u32]| {
+            for (h, decl) in module.arrays.iter() {
+                if set.contains(&h) {
+                    stride[h.index()] = array_bytes(decl.len);
+                    arrays[h.index()] = bump.take(group_max * array_bytes(decl.len));
+                }
+            }
+        };
+        place(&mut bump, &persistent, &mut arrays, &mut array_stride);
+        let state_bytes = array_bytes(group_max);
+        let max = bump.take(state_bytes);
+        let sum = bump.take(state_bytes);
+        let decay = bump.take(state_bytes);
+
+        let stream_start = bump.0;
+        let buffers = bump.take(2 * buffer_bytes);
+        // Every head of every block has a slot (the last block may pass group_max).
+        let head_stride = (head_blocks * head_block).div_ceil(4) * 4;
+        let logits = bump.take(head_stride * 4 * tile_items);
+        let stream_end = bump.0;
+        let mut epilogue_bump = Bump(stream_start);
+        place(
+            &mut epilogue_bump,
+            &epilogue,
+            &mut arrays,
+            &mut array_stride,
+        );
+        let shared_end = stream_end.max(epilogue_bump.0);
+        let limit = options.target.max_shared_bytes();
+
+        let mut prologue_bump = Bump(shared_end);
+        let mut prologue_arrays = arrays.clone();
+        let mut prologue_stride = array_stride.clone();
+        place(
+            &mut prologue_bump,
+            &prologue,
+            &mut prologue_arrays,
+            &mut prologue_stride,
+        );
+        let (prefetch, shared_bytes) = if prologue_bump.0 <= limit {
+            arrays = prologue_arrays;
+            array_stride = prologue_stride;
+            (true, prologue_bump.0)
+        } else {
+            let mut overlap = Bump(stream_start);
+            place(&mut overlap, &prologue, &mut arrays, &mut array_stride);
+            (false, shared_end.max(overlap.0))
+        };
+        if shared_bytes > limit {
+            return Err(Error::SharedMemory {
+                format: module.format.clone(),
+                tier: module.tier.clone(),
+                needed: shared_bytes,
+                limit,
+                target: options.target.name(),
+            });
+        }
+        Ok(Plan {
+            threads,
+            warps: options.warps,
+            group_max,
+            head_block,
+            head_blocks,
+            items_per_page,
+            page_bytes: layout.page_bytes,
+            tile_items,
+            tiles_per_page: items_per_page.div_ceil(tile_items),
+            header_bytes: layout.header_bytes,
+            key,
+            value,
+            buffer_bytes,
+            dims,
+            accumulate,
+            tables,
+            arrays,
+            array_stride,
+            max,
+            sum,
+            decay,
+            buffers,
+            logits,
+            head_stride,
+            prefetch,
+            shared_bytes,
+        })
+    }
+
+    pub fn stream(&self, side: Side) -> &Stream {
+        match side {
+            Side::Key => &self.key,
+            Side::Value => &self.value,
+        }
+    }
+}
+
+/// Items per tile: `wanted`, or as many as fit `budget` bytes; a whole page
+/// when that is fewer. A page of several tiles is cut into equal tiles (not a
+/// full one and a sliver), each a multiple of `quantum` items so that every
+/// tile's unpadded streams start on a 16-byte boundary.
+fn tile_items(
+    key: &Stream,
+    value: &Stream,
+    layout: &TierLayout,
+    wanted: Option<u32>,
+    budget: u32,
+) -> u32 {
+    let items = layout.items_per_page;
+    let step = |s: &Stream| CHUNK / gcd(s.stride, CHUNK);
+    let quantum = lcm(step(key), step(value));
+    let wanted = wanted.unwrap_or_else(|| {
+        let per_item = key.shared_stride + value.shared_stride;
+        (budget.saturating_sub(layout.header_bytes) / per_item).max(1)
+    });
+    if wanted >= items {
+        return items;
+    }
+    let tiles = items.div_ceil(wanted.max(quantum));
+    round_up(items.div_ceil(tiles), quantum).min(items)
+}
+
+/// Splits `dims` channels × `head_block` heads over `threads` (see [`Accumulate`]).
+fn partition(threads: u32, dims: u32, head_block: u32, max_accumulators: u32) -> Accumulate {
+    if dims >= threads {
+        let channels = dims
+            .div_ceil(threads)
+            .min((max_accumulators / head_block).max(1));
+        Accumulate {
+            item_lanes: 1,
+            slots: threads,
+            channels,
+            channel_rounds: dims.div_ceil(threads * channels),
+        }
+    } else {
+        let lanes = (threads / dims).min(32);
+        let item_lanes = 1 << (31 - lanes.leading_zeros());
+        let slots = threads / item_lanes;
+        Accumulate {
+            item_lanes,
+            slots,
+            channels: 1,
+            channel_rounds: dims.div_ceil(slots),
+        }
+    }
+}
+
+fn gcd(a: u32, b: u32) -> u32 {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
+    }
+}
+
+fn lcm(a: u32, b: u32) -> u32 {
+    a / gcd(a, b) * b
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn accumulate_partition_covers_every_channel() {
+        for threads in [32, 64, 128, 256] {
+            for dims in [1, 3, 16, 32, 48, 100, 128, 256, 1024] {
+                for head_block in [1, 4, 8] {
+                    let a = partition(threads, dims, head_block, 32);
+                    assert!(a.item_lanes.is_power_of_two() && a.item_lanes <= 32);
+                    assert_eq!(a.slots * a.item_lanes, threads);
+                    assert!(a.slots * a.channels * a.channel_rounds >= dims);
+                    assert!(a.channels * head_block <= 32.max(head_block));
+                }
+            }
+        }
+    }
+
+    fn tier(key_stride: u32, value_stride: u32) -> TierLayout {
+        let spec = crate::front::parse_spec(
+            "name = \"t\"\nhead_dim = 8\n[[tier]]\nname = \"a\"\n\
+             key.field = [{ kind = \"dense\", dtype = \"f16\" }]\n\
+             value.field = [{ kind = \"dense\", dtype = \"f16\" }]\n",
+            "t.toml",
+        )
+        .expect("spec");
+        let mut layout = TierLayout::new(&spec, 0);
+        layout.key.stride = key_stride;
+        layout.value.stride = value_stride;
+        layout
+    }
+
+    #[test]
+    fn partial_tiles_keep_streams_chunk_aligned() {
+        let layout = tier(14, 6);
+        let key = Stream::new(32, 14);
+        let value = Stream::new(1024, 6);
+        let items = tile_items(&key, &value, &layout, Some(5), 0);
+        assert_eq!(items, 8);
+        // 57 items would fit: two tiles of 32 rather than 56 + 8.
+        let layout = tier(12, 256);
+        let (key, value) = (Stream::new(32, 12), Stream::new(800, 256));
+        assert_eq!(tile_items(&key, &value, &layout, None, 16 * 1024), 32);
+        assert_eq!(items * 14 % 16, 0);
+        assert_eq!(items * 6 % 16, 0);
+        assert!(Stream::new(0, 256).padded());
+        assert!(!Stream::new(0, 48).padded());
+        assert_eq!(Stream::new(0, 14).align(), 2);
+        assert_eq!(Stream::new(0, 256).align(), 16);
+    }
+}

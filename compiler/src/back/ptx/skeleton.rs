@@ -1,0 +1,930 @@
+//! The flash-decoding kernel around one tier's programs (docs/ptx-backend.md).
+//!
+//! One CTA per (sequence, kv head, split) runs every query head of the kv
+//! head's group: it loads the queries and runs the key prologue per head, then
+//! streams its share of the tier's pages tile by tile — `cp.async` copies into
+//! one shared buffer while the other is computed on — with, per tile, a score
+//! phase (logits of every (item, head)), an online-softmax phase (one warp per
+//! head) and an accumulate phase (threads own value channels for a block of
+//! heads, so each value code is decoded once for all of them). At the end it
+//! runs the value epilogue per head and writes unnormalized partials.
+
+use std::collections::HashSet;
+
+use super::abi::{ParamType, TableBuffer, DECODE_PARAMS};
+use super::builder::{
+    Axis, Cmp, Global, Kernel, Op, Param, Pred, Reg, Shared, Type, F32, U32, U64,
+};
+use super::expr::{self, ArrayAccess, Env, ItemSource, Replicas, TableAccess};
+use super::plan::{Plan, Stream, CHUNK};
+use crate::ir::{Expr, Module, Stage};
+use crate::layout::Side;
+use crate::valid::ValidModule;
+
+/// The dynamic shared memory symbol of every kvcc module.
+pub const SHARED_SYMBOL: &str = "kvcc_smem";
+
+struct Params {
+    pool: Param<U64>,
+    page_offsets: Param<U64>,
+    page_ids: Param<U64>,
+    tables: Param<U64>,
+    queries: Param<U64>,
+    partials: Param<U64>,
+    q_heads: Param<U32>,
+    kv_heads: Param<U32>,
+    splits: Param<U32>,
+    slot_base: Param<U32>,
+    slot_count: Param<U32>,
+    softmax_scale: Param<F32>,
+}
+
+/// Declares the parameters in [`DECODE_PARAMS`] order, checking their types.
+fn declare(k: &mut Kernel) -> Params {
+    let mut next = DECODE_PARAMS.iter();
+    let mut take = |ty: ParamType, decl: &str| {
+        let p = next.next().expect("DECODE_PARAMS lists every parameter");
+        assert_eq!((p.ty, p.ty.ptx()), (ty, decl), "parameter {}", p.name);
+        p.name
+    };
+    let mut pointer = |k: &mut Kernel| k.param::<U64>(take(ParamType::Pointer, U64::DECL));
+    let pool = pointer(k);
+    let page_offsets = pointer(k);
+    let page_ids = pointer(k);
+    let tables = pointer(k);
+    let queries = pointer(k);
+    let partials = pointer(k);
+    let mut int = |k: &mut Kernel| k.param::<U32>(take(ParamType::U32, U32::DECL));
+    let q_heads = int(k);
+    let kv_heads = int(k);
+    let splits = int(k);
+    let slot_base = int(k);
+    let slot_count = int(k);
+    let softmax_scale = k.param::<F32>(take(ParamType::F32, F32::DECL));
+    Params {
+        pool,
+        page_offsets,
+        page_ids,
+        tables,
+        queries,
+        partials,
+        q_heads,
+        kv_heads,
+        splits,
+        slot_base,
+        slot_count,
+        softmax_scale,
+    }
+}
+
+/// The decode kernel of one tier.
+pub fn decode(module: &ValidModule, plan: &Plan, name: &str) -> String {
+    let m = module.module();
+    let mut k = Kernel::new(name, plan.threads, SHARED_SYMBOL);
+    let p = declare(&mut k);
+    let s = Skeleton::setup(&mut k, m, plan, &p);
+    s.run(&mut k);
+    k.finish()
+}
+
+/// Registers the page loop uses. Values only the prologue or the end need
+/// are recomputed there from the parameters (constant-bank reads), so they do
+/// not occupy registers through the loop.
+struct Skeleton<'a> {
+    m: &'a Module,
+    plan: &'a Plan,
+    p: &'a Params,
+    tid: Reg<U32>,
+    group: Reg<U32>,
+    /// Head blocks holding at least one of the group's heads.
+    blocks: Reg<U32>,
+    pool: Reg<U64>,
+    page_ids: Reg<U64>,
+    /// First entry of this split in `page_ids`, and its tile count.
+    first: Reg<U32>,
+    tiles: Reg<U32>,
+    smem: Reg<U32>,
+}
+
+impl<'a> Skeleton<'a> {
+    fn setup(k: &mut Kernel, m: &'a Module, plan: &'a Plan, p: &'a Params) -> Skeleton<'a> {
+        k.comment(&format!(
+            "kvcc decode: format {} tier {}; {} threads, {} items/tile, {} B shared",
+            m.format, m.tier, plan.threads, plan.tile_items, plan.shared_bytes
+        ));
+        let tid = k.tid_x();
+        let split = k.ctaid(Axis::X);
+        let kv_head = k.ctaid(Axis::Y);
+        let sequence = k.ctaid(Axis::Z);
+        let pool = k.ld_pointer(&p.pool);
+        let offsets = k.ld_pointer(&p.page_offsets);
+        let page_ids = k.ld_pointer(&p.page_ids);
+        let q_heads = k.ld_param(&p.q_heads);
+        let kv_heads = k.ld_param(&p.kv_heads);
+        let splits = k.ld_param(&p.splits);
+        let group = k.div_u32(q_heads, kv_heads);
+        let blocks = if plan.head_blocks == 1 {
+            k.mov(1u32)
+        } else {
+            let rounded = k.add(group, plan.head_block - 1);
+            k.div_u32(rounded, plan.head_block)
+        };
+        k.comment("split s takes pages [s * share, (s + 1) * share) of its row");
+        let row = k.mad_lo(sequence, kv_heads, kv_head);
+        let row_at = k.global_index(offsets, row, 4);
+        let begin = k.ld_global_nc::<U32>(Global::at(row_at));
+        let end = k.ld_global_nc::<U32>(Global::at(row_at).plus(4));
+        let pages = k.sub(end, begin);
+        let rounded = k.add(pages, splits);
+        let rounded = k.sub(rounded, 1u32);
+        let share = k.div_u32(rounded, splits);
+        let start = k.mul(split, share);
+        let start = k.min(start, pages);
+        let stop = k.add(start, share);
+        let stop = k.min(stop, pages);
+        let count = k.sub(stop, start);
+        let first = k.add(begin, start);
+        let tiles = k.mul(count, plan.tiles_per_page);
+        let smem = k.shared_base();
+        Skeleton {
+            m,
+            plan,
+            p,
+            tid,
+            group,
+            blocks,
+            pool,
+            page_ids,
+            first,
+            tiles,
+            smem,
+        }
+    }
+
+    /// `sequence * q_heads + kv_head * group`: the row of the group's first query head.
+    fn q_row(&self, k: &mut Kernel) -> Reg<U32> {
+        let sequence = k.ctaid(Axis::Z);
+        let kv_head = k.ctaid(Axis::Y);
+        let q_heads = k.ld_param(&self.p.q_heads);
+        let head0 = k.mul(kv_head, self.group);
+        k.mad_lo(sequence, q_heads, head0)
+    }
+
+    /// Global address of this kv head's tables.
+    fn tables(&self, k: &mut Kernel) -> Reg<U64> {
+        let tables = k.ld_pointer(&self.p.tables);
+        let kv_head = k.ctaid(Axis::Y);
+        k.global_index(tables, kv_head, 4 * TableBuffer::of(self.m).stride)
+    }
+
+    fn run(&self, k: &mut Kernel) {
+        let plan = self.plan;
+        let empty = k.label();
+        let none = k.setp(Cmp::Eq, self.tiles, 0u32);
+        k.bra_if(none, true, empty);
+
+        k.comment("stage the tables score/accumulate read into shared memory");
+        let buffer = TableBuffer::of(self.m);
+        let tables = self.tables(k);
+        for (t, at) in plan.tables.iter().enumerate() {
+            if let Some(at) = *at {
+                let chunks = (buffer.lens[t] * 4).div_ceil(CHUNK);
+                let src = Global::at(tables).plus(4 * i64::from(buffer.offsets[t]));
+                let dst = Shared::at(self.smem).plus(at.into());
+                self.copy(k, Op::Imm(chunks), dst, src);
+            }
+        }
+        let zero = k.mov(0u32);
+        if plan.prefetch {
+            k.comment("the first tile loads while the prologue runs");
+            self.issue_tile(k, zero);
+        }
+        k.cp_async_commit();
+        self.init_state(k);
+        self.load_queries(k);
+        k.bar_sync();
+        k.comment("key prologue, every head of the group");
+        self.stages(k, &self.m.key.prologue.stages, false);
+        if !plan.prefetch {
+            self.issue_tile(k, zero);
+            k.cp_async_commit();
+        }
+        self.stream(k);
+        k.comment("value epilogue, every head of the group");
+        self.stages(k, &self.m.value.epilogue.stages, true);
+        self.write_partials(k, true);
+        k.ret();
+        k.place(empty);
+        k.comment("no pages: an empty partial (m = -inf, l = 0, out = 0)");
+        self.write_partials(k, false);
+        k.ret();
+    }
+
+    /// `for i in start.. count step threads { body(i) }` (no barrier inside).
+    fn strided(
+        &self,
+        k: &mut Kernel,
+        start: Reg<U32>,
+        count: Op<U32>,
+        step: u32,
+        mut body: impl FnMut(&mut Kernel, Reg<U32>),
+    ) {
+        let i = k.mov(start);
+        let (top, end) = (k.label(), k.label());
+        k.place(top);
+        let done = k.setp(Cmp::Ge, i, count);
+        k.bra_if(done, true, end);
+        body(k, i);
+        k.add_to(i, i, step);
+        k.bra(top);
+        k.place(end);
+    }
+
+    /// `cp.async` of `chunks` 16-byte chunks from `src` to `dst`, over the CTA.
+    fn copy(&self, k: &mut Kernel, chunks: Op<U32>, dst: Shared, src: Global) {
+        self.strided(k, self.tid, chunks, self.plan.threads, |k, q| {
+            let to = k.mad_lo(q, CHUNK, dst.base);
+            let from = k.global_index(src.base, q, CHUNK);
+            k.cp_async_16(
+                Shared::at(to).plus(dst.offset),
+                Global::at(from).plus(src.offset),
+            );
+        });
+    }
+
+    /// Shared address of array `a` for query head 0.
+    fn array_base(&self, k: &mut Kernel, a: usize) -> Reg<U32> {
+        k.add(self.smem, self.plan.arrays[a])
+    }
+
+    fn init_state(&self, k: &mut Kernel) {
+        let plan = self.plan;
+        let neg_inf = k.mov(f32::NEG_INFINITY);
+        let zero = k.mov(0.0f32);
+        self.strided(
+            k,
+            self.tid,
+            Op::Imm(plan.group_max),
+            plan.threads,
+            |k, h| {
+                let at = k.mad_lo(h, 4u32, self.smem);
+                k.st_shared(Shared::at(at).plus(plan.max.into()), neg_inf);
+                k.st_shared(Shared::at(at).plus(plan.sum.into()), zero);
+            },
+        );
+        let acc = self.m.value.accumulator.index();
+        let words = plan.group_max * plan.array_stride[acc] / 4;
+        self.strided(k, self.tid, Op::Imm(words), plan.threads, |k, w| {
+            let at = k.mad_lo(w, 4u32, self.smem);
+            k.st_shared(Shared::at(at).plus(plan.arrays[acc].into()), zero);
+        });
+    }
+
+    /// Queries of the group's heads into their `query` arrays, 16 bytes a load.
+    fn load_queries(&self, k: &mut Kernel) {
+        let head_dim = self.m.head_dim;
+        let vectors = head_dim / 4;
+        let query = self.m.query.index();
+        let stride = self.plan.array_stride[query];
+        let base = self.array_base(k, query);
+        let queries = k.ld_pointer(&self.p.queries);
+        let q_row = self.q_row(k);
+        let total = k.mul(self.group, vectors);
+        self.strided(k, self.tid, Op::Reg(total), self.plan.threads, |k, idx| {
+            let (h, v) = divide(k, idx, vectors);
+            let row = k.add(q_row, h);
+            let four_v = k.shl(v, 2u32);
+            let element = k.mad_lo(row, head_dim, four_v);
+            let src = k.global_index(queries, element, 4);
+            let values = k.ld_global_nc_v4::<F32>(Global::at(src));
+            let head = k.mad_lo(h, stride, base);
+            let dst = k.mad_lo(v, CHUNK, head);
+            k.st_shared_v4(Shared::at(dst), values);
+        });
+    }
+
+    /// Runs kernel stages for every head of the group: iterations
+    /// (head, iteration) strided over the CTA, a barrier after each stage.
+    fn stages(&self, k: &mut Kernel, stages: &[Stage], epilogue: bool) {
+        if stages.is_empty() {
+            return;
+        }
+        let base = self.tables(k);
+        let tables: Vec<Option<TableAccess>> = TableBuffer::of(self.m)
+            .offsets
+            .iter()
+            .map(|&at| {
+                let ptr = k.add(base, u64::from(4 * at));
+                Some(TableAccess::Global(ptr))
+            })
+            .collect();
+        for stage in stages {
+            let used = stage_arrays(stage);
+            let bases: Vec<Option<(Reg<U32>, u32)>> = (0..self.m.arrays.len())
+                .map(|a| {
+                    used.contains(&a)
+                        .then(|| (self.array_base(k, a), self.plan.array_stride[a]))
+                })
+                .collect();
+            let iterations = stage.iterations;
+            let total = k.mul(self.group, iterations);
+            self.strided(k, self.tid, Op::Reg(total), self.plan.threads, |k, idx| {
+                let (h, iteration) = divide(k, idx, iterations);
+                let arrays: Vec<Option<ArrayAccess>> = bases
+                    .iter()
+                    .map(|b| {
+                        b.map(|(base, stride)| ArrayAccess {
+                            base: k.mad_lo(h, stride, base),
+                            replica_stride: stride,
+                        })
+                    })
+                    .collect();
+                let denominator = epilogue.then(|| {
+                    let at = k.mad_lo(h, 4u32, self.smem);
+                    k.ld_shared::<F32>(Shared::at(at).plus(self.plan.sum.into()))
+                });
+                let env = Env {
+                    replicas: Replicas::One,
+                    arrays: &arrays,
+                    tables: &tables,
+                    header: None,
+                    item: None,
+                    iteration: Some(iteration),
+                    denominator,
+                };
+                let values = expr::emit(k, &stage.exprs, &env);
+                for store in &stage.stores {
+                    let access = arrays[store.array.index()].expect("stored arrays are used");
+                    let index = values.get(store.index, 0);
+                    let value = values.get(store.value, 0);
+                    expr::store(k, access, index, value);
+                }
+            });
+            k.bar_sync();
+        }
+    }
+
+    /// Shared address of tile buffer `t % 2`.
+    fn buffer(&self, k: &mut Kernel, t: Reg<U32>) -> Reg<U32> {
+        let parity = k.and(t, 1u32);
+        let base = k.add(self.smem, self.plan.buffers);
+        k.mad_lo(parity, self.plan.buffer_bytes, base)
+    }
+
+    /// First item of tile `t` within its page (`None`: tiles are whole pages)
+    /// and the tile's item count.
+    fn tile_span(&self, k: &mut Kernel, t: Reg<U32>) -> (Option<Reg<U32>>, Op<U32>) {
+        let plan = self.plan;
+        if plan.tiles_per_page == 1 {
+            return (None, Op::Imm(plan.items_per_page));
+        }
+        let chunk = k.rem_u32(t, plan.tiles_per_page);
+        let first = k.mul(chunk, plan.tile_items);
+        let left = k.sub(plan.items_per_page, first);
+        let len = k.min(left, plan.tile_items);
+        (Some(first), Op::Reg(len))
+    }
+
+    /// Issues the copies of tile `t` (header, key items, value items) into its buffer.
+    fn issue_tile(&self, k: &mut Kernel, t: Reg<U32>) {
+        let plan = self.plan;
+        let page_index = if plan.tiles_per_page == 1 {
+            t
+        } else {
+            k.div_u32(t, plan.tiles_per_page)
+        };
+        let entry = k.add(self.first, page_index);
+        let entry_at = k.global_index(self.page_ids, entry, 4);
+        let page_id = k.ld_global_nc::<U32>(Global::at(entry_at));
+        let page = k.global_index(self.pool, page_id, plan.page_bytes);
+        let buf = self.buffer(k, t);
+        let (first, len) = self.tile_span(k, t);
+        self.copy(
+            k,
+            Op::Imm(plan.header_bytes / CHUNK),
+            Shared::at(buf),
+            Global::at(page),
+        );
+        for side in [Side::Key, Side::Value] {
+            self.copy_stream(k, plan.stream(side), page, buf, first, len);
+        }
+    }
+
+    fn copy_stream(
+        &self,
+        k: &mut Kernel,
+        s: &Stream,
+        page: Reg<U64>,
+        buf: Reg<U32>,
+        first: Option<Reg<U32>>,
+        len: Op<U32>,
+    ) {
+        let dst = Shared::at(buf).plus(s.buffer_offset.into());
+        if !s.padded() {
+            // Contiguous: the tile's items start on a chunk boundary (plan).
+            let src = match first {
+                None => Global::at(page),
+                Some(first) => {
+                    let skip = k.mul(first, s.stride);
+                    Global::at(k.global_index(page, skip, 1))
+                }
+            }
+            .plus(s.page_offset.into());
+            let chunks = match len {
+                Op::Imm(n) => Op::Imm((n * s.stride).div_ceil(CHUNK)),
+                Op::Reg(n) => {
+                    let bytes = k.mad_lo(n, s.stride, CHUNK - 1);
+                    Op::Reg(k.shr(bytes, CHUNK.trailing_zeros()))
+                }
+            };
+            self.copy(k, chunks, dst, src);
+            return;
+        }
+        // Padded rows: item by item, 16 bytes at a time.
+        let per_item = s.stride / CHUNK;
+        let chunks = match len {
+            Op::Imm(n) => Op::Imm(n * per_item),
+            Op::Reg(n) => Op::Reg(k.mul(n, per_item)),
+        };
+        self.strided(k, self.tid, chunks, self.plan.threads, |k, q| {
+            let (item, part) = divide(k, q, per_item);
+            let part_bytes = k.shl(part, CHUNK.trailing_zeros());
+            let row = match first {
+                None => item,
+                Some(first) => k.add(item, first),
+            };
+            let from = k.mad_lo(row, s.stride, part_bytes);
+            let from = k.global_index(page, from, 1);
+            let to = k.mad_lo(item, s.shared_stride, part_bytes);
+            let to = k.add(to, dst.base);
+            k.cp_async_16(
+                Shared::at(to).plus(dst.offset),
+                Global::at(from).plus(s.page_offset.into()),
+            );
+        });
+    }
+
+    /// The page loop: double-buffered tiles, score, softmax, accumulate.
+    fn stream(&self, k: &mut Kernel) {
+        let plan = self.plan;
+        k.comment("stream the split's tiles, the next one loading during this one");
+        let t = k.mov(0u32);
+        let top = k.label();
+        k.place(top);
+        let next = k.add(t, 1u32);
+        let more = k.setp(Cmp::Lt, next, self.tiles);
+        let issued = k.label();
+        k.bra_if(more, false, issued);
+        self.issue_tile(k, next);
+        k.place(issued);
+        k.cp_async_commit();
+        k.cp_async_wait(1);
+        k.bar_sync();
+        let buf = self.buffer(k, t);
+        let (first, len) = self.tile_span(k, t);
+        let stored = k.ld_shared::<U32>(Shared::at(buf).plus(4));
+        let items = match first {
+            // Pages hold at most items_per_page (checked on the host).
+            None => k.min(stored, plan.items_per_page),
+            Some(first) => {
+                let left = k.sub(stored, first);
+                let before = k.setp(Cmp::Lt, stored, first);
+                let left = k.selp(0u32, left, before);
+                k.min(left, len)
+            }
+        };
+        let done = k.label();
+        let nothing = k.setp(Cmp::Eq, items, 0u32);
+        k.bra_if(nothing, true, done);
+        let header = k.add(buf, 16u32);
+        let tile = Tile { buf, header, items };
+        self.score(k, &tile);
+        k.bar_sync();
+        self.softmax(k, items);
+        k.bar_sync();
+        self.accumulate(k, &tile);
+        k.place(done);
+        k.bar_sync();
+        k.add_to(t, t, 1u32);
+        let again = k.setp(Cmp::Lt, t, self.tiles);
+        k.bra_if(again, true, top);
+    }
+
+    /// Tables as the per-item programs see them: staged in shared memory.
+    fn staged_tables(&self, k: &mut Kernel) -> Vec<Option<TableAccess>> {
+        self.plan
+            .tables
+            .iter()
+            .map(|at| at.map(|at| TableAccess::Shared(k.add(self.smem, at))))
+            .collect()
+    }
+
+    /// Logits of every (item, head) of the tile, times the softmax scale.
+    fn score(&self, k: &mut Kernel, tile: &Tile) {
+        let plan = self.plan;
+        let hb = plan.head_block;
+        k.comment("score: work units (item, head block), items fastest");
+        let tables = self.staged_tables(k);
+        let mut reads = HashSet::new();
+        for (_, e) in self.m.key.score.exprs.iter() {
+            if let Expr::Shared { array, .. } = *e {
+                reads.insert(array.index());
+            }
+        }
+        let bases: Vec<Option<Reg<U32>>> = (0..self.m.arrays.len())
+            .map(|a| reads.contains(&a).then(|| self.array_base(k, a)))
+            .collect();
+        let items_base = k.add(tile.buf, plan.key.buffer_offset);
+        let logits = k.add(self.smem, plan.logits);
+        let work = if plan.head_blocks == 1 {
+            tile.items
+        } else {
+            k.mul(tile.items, self.blocks)
+        };
+        let row_bytes = 4 * plan.head_stride;
+        let scale = k.ld_param(&self.p.softmax_scale);
+        self.strided(k, self.tid, Op::Reg(work), plan.threads, |k, idx| {
+            let (block, i) = if plan.head_blocks == 1 {
+                (None, idx)
+            } else {
+                let (b, i) = divide(k, idx, tile.items);
+                (Some(b), i)
+            };
+            let arrays: Vec<Option<ArrayAccess>> = bases
+                .iter()
+                .enumerate()
+                .map(|(a, base)| {
+                    base.map(|base| {
+                        let stride = plan.array_stride[a];
+                        ArrayAccess {
+                            base: match block {
+                                None => base,
+                                Some(b) => k.mad_lo(b, hb * stride, base),
+                            },
+                            replica_stride: stride,
+                        }
+                    })
+                })
+                .collect();
+            let item = k.mad_lo(i, plan.key.shared_stride, items_base);
+            let env = Env {
+                replicas: Replicas::Heads(hb),
+                arrays: &arrays,
+                tables: &tables,
+                header: Some(tile.header),
+                item: Some(ItemSource {
+                    base: item,
+                    align: plan.key.align(),
+                }),
+                iteration: None,
+                denominator: None,
+            };
+            let values = expr::emit(k, &self.m.key.score.exprs, &env);
+            let result = self.m.key.score.result.expect("validated functions return");
+            let row = k.mad_lo(i, row_bytes, logits);
+            let row = match block {
+                None => row,
+                Some(b) => k.mad_lo(b, hb * 4, row),
+            };
+            for j in 0..hb {
+                let logit = expr::materialize_f32(k, values.get(result, j as usize).f32());
+                let logit = k.mul(logit, scale);
+                let at = Shared::at(row).plus(i64::from(4 * j));
+                match self.head_ok(k, block, j) {
+                    None => k.st_shared(at, logit),
+                    Some(ok) => k.guarded(ok, true, |k| k.st_shared(at, logit)),
+                }
+            }
+        });
+    }
+
+    /// Whether head `block * head_block + j` is one of the group's (`None`: always).
+    fn head_ok(&self, k: &mut Kernel, block: Option<Reg<U32>>, j: u32) -> Option<Reg<Pred>> {
+        match block {
+            None if j == 0 => None,
+            None => Some(k.setp(Cmp::Lt, j, self.group)),
+            Some(b) => {
+                let head = k.mad_lo(b, self.plan.head_block, j);
+                Some(k.setp(Cmp::Lt, head, self.group))
+            }
+        }
+    }
+
+    /// Online softmax of the tile, one warp per head: new max, weights
+    /// exp(s - m) in place of the logits, rescale factor and running sum.
+    fn softmax(&self, k: &mut Kernel, items: Reg<U32>) {
+        let plan = self.plan;
+        k.comment("softmax: one warp per head");
+        let warp = k.shr(self.tid, 5u32);
+        let lane = k.and(self.tid, 31u32);
+        let logits = k.add(self.smem, plan.logits);
+        let row_bytes = 4 * plan.head_stride;
+        let h = k.mov(warp);
+        let (top, end) = (k.label(), k.label());
+        k.place(top);
+        let done = k.setp(Cmp::Ge, h, self.group);
+        k.bra_if(done, true, end);
+        let column = k.mad_lo(h, 4u32, logits);
+        let neg_inf = k.mov(f32::NEG_INFINITY);
+        let best = k.mov(neg_inf);
+        self.strided(k, lane, Op::Reg(items), 32, |k, i| {
+            let at = k.mad_lo(i, row_bytes, column);
+            let s = k.ld_shared::<F32>(Shared::at(at));
+            let larger = k.max(best, s);
+            k.assign(best, larger);
+        });
+        self.warp_reduce(k, best, |k, a, b| k.max(a, b));
+        let state = k.mad_lo(h, 4u32, self.smem);
+        let old = k.ld_shared::<F32>(Shared::at(state).plus(plan.max.into()));
+        let new = k.max(old, best);
+        let decay = k.exp_diff(old, new);
+        let total = k.mov(0.0f32);
+        self.strided(k, lane, Op::Reg(items), 32, |k, i| {
+            let at = k.mad_lo(i, row_bytes, column);
+            let s = k.ld_shared::<F32>(Shared::at(at));
+            let w = k.exp_diff(s, new);
+            k.st_shared(Shared::at(at), w);
+            k.add_to(total, total, w);
+        });
+        self.warp_reduce(k, total, |k, a, b| k.add(a, b));
+        let sum = k.ld_shared::<F32>(Shared::at(state).plus(plan.sum.into()));
+        let sum = k.fma(sum, decay, total);
+        let leader = k.setp(Cmp::Eq, lane, 0u32);
+        k.guarded(leader, true, |k| {
+            k.st_shared(Shared::at(state).plus(plan.max.into()), new);
+            k.st_shared(Shared::at(state).plus(plan.sum.into()), sum);
+            k.st_shared(Shared::at(state).plus(plan.decay.into()), decay);
+        });
+        k.add_to(h, h, plan.warps);
+        k.bra(top);
+        k.place(end);
+    }
+
+    /// Butterfly reduction over the warp: every lane ends with the result in `v`.
+    fn warp_reduce(
+        &self,
+        k: &mut Kernel,
+        v: Reg<F32>,
+        op: impl Fn(&mut Kernel, Reg<F32>, Reg<F32>) -> Reg<F32>,
+    ) {
+        for mask in [16, 8, 4, 2, 1] {
+            let other = k.shfl_bfly(v, mask);
+            let r = op(k, v, other);
+            k.assign(v, r);
+        }
+    }
+
+    /// acc[h][c] = acc[h][c] * decay[h] + Σ_i p[h][i] · v_i[c] for the tile.
+    fn accumulate(&self, k: &mut Kernel, tile: &Tile) {
+        let plan = self.plan;
+        let a = plan.accumulate;
+        let hb = plan.head_block;
+        let dims = plan.dims;
+        k.comment(&format!(
+            "accumulate: {} channel(s) x {} head(s) per thread, {} item lane(s)",
+            a.channels, hb, a.item_lanes
+        ));
+        let tables = self.staged_tables(k);
+        let (slot, lane, leader) = if a.item_lanes == 1 {
+            (self.tid, None, None)
+        } else {
+            let slot = k.shr(self.tid, a.item_lanes.trailing_zeros());
+            let lane = k.and(self.tid, a.item_lanes - 1);
+            let leader = k.setp(Cmp::Eq, lane, 0u32);
+            (slot, Some(lane), Some(leader))
+        };
+        let acc_index = self.m.value.accumulator.index();
+        let acc_stride = plan.array_stride[acc_index];
+        let acc0 = self.array_base(k, acc_index);
+        let decay0 = k.add(self.smem, plan.decay);
+        let logits0 = k.add(self.smem, plan.logits);
+        let items_base = k.add(tile.buf, plan.value.buffer_offset);
+        let row_bytes = 4 * plan.head_stride;
+        let rounds = plan.head_blocks * a.channel_rounds;
+        let span = a.channels * a.slots;
+        let may_overrun = span * a.channel_rounds > dims;
+        let zero = k.mov(0.0f32);
+
+        let r = k.mov(0u32);
+        let (top, end) = (k.label(), k.label());
+        k.place(top);
+        let (block, round) = match (plan.head_blocks > 1, a.channel_rounds > 1) {
+            (false, false) => (None, None),
+            (true, false) => (Some(r), None),
+            (false, true) => (None, Some(r)),
+            (true, true) => {
+                let (b, cr) = divide(k, r, a.channel_rounds);
+                (Some(b), Some(cr))
+            }
+        };
+        if let Some(b) = block {
+            // Rounds go block by block: past the group's last head, stop.
+            let first_head = k.mul(b, hb);
+            let past = k.setp(Cmp::Ge, first_head, self.group);
+            k.bra_if(past, true, end);
+        }
+        let first_channel = match round {
+            None => slot,
+            Some(cr) => k.mad_lo(cr, span, slot),
+        };
+        let mut channels = Vec::new();
+        let mut valid = Vec::new();
+        for c in 0..a.channels {
+            let channel = match c {
+                0 => first_channel,
+                _ => k.add(first_channel, c * a.slots),
+            };
+            if may_overrun {
+                valid.push(Some(k.setp(Cmp::Lt, channel, dims)));
+                channels.push(k.min(channel, dims - 1));
+            } else {
+                valid.push(None);
+                channels.push(channel);
+            }
+        }
+        let scaled = |k: &mut Kernel, base: Reg<U32>, bytes: u32| match block {
+            None => base,
+            Some(b) => k.mad_lo(b, bytes, base),
+        };
+        let acc_block = scaled(k, acc0, hb * acc_stride);
+        let decay_block = scaled(k, decay0, hb * 4);
+        let logits_block = scaled(k, logits0, hb * 4);
+
+        // Registers: this round's accumulators, rescaled by the tile's decay.
+        let decays: Vec<Reg<F32>> = (0..hb)
+            .map(|j| k.ld_shared(Shared::at(decay_block).plus(i64::from(4 * j))))
+            .collect();
+        let mut acc = Vec::new();
+        for &channel in &channels {
+            let at = k.mad_lo(channel, 4u32, acc_block);
+            let row: Vec<Reg<F32>> = decays
+                .iter()
+                .enumerate()
+                .map(|(j, &decay)| {
+                    let old =
+                        k.ld_shared::<F32>(Shared::at(at).plus(i64::from(j as u32 * acc_stride)));
+                    let rescaled = k.mul(old, decay);
+                    match leader {
+                        None => rescaled,
+                        Some(leader) => k.selp(rescaled, zero, leader),
+                    }
+                })
+                .collect();
+            acc.push((at, row));
+        }
+
+        let start = lane.unwrap_or_else(|| k.mov(0u32));
+        self.strided(k, start, Op::Reg(tile.items), a.item_lanes, |k, i| {
+            let item = k.mad_lo(i, plan.value.shared_stride, items_base);
+            let env = Env {
+                replicas: Replicas::Channels(&channels),
+                arrays: &[],
+                tables: &tables,
+                header: Some(tile.header),
+                item: Some(ItemSource {
+                    base: item,
+                    align: plan.value.align(),
+                }),
+                iteration: None,
+                denominator: None,
+            };
+            let values = expr::emit(k, &self.m.value.accumulate.exprs, &env);
+            let result = self
+                .m
+                .value
+                .accumulate
+                .result
+                .expect("validated functions return");
+            let weights_at = Shared::at(k.mad_lo(i, row_bytes, logits_block));
+            // A block of a multiple of 4 heads starts 16-byte aligned.
+            let weights: Vec<Reg<F32>> = if hb.is_multiple_of(4) {
+                (0..hb / 4)
+                    .flat_map(|q| k.ld_shared_v4(weights_at.plus(i64::from(16 * q))))
+                    .collect()
+            } else {
+                (0..hb)
+                    .map(|j| k.ld_shared(weights_at.plus(i64::from(4 * j))))
+                    .collect()
+            };
+            for (c, (_, row)) in acc.iter().enumerate() {
+                let v = expr::materialize_f32(k, values.get(result, c).f32());
+                for (&sum, &w) in row.iter().zip(&weights) {
+                    k.fma_to(sum, w, v, sum);
+                }
+            }
+        });
+
+        for (c, (at, row)) in acc.iter().enumerate() {
+            for (j, &sum) in row.iter().enumerate() {
+                let mut mask = a.item_lanes / 2;
+                while mask > 0 {
+                    let other = k.shfl_bfly(sum, mask);
+                    k.add_to(sum, sum, other);
+                    mask /= 2;
+                }
+                let conditions = [leader, valid[c], self.head_ok(k, block, j as u32)];
+                let at = Shared::at(*at).plus(i64::from(j as u32 * acc_stride));
+                match all(k, &conditions) {
+                    None => k.st_shared(at, sum),
+                    Some(p) => k.guarded(p, true, |k| k.st_shared(at, sum)),
+                }
+            }
+        }
+        if rounds > 1 {
+            k.add_to(r, r, 1u32);
+            let again = k.setp(Cmp::Lt, r, rounds);
+            k.bra_if(again, true, top);
+        }
+        k.place(end);
+    }
+
+    /// The group's partial records: the epilogue output, m and l (or, for a
+    /// split without pages, zeros, -inf and 0).
+    fn write_partials(&self, k: &mut Kernel, filled: bool) {
+        let plan = self.plan;
+        let head_dim = self.m.head_dim;
+        let layout = super::abi::PartialLayout::new(head_dim);
+        let record_bytes = 4 * layout.record;
+        let output = self.m.value.output.index();
+        let out_stride = plan.array_stride[output];
+        let out0 = filled.then(|| self.array_base(k, output));
+        let zero = k.mov(0.0f32);
+        let partials = k.ld_pointer(&self.p.partials);
+        let q_row = self.q_row(k);
+        let slot_count = k.ld_param(&self.p.slot_count);
+        let slot_base = k.ld_param(&self.p.slot_base);
+        let split = k.ctaid(Axis::X);
+        let slot = k.add(slot_base, split);
+        let record = |k: &mut Kernel, h: Reg<U32>| {
+            let row = k.add(q_row, h);
+            let index = k.mad_lo(row, slot_count, slot);
+            k.global_index(partials, index, record_bytes)
+        };
+        let total = k.mul(self.group, head_dim);
+        self.strided(k, self.tid, Op::Reg(total), plan.threads, |k, idx| {
+            let (h, d) = divide(k, idx, head_dim);
+            let value = match out0 {
+                Some(base) => {
+                    let head = k.mad_lo(h, out_stride, base);
+                    let at = k.mad_lo(d, 4u32, head);
+                    k.ld_shared::<F32>(Shared::at(at))
+                }
+                None => zero,
+            };
+            let rec = record(k, h);
+            let at = k.global_index(rec, d, 4);
+            k.st_global(Global::at(at), value);
+        });
+        let neg_inf = k.mov(f32::NEG_INFINITY);
+        self.strided(k, self.tid, Op::Reg(self.group), plan.threads, |k, h| {
+            let (m, l) = if filled {
+                let state = k.mad_lo(h, 4u32, self.smem);
+                (
+                    k.ld_shared::<F32>(Shared::at(state).plus(plan.max.into())),
+                    k.ld_shared::<F32>(Shared::at(state).plus(plan.sum.into())),
+                )
+            } else {
+                (neg_inf, zero)
+            };
+            let rec = Global::at(record(k, h));
+            k.st_global(rec.plus(4 * i64::from(layout.max_offset())), m);
+            k.st_global(rec.plus(4 * i64::from(layout.sum_offset())), l);
+        });
+    }
+}
+
+/// One tile in shared memory.
+struct Tile {
+    buf: Reg<U32>,
+    /// Address of the header's scale slot 0.
+    header: Reg<U32>,
+    /// Valid items of the tile.
+    items: Reg<U32>,
+}
+
+/// Arrays a stage reads or writes.
+fn stage_arrays(stage: &Stage) -> HashSet<usize> {
+    let mut used: HashSet<usize> = stage.stores.iter().map(|s| s.array.index()).collect();
+    for (_, e) in stage.exprs.iter() {
+        if let Expr::Shared { array, .. } = *e {
+            used.insert(array.index());
+        }
+    }
+    used
+}
+
+/// `(idx / n, idx % n)` as quotient and `idx - quotient * n`.
+fn divide(k: &mut Kernel, idx: Reg<U32>, n: impl Into<Op<U32>> + Copy) -> (Reg<U32>, Reg<U32>) {
+    let q = k.div_u32(idx, n);
+    let whole = k.mul(q, n);
+    (q, k.sub(idx, whole))
+}
+
+/// The conjunction of the present conditions (`None`: no condition).
+fn all(k: &mut Kernel, conditions: &[Option<Reg<Pred>>]) -> Option<Reg<Pred>> {
+    conditions
+        .iter()
+        .flatten()
+        .copied()
+        .reduce(|a, b| k.and_pred(a, b))
+}

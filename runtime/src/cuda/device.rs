@@ -1,0 +1,56 @@
+//! Opening the GPU without panicking when there is none.
+
+use std::sync::Arc;
+
+use cudarc::driver::sys::CUdevice_attribute;
+use cudarc::driver::{CudaContext, CudaStream};
+use kvcc_compiler::back::ptx::Target;
+
+use super::{CudaError, During};
+
+pub struct Gpu {
+    pub(crate) context: Arc<CudaContext>,
+    pub(crate) stream: Arc<CudaStream>,
+    pub name: String,
+    pub compute_capability: (i32, i32),
+    /// As cuDriverGetVersion reports it, e.g. 13000.
+    pub driver_version: i32,
+    pub multiprocessors: u32,
+}
+
+impl Gpu {
+    /// GPU 0, or why there is none.
+    pub fn open() -> Result<Gpu, CudaError> {
+        // Probing the library first keeps cudarc from panicking on machines without it.
+        // SAFETY: only tries to dlopen libcuda.
+        if !unsafe { cudarc::driver::sys::is_culib_present() } {
+            return Err(CudaError::NoDriver);
+        }
+        let count = CudaContext::device_count().during(|| "counting devices".into())?;
+        if count == 0 {
+            return Err(CudaError::NoDevice);
+        }
+        let context = CudaContext::new(0).during(|| "creating a context on GPU 0".into())?;
+        let stream = context.new_stream().during(|| "creating a stream".into())?;
+        let name = context.name().during(|| "reading the device name".into())?;
+        let compute_capability = context.compute_capability().during(|| "reading the compute capability".into())?;
+        let multiprocessors = context
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .during(|| "reading the multiprocessor count".into())? as u32;
+        let mut driver_version = 0;
+        // SAFETY: writes one int; the library is loaded (checked above).
+        unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut driver_version) }
+            .result()
+            .during(|| "reading the driver version".into())?;
+        Ok(Gpu { context, stream, name, compute_capability, driver_version, multiprocessors })
+    }
+
+    /// The PTX target to generate for this GPU.
+    pub fn target(&self) -> Target {
+        if self.compute_capability.0 >= 9 {
+            Target::Sm90
+        } else {
+            Target::Sm80
+        }
+    }
+}

@@ -1,0 +1,44 @@
+//! The CUDA runtime: the GPU (through the driver API, loaded at run time), the
+//! generated kernels of a format, a paged cache resident on the device, and a
+//! decode step launched against the PTX backend's ABI.
+
+mod device;
+mod kernels;
+mod resident;
+
+pub use device::Gpu;
+pub use kernels::FormatKernels;
+pub use resident::{DeviceCache, DeviceDecode};
+
+use cudarc::driver::DriverError;
+
+#[derive(Debug, thiserror::Error)]
+pub enum CudaError {
+    #[error("no CUDA driver (libcuda) was found on this machine")]
+    NoDriver,
+    #[error("the CUDA driver reports no GPU")]
+    NoDevice,
+    #[error("CUDA driver error while {during}: {source}")]
+    Driver {
+        during: String,
+        #[source]
+        source: DriverError,
+    },
+    #[error(transparent)]
+    Codegen(#[from] kvcc_compiler::back::ptx::Error),
+    #[error(transparent)]
+    Decode(#[from] kvcc_compiler::back::interp::DecodeError),
+    #[error("{0}")]
+    Shape(String),
+}
+
+/// Attaches what was being done to a driver error.
+pub trait During<T> {
+    fn during(self, what: impl FnOnce() -> String) -> Result<T, CudaError>;
+}
+
+impl<T> During<T> for Result<T, DriverError> {
+    fn during(self, what: impl FnOnce() -> String) -> Result<T, CudaError> {
+        self.map_err(|source| CudaError::Driver { during: what(), source })
+    }
+}

@@ -1,0 +1,69 @@
+//! Decode on the GPU with the generated PTX kernels.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use kvcc_compiler::back::ptx;
+
+use super::{ExecError, Executor};
+use crate::cache::PagedCache;
+use crate::cuda::{CudaError, DeviceCache, DeviceDecode, FormatKernels, Gpu};
+
+pub struct CudaExecutor {
+    gpu: Gpu,
+    options: ptx::Options,
+    /// Loaded kernels per format (keyed by the spec, so an edited spec reloads).
+    kernels: Mutex<HashMap<String, Arc<FormatKernels>>>,
+}
+
+impl CudaExecutor {
+    /// GPU 0 with default kernel options for its architecture.
+    pub fn open() -> Result<CudaExecutor, CudaError> {
+        let gpu = Gpu::open()?;
+        let options = ptx::Options::for_target(gpu.target());
+        Ok(CudaExecutor { gpu, options, kernels: Mutex::new(HashMap::new()) })
+    }
+
+    pub fn gpu(&self) -> &Gpu {
+        &self.gpu
+    }
+
+    fn kernels(&self, cache: &PagedCache) -> Result<Arc<FormatKernels>, CudaError> {
+        let key = format!("{:?}", cache.format().spec());
+        let mut loaded = self.kernels.lock().expect("kernel cache lock");
+        if let Some(k) = loaded.get(&key) {
+            return Ok(k.clone());
+        }
+        let k = Arc::new(FormatKernels::load(&self.gpu, cache.format(), self.options)?);
+        loaded.insert(key, k.clone());
+        Ok(k)
+    }
+
+    fn run(&self, cache: &PagedCache, queries: &[f32], q_heads: usize) -> Result<Vec<f32>, CudaError> {
+        let kernels = self.kernels(cache)?;
+        let device = DeviceCache::upload(&self.gpu, &kernels, cache)?;
+        let mut step = DeviceDecode::new(&self.gpu, &kernels, &device, q_heads, None)?;
+        step.set_queries(&self.gpu, &kernels, &device, queries)?;
+        step.poison(&self.gpu)?;
+        step.launch(&self.gpu, &kernels, &device)?;
+        step.output(&self.gpu, &device, cache.format().head_dim() as usize)
+    }
+}
+
+impl Executor for CudaExecutor {
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn decode(&self, cache: &PagedCache, queries: &[f32], q_heads: usize) -> Result<Vec<f32>, ExecError> {
+        self.run(cache, queries, q_heads).map_err(|e| match e {
+            CudaError::Decode(d) => ExecError::Decode(d),
+            other => ExecError::Backend {
+                executor: "cuda",
+                format: cache.format().name().to_string(),
+                tier: "all".into(),
+                message: other.to_string(),
+            },
+        })
+    }
+}

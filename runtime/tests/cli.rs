@@ -1,0 +1,478 @@
+//! End-to-end tests of the `kvcc` binary: `check`, `eval` (safetensors and
+//! npy inputs) and `demo`, text and `--json` output, and the error paths a
+//! user hits first (bad spec, missing file, head_dim mismatch).
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use kvcc_compiler::Format;
+use kvcc_runtime::builtin::SPECS;
+use kvcc_runtime::synth::{synthesize, SynthOptions};
+use kvcc_runtime::tensor_io::{save_qkv_safetensors, write_npy, Qkv, Tensor4};
+use serde_json::Value;
+
+const SPHERICAL: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../specs/spherical.toml");
+
+fn kvcc(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_kvcc"))
+        .args(args)
+        .output()
+        .expect("run kvcc")
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+/// Runs `kvcc args`, asserts success, returns stdout.
+fn ok(args: &[&str]) -> String {
+    let out = kvcc(args);
+    assert!(
+        out.status.success(),
+        "kvcc {args:?} failed ({}):\nstdout:\n{}\nstderr:\n{}",
+        out.status,
+        text(&out.stdout),
+        text(&out.stderr)
+    );
+    text(&out.stdout)
+}
+
+/// Runs `kvcc args`, asserts a non-zero exit without a panic, returns stderr.
+fn fails(args: &[&str]) -> String {
+    let out = kvcc(args);
+    let stderr = text(&out.stderr);
+    assert!(
+        !out.status.success(),
+        "kvcc {args:?} should fail, but exited 0; stdout:\n{}",
+        text(&out.stdout)
+    );
+    assert!(
+        out.status.code().is_some(),
+        "kvcc {args:?} died of a signal: {}",
+        out.status
+    );
+    assert!(
+        !stderr.contains("panicked"),
+        "kvcc {args:?} panicked instead of reporting an error:\n{stderr}"
+    );
+    assert!(
+        stderr.starts_with("error: "),
+        "kvcc {args:?}: expected an `error: ...` message, got:\n{stderr}"
+    );
+    stderr
+}
+
+fn json(stdout: &str) -> Value {
+    serde_json::from_str(stdout).unwrap_or_else(|e| panic!("not JSON ({e}):\n{stdout}"))
+}
+
+fn num(v: &Value, what: &str) -> f64 {
+    v.as_f64()
+        .unwrap_or_else(|| panic!("{what} is not a number: {v}"))
+}
+
+fn path_str(p: &Path) -> &str {
+    p.to_str().expect("utf-8 temp path")
+}
+
+// ---------------------------------------------------------------------------
+// check
+// ---------------------------------------------------------------------------
+
+#[test]
+fn check_prints_spherical_key_bytes_per_tier() {
+    let stdout = ok(&["check", SPHERICAL]);
+    assert!(
+        stdout.contains("format spherical (head_dim 128"),
+        "{stdout}"
+    );
+    // The table's columns are separated by two or more spaces (descriptions hold single ones).
+    let cells = |line: &str| -> Vec<String> {
+        line.split("  ")
+            .map(str::trim)
+            .filter(|c| !c.is_empty())
+            .map(String::from)
+            .collect()
+    };
+    let header = stdout
+        .lines()
+        .find(|l| l.starts_with("tier "))
+        .map(cells)
+        .unwrap_or_else(|| panic!("no table header:\n{stdout}"));
+    let column = |name: &str| {
+        header
+            .iter()
+            .position(|h| h == name)
+            .unwrap_or_else(|| panic!("no column {name:?} in {header:?}"))
+    };
+    let (key_col, value_col) = (column("K B/item"), column("V B/item"));
+    for (tier, key_bytes) in [("high", "14"), ("mid", "12"), ("low", "6")] {
+        let row = stdout
+            .lines()
+            .find(|l| l.split_whitespace().next() == Some(tier))
+            .map(cells)
+            .unwrap_or_else(|| panic!("no row for tier {tier}:\n{stdout}"));
+        assert_eq!(row.len(), header.len(), "row {row:?} vs header {header:?}");
+        assert_eq!(row[key_col], key_bytes, "{tier}: key bytes in {row:?}");
+        assert_eq!(row[value_col], "256", "{tier}: value bytes in {row:?}");
+    }
+}
+
+#[test]
+fn check_json_reports_key_and_value_bytes() {
+    let report = json(&ok(&["check", SPHERICAL, "--json"]));
+    assert_eq!(report["format"], "spherical");
+    assert_eq!(report["head_dim"], 128);
+    let tiers = report["tiers"].as_array().expect("tiers array");
+    let names: Vec<&str> = tiers
+        .iter()
+        .map(|t| t["tier"].as_str().expect("tier name"))
+        .collect();
+    assert_eq!(names, ["high", "mid", "low"]);
+    for (t, key_bytes) in tiers.iter().zip([14, 12, 6]) {
+        assert_eq!(t["key_bytes"], key_bytes, "{t}");
+        assert_eq!(t["value_bytes"], 256, "{t}");
+        let compression = num(&t["compression"], "compression");
+        assert!(compression.is_finite() && compression > 1.0, "{t}");
+    }
+}
+
+#[test]
+fn check_reports_bad_spec_with_file_line_column_and_field_path() {
+    let dir = tempfile::tempdir().unwrap();
+    // An unsupported value (semantic check) and a wrong type (parse error).
+    let cases = [
+        (
+            "bits3.toml",
+            "name = \"bad\"\nhead_dim = 64\n\n[[tier]]\nname = \"x\"\nkey.field = [{ kind = \"coeff\", bits = 3, scale = \"item\" }]\nvalue.field = [{ kind = \"dense\", dtype = \"f16\" }]\n",
+            ":6:39:",
+            "tier[0].key.field[0].bits",
+        ),
+        (
+            "type.toml",
+            "name = \"bad\"\nhead_dim = \"64\"\n\n[[tier]]\nname = \"x\"\nkey.field = [{ kind = \"dense\", dtype = \"f16\" }]\nvalue.field = [{ kind = \"dense\", dtype = \"f16\" }]\n",
+            ":2:12:",
+            "head_dim",
+        ),
+    ];
+    for (file, source, line_col, field) in cases {
+        let path = dir.path().join(file);
+        std::fs::write(&path, source).unwrap();
+        for extra in [None, Some("--json")] {
+            let mut args = vec!["check", path_str(&path)];
+            args.extend(extra);
+            let stderr = fails(&args);
+            let location = format!("{}{line_col}", path.display());
+            assert!(
+                stderr.contains(&location),
+                "{file}: expected {location:?} in:\n{stderr}"
+            );
+            assert!(
+                stderr.contains(&format!("{line_col} {field}: ")),
+                "{file}: expected the field path {field:?} in:\n{stderr}"
+            );
+        }
+    }
+}
+
+#[test]
+fn check_missing_file_is_a_clear_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("no-such-spec.toml");
+    let stderr = fails(&["check", path_str(&path)]);
+    assert!(
+        stderr.contains(&path.display().to_string()),
+        "the message should name the file:\n{stderr}"
+    );
+    assert!(
+        stderr.contains("No such file") || stderr.contains("not found"),
+        "{stderr}"
+    );
+    assert_eq!(stderr.lines().count(), 1, "one line is enough:\n{stderr}");
+}
+
+// ---------------------------------------------------------------------------
+// eval
+// ---------------------------------------------------------------------------
+
+const D: usize = 64;
+const LAYERS: usize = 2;
+const KV_HEADS: usize = 2;
+const Q_HEADS: usize = 4;
+const TOKENS: usize = 100;
+const Q_TOKENS: usize = 16;
+
+const DENSE_F32: &str = r#"
+name = "dense_f32"
+head_dim = 64
+
+[page]
+items = 64
+
+[[tier]]
+name = "f32"
+key.field = [{ kind = "dense", dtype = "f32" }]
+value.field = [{ kind = "dense", dtype = "f32" }]
+"#;
+
+const KIVI8_64: &str = r#"
+name = "kivi8_64"
+head_dim = 64
+
+[page]
+items = 64
+
+[[tier]]
+name = "int8"
+key.field = [{ kind = "coeff", bits = 8, scale = "page_component" }]
+value.field = [{ kind = "coeff", bits = 8, scale = "item" }]
+"#;
+
+/// Structured K/V/Q, `[layers, heads, tokens, head_dim]`: each layer is one
+/// synthetic sequence (its own seed). Synth makes one decode query per query
+/// head, so it is asked for `Q_TOKENS` times as many query heads; query token
+/// `r` of head `h` is synth query head `g * group + (h % q_group) * Q_TOKENS + r`
+/// for the kv head `g` that `h` reads, which keeps every query aimed at its
+/// own kv head's keys.
+fn synthetic_qkv() -> Qkv {
+    let q_group = Q_HEADS / KV_HEADS;
+    let group = q_group * Q_TOKENS;
+    let (mut q, mut k, mut v) = (Vec::new(), Vec::new(), Vec::new());
+    for layer in 0..LAYERS {
+        let s = synthesize(&SynthOptions {
+            seed: 40 + layer as u64,
+            kv_heads: KV_HEADS,
+            q_heads: KV_HEADS * group,
+            tokens: TOKENS,
+            head_dim: D,
+        });
+        k.extend_from_slice(&s.keys);
+        v.extend_from_slice(&s.values);
+        for h in 0..Q_HEADS {
+            let g = h / q_group;
+            for r in 0..Q_TOKENS {
+                let synth_head = g * group + (h % q_group) * Q_TOKENS + r;
+                assert_eq!(s.kv_head_of(synth_head), g);
+                q.extend_from_slice(s.query(synth_head));
+            }
+        }
+    }
+    Qkv {
+        q: Tensor4 {
+            shape: [LAYERS, Q_HEADS, Q_TOKENS, D],
+            data: q,
+        },
+        k: Tensor4 {
+            shape: [LAYERS, KV_HEADS, TOKENS, D],
+            data: k,
+        },
+        v: Tensor4 {
+            shape: [LAYERS, KV_HEADS, TOKENS, D],
+            data: v,
+        },
+    }
+}
+
+struct Fixture {
+    dir: tempfile::TempDir,
+    safetensors: PathBuf,
+    /// `<stem>` of `<stem>.{q,k,v}.npy`.
+    npy_stem: PathBuf,
+}
+
+impl Fixture {
+    fn new() -> Fixture {
+        let dir = tempfile::tempdir().unwrap();
+        let qkv = synthetic_qkv();
+        let safetensors = dir.path().join("dump.safetensors");
+        save_qkv_safetensors(&safetensors, "model.layers", &qkv).unwrap();
+        let npy_stem = dir.path().join("dump");
+        for (role, t) in [("q", &qkv.q), ("k", &qkv.k), ("v", &qkv.v)] {
+            write_npy(&dir.path().join(format!("dump.{role}.npy")), t).unwrap();
+        }
+        std::fs::write(dir.path().join("dense_f32.toml"), DENSE_F32).unwrap();
+        std::fs::write(dir.path().join("kivi8_64.toml"), KIVI8_64).unwrap();
+        Fixture {
+            dir,
+            safetensors,
+            npy_stem,
+        }
+    }
+
+    fn spec(&self, file: &str) -> PathBuf {
+        self.dir.path().join(file)
+    }
+
+    fn eval(&self, spec: &str, qkv: &Path) -> Value {
+        let report = json(&ok(&[
+            "eval",
+            path_str(&self.spec(spec)),
+            "--qkv",
+            path_str(qkv),
+            "--json",
+        ]));
+        assert_eq!(report["layers"], LAYERS, "{report}");
+        assert_eq!(report["q_heads"], Q_HEADS, "{report}");
+        assert_eq!(report["kv_heads"], KV_HEADS, "{report}");
+        assert_eq!(report["tokens"], TOKENS, "{report}");
+        assert_eq!(report["query_rows"], Q_TOKENS, "{report}");
+        report
+    }
+}
+
+/// The single tier's fidelity of a one-tier report.
+fn only_row(report: &Value, tier: &str) -> Value {
+    let rows = report["rows"].as_array().expect("rows");
+    assert_eq!(rows.len(), 1, "one tier, no mixed row: {report}");
+    assert_eq!(rows[0]["tier"], tier);
+    assert_eq!(
+        rows[0]["fidelity"]["rows"],
+        LAYERS * Q_HEADS * Q_TOKENS,
+        "{report}"
+    );
+    rows[0]["fidelity"].clone()
+}
+
+#[test]
+fn eval_dense_f32_is_exact_on_safetensors_and_npy() {
+    let fx = Fixture::new();
+    let inputs = [
+        fx.safetensors.clone(),
+        fx.npy_stem.clone(),
+        fx.dir.path().join("dump.k.npy"),
+    ];
+    let mut seen = Vec::new();
+    for input in &inputs {
+        let f = only_row(&fx.eval("dense_f32.toml", input), "f32");
+        let err = num(&f["output_rel_error"], "output_rel_error");
+        let drift = num(&f["max_logit_drift"], "max_logit_drift");
+        assert!(err <= 1e-5, "{}: output_rel_error {err}", input.display());
+        assert!(
+            drift <= 1e-4,
+            "{}: max_logit_drift {drift}",
+            input.display()
+        );
+        assert_eq!(
+            num(&f["top8_overlap"], "top8_overlap"),
+            1.0,
+            "{}",
+            input.display()
+        );
+        seen.push(f);
+    }
+    // The same tensors through either container give the same numbers.
+    assert!(
+        seen.windows(2).all(|w| w[0] == w[1]),
+        "safetensors and npy disagree: {seen:?}"
+    );
+}
+
+#[test]
+fn eval_kivi_int8_is_lossy_but_close() {
+    let fx = Fixture::new();
+    let mut seen = Vec::new();
+    for input in [&fx.safetensors, &fx.npy_stem] {
+        let f = only_row(&fx.eval("kivi8_64.toml", input), "int8");
+        let err = num(&f["output_rel_error"], "output_rel_error");
+        assert!(
+            err > 0.0 && err < 0.02,
+            "{}: output_rel_error {err}",
+            input.display()
+        );
+        assert!(num(&f["max_logit_drift"], "max_logit_drift") > 0.0);
+        seen.push(f);
+    }
+    assert_eq!(seen[0], seen[1], "safetensors and npy disagree");
+}
+
+#[test]
+fn eval_text_output_names_the_tier() {
+    let fx = Fixture::new();
+    let stdout = ok(&[
+        "eval",
+        path_str(&fx.spec("kivi8_64.toml")),
+        "--qkv",
+        path_str(&fx.safetensors),
+    ]);
+    assert!(stdout.starts_with("kvcc eval kivi8_64: 2 layers, 4 query heads over 2 kv heads, 100 tokens, 16 query rows per head"), "{stdout}");
+    assert!(stdout.lines().any(|l| l.starts_with("int8 ")), "{stdout}");
+}
+
+#[test]
+fn eval_rejects_head_dim_mismatch() {
+    let fx = Fixture::new();
+    for input in [&fx.safetensors, &fx.npy_stem] {
+        let stderr = fails(&["eval", SPHERICAL, "--qkv", path_str(input)]);
+        assert!(
+            stderr.contains("head_dim is 128 but the tensors' is 64"),
+            "{stderr}"
+        );
+    }
+}
+
+#[test]
+fn eval_missing_input_is_a_clear_error() {
+    let fx = Fixture::new();
+    let missing = fx.dir.path().join("missing.safetensors");
+    let stderr = fails(&[
+        "eval",
+        path_str(&fx.spec("dense_f32.toml")),
+        "--qkv",
+        path_str(&missing),
+    ]);
+    assert!(stderr.contains(&missing.display().to_string()), "{stderr}");
+}
+
+// ---------------------------------------------------------------------------
+// demo
+// ---------------------------------------------------------------------------
+
+#[test]
+fn demo_json_has_a_row_per_bundled_tier_plus_mixed() {
+    let rows = json(&ok(&["demo", "--json", "--tokens", "200"]));
+    let rows = rows.as_array().expect("array of rows");
+    let mut expected = Vec::new();
+    for (file, source) in SPECS {
+        let format = Format::parse(source, file).unwrap_or_else(|e| panic!("{file}: {e}"));
+        let tiers = format.tiers().len();
+        expected
+            .extend((0..tiers).map(|t| (format.name().to_string(), format.layout(t).name.clone())));
+        if tiers > 1 {
+            expected.push((format.name().to_string(), "mixed".to_string()));
+        }
+    }
+    let got: Vec<(String, String)> = rows
+        .iter()
+        .map(|r| {
+            (
+                r["format"].as_str().expect("format").to_string(),
+                r["tier"].as_str().expect("tier").to_string(),
+            )
+        })
+        .collect();
+    assert_eq!(got, expected);
+    for r in rows {
+        for key in ["bytes_per_token", "compression", "interpreter_ms"] {
+            let x = num(&r[key], key);
+            assert!(x.is_finite() && x >= 0.0, "{key} in {r}");
+        }
+        let f = &r["fidelity"];
+        for key in [
+            "output_rel_error",
+            "max_logit_drift",
+            "mean_logit_drift",
+            "top8_overlap",
+        ] {
+            let x = num(&f[key], key);
+            assert!(x.is_finite() && x >= 0.0, "{key} in {r}");
+        }
+        assert!(num(&f["top8_overlap"], "top8_overlap") <= 1.0, "{r}");
+        assert!(num(&f["rows"], "rows") > 0.0, "{r}");
+    }
+    let dense = rows
+        .iter()
+        .find(|r| r["format"] == "dense_f16")
+        .expect("dense_f16 row");
+    let err = num(&dense["fidelity"]["output_rel_error"], "output_rel_error");
+    assert!(err < 1e-3, "dense_f16 output_rel_error {err}");
+}

@@ -1,0 +1,79 @@
+//! Snapshot test: the PTX of every bundled spec, tier and target is committed
+//! under `generated/<format>/<tier>.<target>.ptx` (and the format's merge
+//! kernel as `merge.<target>.ptx`); a change in the backend or in lowering
+//! shows up as a diff there. `KVCC_BLESS=1` rewrites the files after review and,
+//! when ptxas is available (see `tests/support/ptxas.rs`), the resource report
+//! beside each (`.report`: registers, shared memory, stack, spills).
+
+mod common;
+#[path = "support/ptxas.rs"]
+mod ptxas;
+
+use std::path::PathBuf;
+
+use kvcc::compiler::back::ptx::{self, Options, Target};
+
+#[test]
+fn generated_ptx_matches_the_committed_snapshots() {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("generated");
+    let bless = std::env::var_os("KVCC_BLESS").is_some();
+    let assembler = if bless {
+        ptxas::find_or_skip("generated_ptx (reports)")
+    } else {
+        None
+    };
+    let mut stale = Vec::new();
+    for format in common::bundled() {
+        let dir = root.join(format.name());
+        for target in Target::ALL {
+            let output = ptx::write(&format, &Options::for_target(target))
+                .unwrap_or_else(|e| panic!("{}: {e}", format.name()));
+            let mut files: Vec<(String, &str, u32)> = output
+                .tiers
+                .iter()
+                .map(|t| {
+                    (
+                        ptx::file_name(&t.tier, target),
+                        t.ptx.as_str(),
+                        t.kernel.shared_bytes,
+                    )
+                })
+                .collect();
+            files.push((ptx::merge_file_name(target), output.merge.ptx.as_str(), 0));
+            for (name, fresh, shared_bytes) in files {
+                let path = dir.join(&name);
+                if bless {
+                    std::fs::create_dir_all(&dir).unwrap();
+                    std::fs::write(&path, fresh).unwrap();
+                    if let Some(assembler) = &assembler {
+                        let resources = ptxas::assemble(assembler, fresh, target)
+                            .unwrap_or_else(|e| panic!("{}: ptxas failed:\n{e}", path.display()));
+                        let report = ptxas::report(
+                            &ptxas::version(assembler),
+                            target,
+                            shared_bytes,
+                            &resources,
+                        );
+                        std::fs::write(path.with_extension("report"), report).unwrap();
+                    }
+                } else {
+                    if std::fs::read_to_string(&path).ok().as_deref() != Some(fresh) {
+                        stale.push(path.display().to_string());
+                    }
+                    if !path.with_extension("report").exists() {
+                        stale.push(format!(
+                            "{} (missing)",
+                            path.with_extension("report").display()
+                        ));
+                    }
+                }
+            }
+        }
+    }
+    assert!(
+        stale.is_empty(),
+        "generated PTX differs from the snapshots (review, then rerun with KVCC_BLESS=1 and ptxas \
+         available):\n{}",
+        stale.join("\n")
+    );
+}

@@ -1,0 +1,349 @@
+//! Every generated kernel assembles with ptxas for sm_80 and sm_90 with no
+//! local memory: no spill stores or loads, no stack frame, no `lmem`. Covers the
+//! bundled specs (and checks their committed `.report` files when made by the
+//! same ptxas version) and a handful of randomly generated valid specs with
+//! random tile options per run (fresh seed printed; `KVCC_TEST_SEED` replays).
+//!
+//! ptxas comes from `nvidia-cuda-nvcc` (see `tests/support/ptxas.rs`); without
+//! it the tests skip, unless `KVCC_REQUIRE_PTXAS=1`.
+
+mod common;
+#[path = "support/ptxas.rs"]
+mod ptxas;
+
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+use kvcc::compiler::back::ptx::{self, Options, Target};
+use kvcc::compiler::spec::{
+    BasisDtype, BitmapElem, CodecSpec, CodewordKind, CoeffScale, DenseDtype, FieldSpec, FormatSpec,
+    PageSpec, RadiusScale, TableDtype, TierSpec, TransformSpec,
+};
+use kvcc::compiler::Format;
+
+/// Random specs per run.
+const RANDOM_SPECS: usize = 5;
+
+/// A module to assemble: what it is, its PTX, its target and its dynamic
+/// shared memory (for the report).
+struct Job {
+    what: String,
+    ptx: String,
+    target: Target,
+    shared_bytes: u32,
+    report: Option<PathBuf>,
+}
+
+fn jobs_of(what: &str, output: &ptx::Output, dir: Option<&Path>) -> Vec<Job> {
+    let target = output.target;
+    let mut jobs: Vec<Job> = output
+        .tiers
+        .iter()
+        .map(|t| Job {
+            what: format!("{what}/{} ({})", t.tier, target.name()),
+            ptx: t.ptx.clone(),
+            target,
+            shared_bytes: t.kernel.shared_bytes,
+            report: dir.map(|d| {
+                d.join(ptx::file_name(&t.tier, target))
+                    .with_extension("report")
+            }),
+        })
+        .collect();
+    jobs.push(Job {
+        what: format!("{what}/merge ({})", target.name()),
+        ptx: output.merge.ptx.clone(),
+        target,
+        shared_bytes: 0,
+        report: dir.map(|d| {
+            d.join(ptx::merge_file_name(target))
+                .with_extension("report")
+        }),
+    });
+    jobs
+}
+
+/// Assembles the jobs on two threads; returns every problem found.
+fn assemble_all(assembler: &Path, jobs: Vec<Job>) -> Vec<String> {
+    let version = ptxas::version(assembler);
+    let queue = Mutex::new(jobs);
+    let problems = Mutex::new(Vec::new());
+    std::thread::scope(|scope| {
+        for _ in 0..2 {
+            scope.spawn(|| loop {
+                let Some(job) = queue.lock().unwrap().pop() else {
+                    break;
+                };
+                let found = match ptxas::assemble(assembler, &job.ptx, job.target) {
+                    Err(messages) => vec![format!("{}: ptxas failed:\n{messages}", job.what)],
+                    Ok(resources) => {
+                        let mut found: Vec<String> = resources
+                            .iter()
+                            .flat_map(|r| r.problems())
+                            .map(|p| format!("{}: {p}", job.what))
+                            .collect();
+                        if resources.len() != 1 {
+                            found.push(format!("{}: expected one kernel", job.what));
+                        }
+                        if let Some(path) = &job.report {
+                            found.extend(check_report(path, &version, &job, &resources));
+                        }
+                        found
+                    }
+                };
+                problems.lock().unwrap().extend(found);
+            });
+        }
+    });
+    problems.into_inner().unwrap()
+}
+
+/// A committed report made by this ptxas version must match what it says now.
+fn check_report(
+    path: &Path,
+    version: &str,
+    job: &Job,
+    resources: &[ptxas::Resources],
+) -> Option<String> {
+    let committed = std::fs::read_to_string(path).ok()?;
+    let fresh = ptxas::report(version, job.target, job.shared_bytes, resources);
+    (ptxas::report_version(&committed) == Some(version) && committed != fresh).then(|| {
+        format!(
+            "{}: {} is stale (rerun the generated_ptx test with KVCC_BLESS=1):\n{fresh}",
+            job.what,
+            path.display()
+        )
+    })
+}
+
+#[test]
+fn bundled_kernels_assemble_without_local_memory() {
+    let Some(assembler) = ptxas::find_or_skip("bundled_kernels_assemble") else {
+        return;
+    };
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("generated");
+    let mut jobs = Vec::new();
+    for format in common::bundled() {
+        for target in Target::ALL {
+            let output = ptx::write(&format, &Options::for_target(target))
+                .unwrap_or_else(|e| panic!("{}: {e}", format.name()));
+            jobs.extend(jobs_of(
+                format.name(),
+                &output,
+                Some(&root.join(format.name())),
+            ));
+        }
+    }
+    let problems = assemble_all(&assembler, jobs);
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+}
+
+#[test]
+fn random_specs_assemble_without_local_memory() {
+    let Some(assembler) = ptxas::find_or_skip("random_specs_assemble") else {
+        return;
+    };
+    let seed = common::fresh_seed("random_specs_assemble");
+    let mut rng = Rng(seed);
+    let mut jobs = Vec::new();
+    for index in 0..RANDOM_SPECS {
+        let (format, spec) = loop {
+            let spec = random_spec(&mut rng, index);
+            // Specs over the checker's shared-memory estimate are redrawn.
+            if let Ok(format) = Format::compile(spec.clone()) {
+                break (format, spec);
+            }
+        };
+        let mut options = random_options(&mut rng, index);
+        // A fixed tile may not fit; automatic tiles always must.
+        if let Err(ptx::Error::SharedMemory { .. }) = ptx::write(&format, &options) {
+            options.tile_items = None;
+        }
+        let output = ptx::write(&format, &options).unwrap_or_else(|e| {
+            panic!("seed {seed}, spec {index}: {e}\noptions {options:?}\n{spec:#?}")
+        });
+        // Shown with a failure (the test harness captures it otherwise).
+        eprintln!("spec {index}: {options:?}\n{spec:#?}");
+        jobs.extend(jobs_of(&format!("seed {seed} spec {index}"), &output, None));
+    }
+    let problems = assemble_all(&assembler, jobs);
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+}
+
+/// SplitMix64.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    fn below(&mut self, n: u32) -> u32 {
+        (self.next() % u64::from(n)) as u32
+    }
+    fn pick<T: Copy>(&mut self, items: &[T]) -> T {
+        items[self.below(items.len() as u32) as usize]
+    }
+    fn coin(&mut self) -> bool {
+        self.next() & 1 == 1
+    }
+    /// A divisor of `n` from `candidates` (1 always qualifies).
+    fn divisor(&mut self, n: u32, candidates: &[u32]) -> u32 {
+        let fitting: Vec<u32> = candidates
+            .iter()
+            .copied()
+            .filter(|&c| n.is_multiple_of(c))
+            .collect();
+        if fitting.is_empty() {
+            1
+        } else {
+            self.pick(&fitting)
+        }
+    }
+}
+
+/// Codec `slot` of a run cycles through every body kind and transform, so a
+/// handful of specs covers them all; sizes are random.
+fn random_codec(rng: &mut Rng, head_dim: u32, slot: usize) -> CodecSpec {
+    let power_of_two = head_dim.is_power_of_two();
+    let transform = match slot % 4 {
+        1 if power_of_two => TransformSpec::Hadamard,
+        2 if power_of_two => TransformSpec::Srht { seed: rng.next() },
+        3 => TransformSpec::Pca {
+            rank: loop {
+                let rank = rng.pick(&[1, 3, 8, 12, 16, 24, 32, 48, 64, 96, 128]);
+                if rank <= head_dim {
+                    break rank;
+                }
+            },
+            basis: if rng.coin() {
+                BasisDtype::I8
+            } else {
+                BasisDtype::F16
+            },
+        },
+        _ => TransformSpec::Identity,
+    };
+    let n = transform.dims(head_dim);
+    let book = |rng: &mut Rng, bits_max: u32| {
+        (
+            rng.divisor(n, &[1, 2, 3, 4, 8, 16]),
+            1 + rng.below(bits_max),
+            rng.coin(),
+            if rng.coin() {
+                TableDtype::F32
+            } else {
+                TableDtype::F16
+            },
+        )
+    };
+    let fields = match slot % 5 {
+        0 => vec![FieldSpec::Dense {
+            dtype: rng.pick(&[DenseDtype::F16, DenseDtype::Bf16, DenseDtype::F32]),
+        }],
+        1 => vec![FieldSpec::Coeff {
+            bits: rng.pick(&[4, 8]),
+            scale: rng.pick(&[
+                CoeffScale::Item,
+                CoeffScale::Page,
+                CoeffScale::PageComponent,
+                CoeffScale::Component,
+            ]),
+        }],
+        2 => {
+            let (group_size, bits, per_group, dtype) = book(rng, 8);
+            vec![FieldSpec::Codebook {
+                group_size,
+                bits,
+                codewords: CodewordKind::Vector,
+                per_group,
+                dtype,
+            }]
+        }
+        3 => {
+            let (group_size, bits, per_group, dtype) = book(rng, 6);
+            vec![
+                FieldSpec::Radius {
+                    group_size,
+                    bits: 1 + rng.below(16),
+                    scale: rng.pick(&[RadiusScale::Page, RadiusScale::PageGroup]),
+                },
+                FieldSpec::Codebook {
+                    group_size,
+                    bits,
+                    codewords: CodewordKind::Direction,
+                    per_group,
+                    dtype,
+                },
+            ]
+        }
+        _ => {
+            // Mask words are 32 bits: groups must be at most 32 or a multiple of 32.
+            let sizes: Vec<u32> = [1, 2, 4]
+                .into_iter()
+                .filter(|&g| n.is_multiple_of(g) && (n / g <= 32 || (n / g).is_multiple_of(32)))
+                .collect();
+            match sizes.is_empty() {
+                true => vec![FieldSpec::Dense {
+                    dtype: DenseDtype::F16,
+                }],
+                false => {
+                    let group_size = rng.pick(&sizes);
+                    vec![FieldSpec::Bitmap {
+                        group_size,
+                        keep: 1 + rng.below(n / group_size),
+                        elem: rng.pick(&[BitmapElem::F16, BitmapElem::Int8]),
+                    }]
+                }
+            }
+        }
+    };
+    CodecSpec { transform, fields }
+}
+
+fn random_spec(rng: &mut Rng, index: usize) -> FormatSpec {
+    let head_dim = if index.is_multiple_of(2) {
+        rng.pick(&[16, 32, 64, 128, 256])
+    } else {
+        8 * (2 + rng.below(31))
+    };
+    let tiers = 1 + rng.below(2) as usize;
+    FormatSpec {
+        name: format!("random{index}"),
+        description: None,
+        head_dim,
+        page: PageSpec {
+            items: rng.pick(&[1, 5, 16, 33, 64, 128]),
+            max_query_group: rng.pick(&[1, 2, 3, 4, 8]),
+        },
+        tiers: (0..tiers)
+            .map(|t| {
+                let slot = 2 * (index * 2 + t);
+                TierSpec {
+                    name: format!("t{t}"),
+                    key: random_codec(rng, head_dim, slot),
+                    value: random_codec(rng, head_dim, slot + 1 + index),
+                }
+            })
+            .collect(),
+    }
+}
+
+fn random_options(rng: &mut Rng, index: usize) -> Options {
+    Options {
+        target: Target::ALL[index % 2],
+        warps: rng.pick(&[1, 2, 4, 8]),
+        tile_items: if rng.coin() {
+            None
+        } else {
+            Some(1 + rng.below(64))
+        },
+        tile_bytes: rng.pick(&[4096, 16 * 1024, 40 * 1024]),
+        head_block: 1 + rng.below(8),
+        max_accumulators: rng.pick(&[4, 16, 32]),
+        query_group: None,
+    }
+}
