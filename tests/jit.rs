@@ -13,7 +13,9 @@ mod common;
 
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 
-use common::{assert_rows_close, bundled, data, fresh_seed, random_specs, trained_cache, SplitMix64};
+use common::{
+    assert_rows_close, bundled, data, fresh_seed, random_specs, trained_cache, SplitMix64,
+};
 use kvcc::compiler::back::clif;
 use kvcc::compiler::Format;
 use kvcc::runtime::cache::PagedCache;
@@ -50,14 +52,19 @@ fn cache_and_queries(
         .enumerate()
         .map(|(i, &t)| data(format, seed.wrapping_add(i as u64), kv_heads, q_heads, t))
         .collect();
-    let longest = (0..sets.len()).max_by_key(|&i| sets[i].tokens).expect("sequences");
+    let longest = (0..sets.len())
+        .max_by_key(|&i| sets[i].tokens)
+        .expect("sequences");
     let mut cache = trained_cache(format, &sets[longest], seed);
     for (s, set) in sets.iter().enumerate() {
         cache
             .append_sequence(&set.keys, &set.values, |p| plan(s, p))
             .expect("append");
     }
-    let queries = sets.iter().flat_map(|s| s.queries.iter().copied()).collect();
+    let queries = sets
+        .iter()
+        .flat_map(|s| s.queries.iter().copied())
+        .collect();
     (cache, queries)
 }
 
@@ -76,7 +83,13 @@ fn check(what: &str, format: &Format, cache: &PagedCache, queries: &[f32], q_hea
         assert_rows_close(&what, &got.outputs, &want.outputs, d, TOLERANCE);
         assert_eq!(got.logits.len(), want.logits.len(), "{what}: logit rows");
         for (row, (g, w)) in got.logits.iter().zip(&want.logits).enumerate() {
-            assert_rows_close(&format!("{what}, logits of row {row}"), g, w, g.len().max(1), TOLERANCE);
+            assert_rows_close(
+                &format!("{what}, logits of row {row}"),
+                g,
+                w,
+                g.len().max(1),
+                TOLERANCE,
+            );
         }
         assert_eq!(
             jit.decode(cache, queries, q_heads).expect("decode"),
@@ -98,7 +111,8 @@ fn every_bundled_tier_and_mix_matches_the_interpreter() {
             let mut lengths = vec![150; tiers];
             lengths.extend([333, 1]);
             let plan = |s: usize, p: usize| if s < tiers { s } else { (s + p) % tiers };
-            let (cache, queries) = cache_and_queries(&format, seed, kv_heads, kv_heads * group, &lengths, &plan);
+            let (cache, queries) =
+                cache_and_queries(&format, seed, kv_heads, kv_heads * group, &lengths, &plan);
             let what = format!("{} group {group}", format.name());
             check(&what, &format, &cache, &queries, kv_heads * group);
         }
@@ -118,7 +132,11 @@ fn random_valid_specs_match_the_interpreter() {
             let lengths: Vec<usize> = (0..2 + rng.below(2)).map(|_| 1 + rng.below(200)).collect();
             let plans: Vec<Vec<usize>> = lengths
                 .iter()
-                .map(|&t| (0..t.div_ceil(format.spec().page.items as usize)).map(|_| rng.below(tiers)).collect())
+                .map(|&t| {
+                    (0..t.div_ceil(format.spec().page.items as usize))
+                        .map(|_| rng.below(tiers))
+                        .collect()
+                })
                 .collect();
             let (cache, queries) = cache_and_queries(
                 &format,
@@ -128,7 +146,9 @@ fn random_valid_specs_match_the_interpreter() {
                 &lengths,
                 &|s, p| plans[s][p],
             );
-            let what = format!("random spec {index}: tokens {lengths:?}, kv_heads {kv_heads}, group {group}");
+            let what = format!(
+                "random spec {index}: tokens {lengths:?}, kv_heads {kv_heads}, group {group}"
+            );
             check(&what, &format, &cache, &queries, kv_heads * group);
         }));
         if let Err(panic) = outcome {
@@ -140,14 +160,20 @@ fn random_valid_specs_match_the_interpreter() {
 
 #[test]
 fn cranelift_and_option_errors_are_typed_and_name_format_and_tier() {
-    let format = bundled().into_iter().find(|f| f.name() == "kivi").expect("kivi");
+    let format = bundled()
+        .into_iter()
+        .find(|f| f.name() == "kivi")
+        .expect("kivi");
     let tier = &format.tiers()[1];
     let bad_setting = clif::Options {
         settings: vec![("opt_level".into(), "fastest".into())],
         ..Default::default()
     };
     let error = clif::compile(tier, &bad_setting).expect_err("opt_level fastest does not exist");
-    assert_eq!((error.format.as_str(), error.tier.as_str()), ("kivi", "int4"));
+    assert_eq!(
+        (error.format.as_str(), error.tier.as_str()),
+        ("kivi", "int4")
+    );
     assert!(
         matches!(&error.kind, clif::ErrorKind::Setting { name, value, .. } if name == "opt_level" && value == "fastest"),
         "{error:?}"
@@ -161,17 +187,30 @@ fn cranelift_and_option_errors_are_typed_and_name_format_and_tier() {
         Err(clif::ErrorKind::Setting { .. })
     ));
     for options in [
-        clif::Options { heads: 0, ..Default::default() },
-        clif::Options { lanes: 3, ..Default::default() },
+        clif::Options {
+            heads: 0,
+            ..Default::default()
+        },
+        clif::Options {
+            lanes: 3,
+            ..Default::default()
+        },
     ] {
-        assert!(matches!(clif::compile(tier, &options).map_err(|e| e.kind), Err(clif::ErrorKind::Options(_))));
+        assert!(matches!(
+            clif::compile(tier, &options).map_err(|e| e.kind),
+            Err(clif::ErrorKind::Options(_))
+        ));
     }
 
     // Through the executor: the first tier that fails is named.
     let set = data(&format, 1, 1, 1, 10);
     let mut cache = trained_cache(&format, &set, 1);
-    cache.append_sequence(&set.keys, &set.values, |_| 0).expect("append");
-    let jit = JitExecutor { options: bad_setting };
+    cache
+        .append_sequence(&set.keys, &set.values, |_| 0)
+        .expect("append");
+    let jit = JitExecutor {
+        options: bad_setting,
+    };
     match jit.decode(&cache, &set.queries, 1) {
         Err(ExecError::Backend {
             executor,
@@ -179,14 +218,20 @@ fn cranelift_and_option_errors_are_typed_and_name_format_and_tier() {
             tier,
             message,
         }) => {
-            assert_eq!((executor, format.as_str(), tier.as_str()), ("jit", "kivi", "int8"));
+            assert_eq!(
+                (executor, format.as_str(), tier.as_str()),
+                ("jit", "kivi", "int8")
+            );
             assert!(message.contains("opt_level"), "{message}");
         }
         other => panic!("expected a backend error, got {other:?}"),
     }
     // Host-side checks come first and are the interpreter's.
     assert_eq!(
-        jit.decode(&cache, &set.queries[1..], 1).map_err(|e| e.to_string()),
-        InterpExecutor.decode(&cache, &set.queries[1..], 1).map_err(|e| e.to_string())
+        jit.decode(&cache, &set.queries[1..], 1)
+            .map_err(|e| e.to_string()),
+        InterpExecutor
+            .decode(&cache, &set.queries[1..], 1)
+            .map_err(|e| e.to_string())
     );
 }

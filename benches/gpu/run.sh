@@ -42,8 +42,9 @@ for s in "$@"; do
       ;;
     bench)
       step "kvcc bench"
-      .gpu/kvcc bench --baseline "$out/baseline.json" --json > "$out/bench.json" 2> "$out/bench.err" || { status=1; tail -5 "$out/bench.err"; }
-      .gpu/kvcc bench --baseline "$out/baseline.json" --ctx 32768 --iters 20 2>/dev/null | tail -30
+      .gpu/kvcc bench --baseline "$out/baseline.json" --ctx "${KVCC_BENCH_CTX:-8192,32768,131072}" --save "$out/bench.json" \
+        > "$out/bench.txt" 2> "$out/bench.err" || { status=1; tail -5 "$out/bench.err"; }
+      cat "$out/bench.txt"
       ;;
   esac
 done

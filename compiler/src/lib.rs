@@ -9,8 +9,10 @@
 //! - [`Format`]: the pipeline (check, layout, lower, validate) in one call.
 //! - [`back`]: backends: `interp` (the reference interpreter that defines the
 //!   semantics) and `text` (readable IR, the snapshot format of `generated/`).
+//! - [`build`]: PTX and layout reports for a user's `build.rs`.
 
 pub mod back;
+pub mod build;
 mod format;
 pub mod front;
 pub mod ir;

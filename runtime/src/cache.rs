@@ -1,6 +1,7 @@
 //! A paged KV cache of one layer: per-tier page pools, per-(kv head) tables and
 //! per-(sequence, kv head) page tables — what executors read through a `CacheView`.
 
+use kvcc_compiler::layout::TierLayout;
 use kvcc_compiler::page::{CacheView, PageHeader, PageRef, TierView};
 use kvcc_compiler::Format;
 
@@ -114,6 +115,20 @@ impl PagedCache {
         values: &[f32],
         tier_of_page: impl Fn(usize) -> usize,
     ) -> Result<usize, EncodeError> {
+        self.append_sequence_with(keys, values, tier_of_page, encode_page)
+    }
+
+    /// [`append_sequence`](Self::append_sequence) with another page encoder of
+    /// the same signature as [`encode_page`]: the `encode_page` of a
+    /// `kv_format!` module of this cache's format writes the same bytes,
+    /// specialized for its tiers.
+    pub fn append_sequence_with(
+        &mut self,
+        keys: &[f32],
+        values: &[f32],
+        tier_of_page: impl Fn(usize) -> usize,
+        encode: impl Fn(&TierLayout, &[Vec<f32>], &[f32], &[f32], &mut [u8]) -> Result<(), EncodeError>,
+    ) -> Result<usize, EncodeError> {
         let tokens = check_block(&self.format, "keys", keys, self.kv_heads)?;
         let value_tokens = check_block(&self.format, "values", values, self.kv_heads)?;
         if tokens != value_tokens {
@@ -141,7 +156,7 @@ impl PagedCache {
                 let pool = &mut pools[tier];
                 let start = pool.len();
                 pool.resize(start + layout.page_bytes as usize, 0);
-                encode_page(
+                encode(
                     layout,
                     &self.tables[tier][h],
                     &keys[rows.clone()],

@@ -74,6 +74,9 @@ enum Command {
         /// JSON written by benches/gpu/baseline.py in the same session.
         #[arg(long)]
         baseline: Option<PathBuf>,
+        /// Also write the report as JSON to this file.
+        #[arg(long)]
+        save: Option<PathBuf>,
         #[arg(long)]
         json: bool,
     },
@@ -153,7 +156,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                 println!("{}", demo::render(&rows, &options));
             }
         }
-        Command::Bench { specs, only, batch, q_heads, kv_heads, ctx, warmup, iters, baseline, json } => {
+        Command::Bench { specs, only, batch, q_heads, kv_heads, ctx, warmup, iters, baseline, save, json } => {
             let mut formats = demo::formats(specs.as_deref())?;
             if !only.is_empty() {
                 formats.retain(|f| only.iter().any(|o| o == f.name()));
@@ -167,6 +170,9 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                 progress.inc(1);
             })?;
             progress.finish_and_clear();
+            if let Some(path) = save {
+                std::fs::write(&path, serde_json::to_string_pretty(&report)?).map_err(|e| format!("{}: {e}", path.display()))?;
+            }
             if json {
                 println!("{}", serde_json::to_string_pretty(&report)?);
             } else {

@@ -167,7 +167,9 @@ pub fn run(formats: &[Format], baselines: Option<Baselines>, options: &BenchOpti
     let mut rows = Vec::new();
     for format in formats {
         let d = format.head_dim() as usize;
-        let kernels = FormatKernels::load(&gpu, format, ptx::Options::for_target(gpu.target()))?;
+        let group = (options.q_heads / options.kv_heads.max(1)) as u32;
+        let kernel_options = ptx::Options { query_group: Some(group), ..ptx::Options::for_target(gpu.target()) };
+        let kernels = FormatKernels::load(&gpu, format, kernel_options)?;
         for tier in 0..format.tiers().len() {
             let name = format.layout(tier).name.clone();
             let source = source_cache(format, tier, options.kv_heads, options.seed)?;

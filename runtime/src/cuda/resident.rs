@@ -84,8 +84,8 @@ pub struct DeviceDecode {
 }
 
 impl DeviceDecode {
-    /// `splits`: per tier, or `None` to split each row so the GPU gets about four
-    /// CTAs per multiprocessor.
+    /// `splits`: per tier, or `None` to split each row so that one wave of CTAs
+    /// fills every multiprocessor to the kernel's occupancy.
     pub fn new(gpu: &Gpu, kernels: &FormatKernels, cache: &DeviceCache, q_heads: usize, splits: Option<Vec<u32>>) -> Result<DeviceDecode, CudaError> {
         let kv_heads = cache.kv_heads;
         if kv_heads == 0 || q_heads == 0 || !q_heads.is_multiple_of(kv_heads) {
@@ -106,11 +106,21 @@ impl DeviceDecode {
                 .map(|(&s, &max)| if max == 0 { 0 } else { s.clamp(1, max) })
                 .collect(),
             Some(s) => return Err(CudaError::Shape(format!("{} split counts for {} tiers", s.len(), kernels.decode.len()))),
-            None => cache
-                .row_pages_max
-                .iter()
-                .map(|&max| if max == 0 { 0 } else { (4 * gpu.multiprocessors).div_ceil(rows).clamp(1, max) })
-                .collect(),
+            // One full wave: as many CTAs as the GPU holds at once (occupancy
+            // from the kernel's registers and shared memory). A partial second
+            // wave (e.g. 576 CTAs on 396 slots) leaves SMs idle for its whole
+            // duration; more, smaller splits only repeat per-CTA setup.
+            None => {
+                let mut splits = Vec::with_capacity(kernels.decode.len());
+                for ((function, kernel), &max) in kernels.decode.iter().zip(&cache.row_pages_max) {
+                    let resident = function
+                        .occupancy_max_active_blocks_per_multiprocessor(kernel.threads, kernel.dynamic_shared_bytes() as usize, None)
+                        .during(|| format!("reading the occupancy of {}", kernel.name))?;
+                    let slots = resident.max(1) * gpu.multiprocessors;
+                    splits.push(if max == 0 { 0 } else { (slots / rows).clamp(1, max) });
+                }
+                splits
+            }
         };
         let (slot_bases, slot_count) = abi::slot_bases(&splits);
         let layout = kernels.merge.1.partials;

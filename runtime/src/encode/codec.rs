@@ -1,13 +1,15 @@
 //! Encoding one codec's items of a page (transformed vectors in, header scales
 //! and packed item bits out), and the reference decoder back to coordinates.
 
-use half::{bf16, f16};
 use kvcc_compiler::back::interp::read_bits;
 use kvcc_compiler::layout::{bitmap_elem_bits, coeff_max, CodecLayout, FieldLayout};
 use kvcc_compiler::spec::{BitmapElem, CoeffScale, DenseDtype, RadiusScale};
 
 use super::bits::write_bits;
-use crate::math::kmeans::{best_direction, nearest};
+use super::ops::{
+    best_direction, bf16_bits, bf16_value, coeff_scale, energy, f16_bits, f16_value, half_scale,
+    keep_largest, nearest, quantize, radius_code, radius_of, radius_value, scale_or_one, signed,
+};
 
 /// Encodes `items` (each `codec.dims` transformed coordinates) into `stream`
 /// (`items.len() * stride` bytes), setting this codec's slots of `header_scales`.
@@ -104,18 +106,6 @@ fn codeword<'t>(
     &tables[table][start..start + g]
 }
 
-/// Length of the group's projection onto its (not exactly unit, once rounded
-/// to f16) codeword: the least-squares radius, never negative.
-fn radius_of(x: &[f32], c: &[f32]) -> f32 {
-    let dot: f32 = x.iter().zip(c).map(|(a, b)| a * b).sum();
-    let norm: f32 = c.iter().map(|v| v * v).sum();
-    if norm > 0.0 {
-        (dot / norm).max(0.0)
-    } else {
-        0.0
-    }
-}
-
 fn set_page_scales(
     codec: &CodecLayout,
     tables: &[Vec<f32>],
@@ -123,7 +113,6 @@ fn set_page_scales(
     codes: &[Vec<u32>],
     scales: &mut [f32],
 ) {
-    let nonzero = |s: f32| if s > 0.0 { s } else { 1.0 };
     for field in &codec.fields {
         match *field {
             FieldLayout::Radius {
@@ -145,11 +134,11 @@ fn set_page_scales(
                 match scale {
                     RadiusScale::Page => {
                         scales[slot as usize] =
-                            nonzero(per_group.iter().copied().fold(0.0, f32::max));
+                            scale_or_one(per_group.iter().copied().fold(0.0, f32::max));
                     }
                     RadiusScale::PageGroup => {
                         for (j, m) in per_group.iter().enumerate() {
-                            scales[slot as usize + j] = nonzero(*m);
+                            scales[slot as usize + j] = scale_or_one(*m);
                         }
                     }
                 }
@@ -161,16 +150,15 @@ fn set_page_scales(
                 slot,
                 ..
             } => {
-                let q = coeff_max(bits) as f32;
                 match scale {
                     CoeffScale::Page => {
                         let max = items.iter().flatten().fold(0.0f32, |m, v| m.max(v.abs()));
-                        scales[slot as usize] = nonzero(max / q);
+                        scales[slot as usize] = coeff_scale(max, bits);
                     }
                     CoeffScale::PageComponent => {
                         for c in 0..count as usize {
                             let max = items.iter().fold(0.0f32, |m, x| m.max(x[c].abs()));
-                            scales[slot as usize + c] = nonzero(max / q);
+                            scales[slot as usize + c] = coeff_scale(max, bits);
                         }
                     }
                     CoeffScale::Item | CoeffScale::Component => {}
@@ -179,22 +167,6 @@ fn set_page_scales(
             _ => {}
         }
     }
-}
-
-/// An f16 scale as stored (rounded, kept finite and non-zero).
-fn stored_half_scale(max_abs: f32, q: f32) -> f32 {
-    let s = f16::from_f32((max_abs / q).min(f16::MAX.to_f32())).to_f32();
-    if s > 0.0 {
-        s
-    } else {
-        1.0
-    }
-}
-
-fn quantize(x: f32, scale: f32, bits: u32) -> u32 {
-    let q = coeff_max(bits);
-    let code = (x / scale).round().clamp(-(q as f32), q as f32) as i32;
-    (code as u32) & ((1u32 << bits) - 1)
 }
 
 fn encode_field(
@@ -217,15 +189,13 @@ fn encode_field(
         } => {
             let codes = codes.expect("radius pairs with a codebook");
             let g = group_size as usize;
-            let levels = ((1u32 << bits) - 1) as f32;
             for j in 0..groups as usize {
                 let r = radius_of(&x[j * g..(j + 1) * g], codeword(codec, tables, j, codes[j]));
                 let s = match scale {
                     RadiusScale::Page => scales[slot as usize],
                     RadiusScale::PageGroup => scales[slot as usize + j],
                 };
-                let code = (r / s * levels).round().clamp(0.0, levels) as u32;
-                write_bits(item, offset + j as u32 * bits, bits, code);
+                write_bits(item, offset + j as u32 * bits, bits, radius_code(r, s, bits));
             }
         }
         FieldLayout::Codebook { offset, bits, .. } => {
@@ -244,8 +214,8 @@ fn encode_field(
         } => {
             let item_s = item_scale.map(|at| {
                 let max = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-                let s = stored_half_scale(max, coeff_max(bits) as f32);
-                write_bits(item, at, 16, u32::from(f16::from_f32(s).to_bits()));
+                let s = half_scale(max, coeff_max(bits) as f32);
+                write_bits(item, at, 16, f16_bits(s));
                 s
             });
             for c in 0..count as usize {
@@ -273,13 +243,10 @@ fn encode_field(
             elems_offset,
         } => {
             let g = group_size as usize;
-            let mut order: Vec<usize> = (0..groups as usize).collect();
-            let energy = |j: usize| x[j * g..(j + 1) * g].iter().map(|v| v * v).sum::<f32>();
-            // Largest groups first; ties keep the lower index (stable sort).
-            order.sort_by(|&a, &b| energy(b).total_cmp(&energy(a)));
-            let mut kept: Vec<usize> = order[..keep as usize].to_vec();
-            kept.sort_unstable();
-            for &j in &kept {
+            let energies: Vec<f32> = x.chunks_exact(g).map(energy).collect();
+            let mut order = vec![0; groups as usize];
+            let kept = keep_largest(&energies, keep as usize, &mut order);
+            for &j in kept {
                 write_bits(item, mask_offset + j as u32, 1, 1);
             }
             let elem_bits = bitmap_elem_bits(elem);
@@ -288,15 +255,15 @@ fn encode_field(
                     .iter()
                     .flat_map(|&j| &x[j * g..(j + 1) * g])
                     .fold(0.0f32, |m, v| m.max(v.abs()));
-                let s = stored_half_scale(max, 127.0);
-                write_bits(item, at, 16, u32::from(f16::from_f32(s).to_bits()));
+                let s = half_scale(max, coeff_max(8) as f32);
+                write_bits(item, at, 16, f16_bits(s));
                 s
             });
             for (slot, &j) in kept.iter().enumerate() {
                 for t in 0..g {
                     let v = x[j * g + t];
                     let bits = match elem {
-                        BitmapElem::F16 => u32::from(f16::from_f32(v).to_bits()),
+                        BitmapElem::F16 => f16_bits(v),
                         BitmapElem::Int8 => quantize(v, int8_scale.expect("int8 scale"), 8),
                     };
                     write_bits(
@@ -315,19 +282,14 @@ fn encode_field(
         } => {
             for (c, &v) in x.iter().enumerate().take(count as usize) {
                 let (bits, width) = match dtype {
-                    DenseDtype::F16 => (u32::from(f16::from_f32(v).to_bits()), 16),
-                    DenseDtype::Bf16 => (u32::from(bf16::from_f32(v).to_bits()), 16),
+                    DenseDtype::F16 => (f16_bits(v), 16),
+                    DenseDtype::Bf16 => (bf16_bits(v), 16),
                     DenseDtype::F32 => (v.to_bits(), 32),
                 };
                 write_bits(item, offset + c as u32 * width, width, bits);
             }
         }
     }
-}
-
-fn signed(bits: u32, width: u32) -> f32 {
-    let unused = 32 - width;
-    (((bits << unused) as i32) >> unused) as f32
 }
 
 /// Reference decoder: the coordinates (codec dims) an item's bits stand for.
@@ -362,8 +324,7 @@ pub fn decode_item(
                             RadiusScale::Page => scales[slot as usize],
                             RadiusScale::PageGroup => scales[slot as usize + j],
                         };
-                        read_bits(item, offset + j as u32 * bits, bits) as f32 * s
-                            / ((1u32 << bits) - 1) as f32
+                        radius_value(read_bits(item, offset + j as u32 * bits, bits), s, bits)
                     }
                     _ => 1.0,
                 };
@@ -383,10 +344,7 @@ pub fn decode_item(
         } => {
             for (c, value) in x.iter_mut().enumerate().take(count as usize) {
                 let s = match scale {
-                    CoeffScale::Item => {
-                        f16::from_bits(read_bits(item, item_scale.expect("item scale"), 16) as u16)
-                            .to_f32()
-                    }
+                    CoeffScale::Item => f16_value(read_bits(item, item_scale.expect("item scale"), 16)),
                     CoeffScale::Page => scales[slot as usize],
                     CoeffScale::PageComponent => scales[slot as usize + c],
                     CoeffScale::Component => tables[table.expect("component table")][c],
@@ -405,8 +363,7 @@ pub fn decode_item(
         } => {
             let g = group_size as usize;
             let elem_bits = bitmap_elem_bits(elem);
-            let scale =
-                item_scale.map(|at| f16::from_bits(read_bits(item, at, 16) as u16).to_f32());
+            let scale = item_scale.map(|at| f16_value(read_bits(item, at, 16)));
             let mut slot = 0usize;
             for j in 0..groups as usize {
                 if read_bits(item, mask_offset + j as u32, 1) == 1 {
@@ -417,7 +374,7 @@ pub fn decode_item(
                             elem_bits,
                         );
                         x[j * g + t] = match elem {
-                            BitmapElem::F16 => f16::from_bits(raw as u16).to_f32(),
+                            BitmapElem::F16 => f16_value(raw),
                             BitmapElem::Int8 => signed(raw, 8) * scale.expect("int8 scale"),
                         };
                     }
@@ -434,8 +391,8 @@ pub fn decode_item(
                 let width = dtype.bits();
                 let raw = read_bits(item, offset + c as u32 * width, width);
                 *value = match dtype {
-                    DenseDtype::F16 => f16::from_bits(raw as u16).to_f32(),
-                    DenseDtype::Bf16 => bf16::from_bits(raw as u16).to_f32(),
+                    DenseDtype::F16 => f16_value(raw),
+                    DenseDtype::Bf16 => bf16_value(raw),
                     DenseDtype::F32 => f32::from_bits(raw),
                 };
             }

@@ -3,6 +3,7 @@
 
 mod bits;
 mod codec;
+pub mod ops;
 pub mod train;
 mod transform;
 
@@ -53,6 +54,14 @@ pub enum EncodeError {
     },
     #[error("tables for {found} kv heads given; expected {expected}")]
     TableHeads { found: usize, expected: usize },
+    /// A specialized (`kv_format!`) encoder was handed a page of a layout it
+    /// was not generated for.
+    #[error("the encoder of format {encoder} has no tier laid out as tier {tier} (index {index}) is")]
+    ForeignLayout {
+        encoder: String,
+        tier: String,
+        index: u32,
+    },
 }
 
 /// Rejects non-finite inputs, naming the first bad position as `[index...]` of `dims`.
@@ -92,29 +101,7 @@ pub fn encode_page(
     page: &mut [u8],
 ) -> Result<(), EncodeError> {
     let head_dim = layout.head_dim as usize;
-    for (what, data) in [("keys", keys), ("values", values)] {
-        if !data.len().is_multiple_of(head_dim) {
-            return Err(EncodeError::Ragged {
-                what,
-                found: data.len(),
-                head_dim,
-            });
-        }
-        check_finite(what, data, &[data.len() / head_dim, head_dim])?;
-    }
-    let tokens = keys.len() / head_dim;
-    if values.len() / head_dim != tokens {
-        return Err(EncodeError::KeysValues {
-            keys: tokens,
-            values: values.len() / head_dim,
-        });
-    }
-    if tokens > layout.items_per_page as usize {
-        return Err(EncodeError::PageOverflow {
-            tokens,
-            capacity: layout.items_per_page,
-        });
-    }
+    let tokens = ops::check_page(head_dim, layout.items_per_page, keys, values)?;
     page.fill(0);
     let mut scales = vec![0.0f32; layout.header_slots as usize];
     for (side, data) in [(Side::Key, keys), (Side::Value, values)] {

@@ -4,7 +4,7 @@
 
 use kvcc_compiler::layout::TransformLayout;
 
-use crate::math::hadamard::{fwht_normalized, srht_forward, srht_inverse};
+use super::ops::{fwht_normalized, pca_forward, pca_inverse, srht_forward, srht_inverse};
 
 /// x (head_dim) -> x' (codec dims).
 pub fn forward(transform: TransformLayout, tables: &[Vec<f32>], x: &[f32]) -> Vec<f32> {
@@ -21,15 +21,8 @@ pub fn forward(transform: TransformLayout, tables: &[Vec<f32>], x: &[f32]) -> Ve
             y
         }
         TransformLayout::Pca { rank, basis, mean } => {
-            let (basis, mean) = (&tables[basis], &tables[mean]);
-            let rank = rank as usize;
-            let mut c = vec![0.0f32; rank];
-            for (i, (&xi, &mi)) in x.iter().zip(mean).enumerate() {
-                let centered = xi - mi;
-                for (k, ck) in c.iter_mut().enumerate() {
-                    *ck += basis[i * rank + k] * centered;
-                }
-            }
+            let mut c = vec![0.0f32; rank as usize];
+            pca_forward(&tables[basis], &tables[mean], x, &mut c);
             c
         }
     }
@@ -54,15 +47,10 @@ pub fn inverse(
             srht_inverse(&mut x, &tables[signs]);
             x
         }
-        TransformLayout::Pca { rank, basis, mean } => {
-            let (basis, mean) = (&tables[basis], &tables[mean]);
-            let rank = rank as usize;
-            (0..head_dim)
-                .map(|i| {
-                    let row = &basis[i * rank..(i + 1) * rank];
-                    mean[i] + row.iter().zip(y).map(|(b, c)| b * c).sum::<f32>()
-                })
-                .collect()
+        TransformLayout::Pca { basis, mean, .. } => {
+            let mut x = vec![0.0f32; head_dim];
+            pca_inverse(&tables[basis], &tables[mean], y, &mut x);
+            x
         }
     }
 }

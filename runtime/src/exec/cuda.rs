@@ -28,19 +28,25 @@ impl CudaExecutor {
         &self.gpu
     }
 
-    fn kernels(&self, cache: &PagedCache) -> Result<Arc<FormatKernels>, CudaError> {
-        let key = format!("{:?}", cache.format().spec());
+    /// Kernels specialized for the query group (q_heads / kv_heads) being served.
+    fn kernels(&self, cache: &PagedCache, group: u32) -> Result<Arc<FormatKernels>, CudaError> {
+        let key = format!("{group}:{:?}", cache.format().spec());
         let mut loaded = self.kernels.lock().expect("kernel cache lock");
         if let Some(k) = loaded.get(&key) {
             return Ok(k.clone());
         }
-        let k = Arc::new(FormatKernels::load(&self.gpu, cache.format(), self.options)?);
+        let options = ptx::Options { query_group: Some(group), ..self.options };
+        let k = Arc::new(FormatKernels::load(&self.gpu, cache.format(), options)?);
         loaded.insert(key, k.clone());
         Ok(k)
     }
 
     fn run(&self, cache: &PagedCache, queries: &[f32], q_heads: usize) -> Result<Vec<f32>, CudaError> {
-        let kernels = self.kernels(cache)?;
+        let kv_heads = cache.kv_heads().max(1);
+        if q_heads == 0 || !q_heads.is_multiple_of(kv_heads) {
+            return Err(CudaError::Shape(format!("{q_heads} query heads is not a positive multiple of {kv_heads} kv heads")));
+        }
+        let kernels = self.kernels(cache, (q_heads / kv_heads) as u32)?;
         let device = DeviceCache::upload(&self.gpu, &kernels, cache)?;
         let mut step = DeviceDecode::new(&self.gpu, &kernels, &device, q_heads, None)?;
         step.set_queries(&self.gpu, &kernels, &device, queries)?;

@@ -18,7 +18,12 @@ impl Executor for InterpExecutor {
         Ok(interp.decode(&cache.view(), queries, q_heads)?)
     }
 
-    fn decode_with_logits(&self, cache: &PagedCache, queries: &[f32], q_heads: usize) -> Result<Decoded, ExecError> {
+    fn decode_with_logits(
+        &self,
+        cache: &PagedCache,
+        queries: &[f32],
+        q_heads: usize,
+    ) -> Result<Decoded, ExecError> {
         let interp = Interpreter::new(cache.format().tiers(), Options::default());
         let view = cache.view();
         interp.check_queries(queries, view.page_tables.len(), q_heads, view.kv_heads)?;

@@ -39,18 +39,25 @@ fn compiled() -> &'static Mutex<HashMap<Key, Arc<Kernels>>> {
 }
 
 /// Tier `tier`'s kernels for `options`, compiled on first use.
-fn kernels(format: &Format, spec: &str, tier: usize, options: &clif::Options) -> Result<Arc<Kernels>, ExecError> {
+fn kernels(
+    format: &Format,
+    spec: &str,
+    tier: usize,
+    options: &clif::Options,
+) -> Result<Arc<Kernels>, ExecError> {
     let key = (spec.to_string(), tier, options.clone());
     if let Some(k) = compiled().lock().expect("kernel cache lock").get(&key) {
         return Ok(k.clone());
     }
     // Compiled outside the lock: other formats need not wait. A race compiles
     // twice and keeps one.
-    let k = Arc::new(clif::compile(&format.tiers()[tier], options).map_err(|e| ExecError::Backend {
-        executor: "jit",
-        format: e.format,
-        tier: e.tier,
-        message: e.kind.to_string(),
+    let k = Arc::new(clif::compile(&format.tiers()[tier], options).map_err(|e| {
+        ExecError::Backend {
+            executor: "jit",
+            format: e.format,
+            tier: e.tier,
+            message: e.kind.to_string(),
+        }
     })?);
     Ok(compiled()
         .lock()
@@ -61,7 +68,12 @@ fn kernels(format: &Format, spec: &str, tier: usize, options: &clif::Options) ->
 }
 
 /// The kernels of every tier for calls of `heads` query heads.
-fn tier_kernels(format: &Format, spec: &str, options: &clif::Options, heads: usize) -> Result<Vec<Arc<Kernels>>, ExecError> {
+fn tier_kernels(
+    format: &Format,
+    spec: &str,
+    options: &clif::Options,
+    heads: usize,
+) -> Result<Vec<Arc<Kernels>>, ExecError> {
     let options = clif::Options {
         heads: heads as u32,
         ..options.clone()
@@ -76,17 +88,33 @@ impl Executor for JitExecutor {
         "jit"
     }
 
-    fn decode(&self, cache: &PagedCache, queries: &[f32], q_heads: usize) -> Result<Vec<f32>, ExecError> {
+    fn decode(
+        &self,
+        cache: &PagedCache,
+        queries: &[f32],
+        q_heads: usize,
+    ) -> Result<Vec<f32>, ExecError> {
         Ok(self.run(cache, queries, q_heads, false)?.outputs)
     }
 
-    fn decode_with_logits(&self, cache: &PagedCache, queries: &[f32], q_heads: usize) -> Result<Decoded, ExecError> {
+    fn decode_with_logits(
+        &self,
+        cache: &PagedCache,
+        queries: &[f32],
+        q_heads: usize,
+    ) -> Result<Decoded, ExecError> {
         self.run(cache, queries, q_heads, true)
     }
 }
 
 impl JitExecutor {
-    fn run(&self, cache: &PagedCache, queries: &[f32], q_heads: usize, logits: bool) -> Result<Decoded, ExecError> {
+    fn run(
+        &self,
+        cache: &PagedCache,
+        queries: &[f32],
+        q_heads: usize,
+        logits: bool,
+    ) -> Result<Decoded, ExecError> {
         let format = cache.format();
         let view = cache.view();
         let interp = Interpreter::new(format.tiers(), Options::default());
@@ -197,8 +225,11 @@ impl Job<'_> {
             .collect();
         // [call][tier], created when the tier's first page comes (as the
         // interpreter runs a prologue only for tiers the sequence uses).
-        let mut state: Vec<Vec<Option<Partials>>> =
-            self.calls.iter().map(|_| (0..tiers).map(|_| None).collect()).collect();
+        let mut state: Vec<Vec<Option<Partials>>> = self
+            .calls
+            .iter()
+            .map(|_| (0..tiers).map(|_| None).collect())
+            .collect();
         let mut logits = vec![Vec::new(); if self.logits { self.group } else { 0 }];
         for page_ref in &self.view.page_tables[sequence][kv_head] {
             let t = page_ref.tier as usize;
@@ -253,7 +284,8 @@ impl Job<'_> {
                     .filter(|(_, p)| p.softmax[h].sum > 0.0)
                     .map(|(t, p)| {
                         let shape = kernels[t].shape();
-                        let arrays = &mut p.arrays[h * shape.arrays_len..(h + 1) * shape.arrays_len];
+                        let arrays =
+                            &mut p.arrays[h * shape.arrays_len..(h + 1) * shape.arrays_len];
                         let acc = h * shape.dims_stride;
                         arrays[shape.accumulator()].copy_from_slice(&p.acc[acc..acc + shape.dims]);
                         kernels[t].epilogue(&tables[t], arrays, p.softmax[h].sum);

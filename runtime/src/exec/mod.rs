@@ -44,7 +44,12 @@ pub trait Executor {
     fn name(&self) -> &'static str;
     fn decode(&self, cache: &PagedCache, queries: &[f32], q_heads: usize) -> Result<Vec<f32>, ExecError>;
     /// `decode` with every row's logits (what fidelity metrics compare).
-    fn decode_with_logits(&self, _cache: &PagedCache, _queries: &[f32], _q_heads: usize) -> Result<Decoded, ExecError> {
+    fn decode_with_logits(
+        &self,
+        _cache: &PagedCache,
+        _queries: &[f32],
+        _q_heads: usize,
+    ) -> Result<Decoded, ExecError> {
         Err(ExecError::Unsupported {
             executor: self.name(),
             what: "logits",

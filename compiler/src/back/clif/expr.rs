@@ -97,8 +97,8 @@ fn vector_type(ty: Scalar) -> ir::Type {
     }
 }
 
-/// Flags of loads from memory no kernel writes while the program runs (tables,
-/// page headers, a score's shared arrays): Cranelift may merge and hoist them.
+/// Flags of loads from memory nothing writes while the function runs (tables,
+/// page headers, a score's shared arrays, weights): free to move.
 pub(super) fn invariant() -> MemFlagsData {
     MemFlagsData::new()
         .with_notrap()
@@ -123,23 +123,62 @@ pub(super) fn writable() -> MemFlagsData {
         .with_endianness(Endianness::Little)
 }
 
-/// A function under construction, with the per-block caches lowering uses.
+/// A function under construction, with the caches lowering uses.
 pub(super) struct Fx<'f> {
     pub b: FunctionBuilder<'f>,
     /// 1 (scalar code) or [`LANES`].
     pub lanes: usize,
-    splats: HashMap<(ir::Value, bool), ir::Value>,
-    /// Stream words gathered across the lanes' items, by byte offset (stream.rs).
-    pub words: HashMap<u32, ir::Value>,
+    pub cached: Cached,
+    /// `masked -> (source, width)` for `masked = source & (2^width - 1)`
+    /// (stream.rs), so conversions that ignore the high bits skip the mask.
+    pub low_bits: HashMap<ir::Value, (ir::Value, u32)>,
     hoist: Option<Hoist>,
 }
 
+/// Values already computed in the current block or one dominating it: code
+/// is emitted in program order with no e-graph pass, so lowering reuses them
+/// itself (the IR repeats subexpressions, e.g. a bitmap's mask popcount for
+/// every element).
+#[derive(Clone, Default)]
+pub(super) struct Cached {
+    splats: HashMap<(ir::Value, bool), ir::Value>,
+    /// Stream words gathered across the lanes' items, by byte offset (stream.rs).
+    pub words: HashMap<u32, ir::Value>,
+    /// Results of unary and binary operations, by operation and operands.
+    ops: HashMap<(Operation, Scalar, ir::Value, Option<ir::Value>), ir::Value>,
+}
+
+/// An IR operation as a cache key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum Operation {
+    Unary(u16),
+    Binary(u16),
+}
+
+impl Operation {
+    fn unary(op: UnaryOp) -> Operation {
+        Operation::Unary(match op {
+            UnaryOp::Negate => 0,
+            UnaryOp::Popcount => 1,
+            UnaryOp::HalfToFloat => 2,
+            UnaryOp::BfloatToFloat => 3,
+            UnaryOp::BitsToFloat => 4,
+            UnaryOp::ToFloat => 5,
+            UnaryOp::SignExtend(bits) => 6 + u16::from(bits),
+        })
+    }
+
+    fn binary(op: BinaryOp) -> Operation {
+        Operation::Binary(op as u16)
+    }
+}
+
 /// Vectors a loop body reads but that do not change in the loop (constants,
-/// splats of values computed before it): computed once in the preheader into
-/// a stack area, read in the body as loads x64 folds into the instruction
-/// that uses them. (The code is emitted in program order, without Cranelift's
-/// e-graph pass, whose placement of pure values at their last use spills
-/// long fma chains; so loop-invariant code motion is done here.)
+/// splats of values computed before it): computed once before the loop into a
+/// stack area and loaded in the body, where x64 folds a load used once into
+/// the instruction that uses it. (Code is emitted in program order, without
+/// Cranelift's e-graph pass, whose placement of pure values at their last use
+/// spills long fma chains; so loop-invariant code motion is done here.)
 struct Hoist {
     preheader: ir::Block,
     /// The preheader's jump into the loop: hoisted code goes before it.
@@ -159,8 +198,8 @@ impl<'f> Fx<'f> {
         Fx {
             b,
             lanes,
-            splats: HashMap::new(),
-            words: HashMap::new(),
+            cached: Cached::default(),
+            low_bits: HashMap::new(),
             hoist: None,
         }
     }
@@ -218,9 +257,11 @@ impl<'f> Fx<'f> {
             // At the top of the function, so it dominates every store.
             let entry = func.layout.entry_block().expect("entry block");
             let mut pos = FuncCursor::new(func).at_first_insertion_point(entry);
-            let slot = pos
-                .func
-                .create_sized_stack_slot(StackSlotData::new(StackSlotKind::ExplicitSlot, 0, 4));
+            let slot = pos.func.create_sized_stack_slot(StackSlotData::new(
+                StackSlotKind::ExplicitSlot,
+                0,
+                4,
+            ));
             (slot, pos.ins().stack_addr(types::I64, slot, 0))
         });
         let offset = *hoist.offsets.entry(key).or_insert_with(|| {
@@ -241,8 +282,7 @@ impl<'f> Fx<'f> {
     /// dominate it, so the caches start empty.
     pub fn switch_to(&mut self, block: ir::Block) {
         self.b.switch_to_block(block);
-        self.splats.clear();
-        self.words.clear();
+        self.cached = Cached::default();
     }
 
     pub fn iconst(&mut self, v: u32) -> ir::Value {
@@ -304,16 +344,18 @@ impl<'f> Fx<'f> {
 
     fn splat(&mut self, x: ir::Value, ty: Scalar) -> ir::Value {
         let mask = ty == Scalar::Bool;
-        if let Some(&v) = self.splats.get(&(x, mask)) {
+        if let Some(&v) = self.cached.splats.get(&(x, mask)) {
             return v;
         }
         let vector = vector_type(ty);
         let v = if let Some(after) = self.loop_invariant(x) {
-            self.hoisted(Hoisted::Splat(x, mask), vector, after, |pos| splat(pos, x, mask, vector))
+            self.hoisted(Hoisted::Splat(x, mask), vector, after, |pos| {
+                splat(pos, x, mask, vector)
+            })
         } else {
             splat(&mut self.b.cursor(), x, mask, vector)
         };
-        self.splats.insert((x, mask), v);
+        self.cached.splats.insert((x, mask), v);
         v
     }
 
@@ -364,7 +406,11 @@ impl<'f> Fx<'f> {
 
     /// A vector of `ty` whose lane k `lane(fx, k)` emits right before it is
     /// inserted (so x64 can fold a lane's load into the insert).
-    pub fn build(&mut self, ty: Scalar, mut lane: impl FnMut(&mut Self, usize) -> ir::Value) -> ir::Value {
+    pub fn build(
+        &mut self,
+        ty: Scalar,
+        mut lane: impl FnMut(&mut Self, usize) -> ir::Value,
+    ) -> ir::Value {
         let mut v = None;
         for k in 0..LANES {
             let mut x = lane(self, k);
@@ -380,8 +426,8 @@ impl<'f> Fx<'f> {
         v.expect("lanes")
     }
 
-    /// `op` applied lane by lane (`vector` false: on scalars) — the path for
-    /// operations Cranelift has no vector instruction for.
+    /// `op` on each lane's scalars — the path for operations Cranelift has no
+    /// vector instruction for.
     fn lanewise(
         &mut self,
         ty: Scalar,
@@ -397,12 +443,23 @@ impl<'f> Fx<'f> {
 
     /// `if condition { accept } else { reject }` on scalars (i8 condition) or
     /// vectors (lane mask).
-    fn choose(&mut self, vector: bool, ty: Scalar, cond: ir::Value, accept: ir::Value, reject: ir::Value) -> ir::Value {
+    fn choose(
+        &mut self,
+        vector: bool,
+        ty: Scalar,
+        cond: ir::Value,
+        accept: ir::Value,
+        reject: ir::Value,
+    ) -> ir::Value {
         if !vector {
             return self.b.ins().select(cond, accept, reject);
         }
         let mask = if ty == Scalar::F32 {
-            self.b.ins().bitcast(types::F32X4, MemFlagsData::new().with_endianness(Endianness::Little), cond)
+            self.b.ins().bitcast(
+                types::F32X4,
+                MemFlagsData::new().with_endianness(Endianness::Little),
+                cond,
+            )
         } else {
             cond
         };
@@ -410,9 +467,30 @@ impl<'f> Fx<'f> {
     }
 
     fn bitcast(&mut self, vector: bool, to: Scalar, x: ir::Value) -> ir::Value {
-        let ty = if vector { vector_type(to) } else { scalar_type(to) };
+        let ty = if vector {
+            vector_type(to)
+        } else {
+            scalar_type(to)
+        };
         let flags = MemFlagsData::new().with_endianness(Endianness::Little);
         self.b.ins().bitcast(ty, flags, x)
+    }
+
+    /// The value of `op` on `x` (and `y`) if already computed, else `emit`'s.
+    fn reuse(
+        &mut self,
+        op: Operation,
+        ty: Scalar,
+        x: ir::Value,
+        y: Option<ir::Value>,
+        emit: impl FnOnce(&mut Self) -> ir::Value,
+    ) -> ir::Value {
+        if let Some(&v) = self.cached.ops.get(&(op, ty, x, y)) {
+            return v;
+        }
+        let v = emit(self);
+        self.cached.ops.insert((op, ty, x, y), v);
+        v
     }
 
     /// A binary operation on operands of type `ty`.
@@ -431,7 +509,9 @@ impl<'f> Fx<'f> {
         };
         if !a.varies() && !b.varies() {
             let (x, y) = (self.scalar(a), self.scalar(b));
-            return Val::Uniform(self.emit_binary(op, ty, x, y, false));
+            return Val::Uniform(self.reuse(Operation::binary(op), ty, x, Some(y), |fx| {
+                fx.emit_binary(op, ty, x, y, false)
+            }));
         }
         let vector_form = match op {
             // x64 has no vector integer division; shifts take one amount for all lanes.
@@ -440,7 +520,9 @@ impl<'f> Fx<'f> {
             _ => true,
         };
         if !vector_form {
-            return self.lanewise(ty, result, &[a, b], |fx, xs| fx.emit_binary(op, ty, xs[0], xs[1], false));
+            return self.lanewise(ty, result, &[a, b], |fx, xs| {
+                fx.emit_binary(op, ty, xs[0], xs[1], false)
+            });
         }
         let x = self.vector(a, ty);
         let y = if matches!(op, BinaryOp::ShiftLeft | BinaryOp::ShiftRight) {
@@ -448,14 +530,17 @@ impl<'f> Fx<'f> {
         } else {
             self.vector(b, ty)
         };
-        Val::Vector(self.emit_binary(op, ty, x, y, true))
+        Val::Vector(self.reuse(Operation::binary(op), ty, x, Some(y), |fx| {
+            fx.emit_binary(op, ty, x, y, true)
+        }))
     }
 
     /// u32 arithmetic that keeps a runtime base plus per-lane constant
     /// offsets, so `table[row * n + lane]` becomes one vector load.
     fn offset(&mut self, op: BinaryOp, a: Val, b: Val) -> Option<Val> {
         let lanes = |v: Val| v.known().map(|ks| ks.map(known_u32));
-        let add = |x: [u32; LANES], y: [u32; LANES]| std::array::from_fn(|k| x[k].wrapping_add(y[k]));
+        let add =
+            |x: [u32; LANES], y: [u32; LANES]| std::array::from_fn(|k| x[k].wrapping_add(y[k]));
         match (op, a, b) {
             (BinaryOp::Add, Val::Uniform(base), Val::Lanes(ks))
             | (BinaryOp::Add, Val::Lanes(ks), Val::Uniform(base)) => Some(Val::Offset {
@@ -473,10 +558,12 @@ impl<'f> Fx<'f> {
                     offsets: add(offsets, ks),
                 }),
             },
-            (BinaryOp::Subtract, Val::Offset { base, offsets }, other) => lanes(other).map(|ks| Val::Offset {
-                base,
-                offsets: add(offsets, ks.map(u32::wrapping_neg)),
-            }),
+            (BinaryOp::Subtract, Val::Offset { base, offsets }, other) => {
+                lanes(other).map(|ks| Val::Offset {
+                    base,
+                    offsets: add(offsets, ks.map(u32::wrapping_neg)),
+                })
+            }
             (BinaryOp::Multiply, Val::Offset { base, offsets }, Val::Const(c))
             | (BinaryOp::Multiply, Val::Const(c), Val::Offset { base, offsets }) => {
                 let c = known_u32(c);
@@ -490,7 +577,14 @@ impl<'f> Fx<'f> {
         }
     }
 
-    fn emit_binary(&mut self, op: BinaryOp, ty: Scalar, x: ir::Value, y: ir::Value, vector: bool) -> ir::Value {
+    fn emit_binary(
+        &mut self,
+        op: BinaryOp,
+        ty: Scalar,
+        x: ir::Value,
+        y: ir::Value,
+        vector: bool,
+    ) -> ir::Value {
         let float = ty == Scalar::F32;
         let ins = self.b.ins();
         match op {
@@ -536,20 +630,24 @@ impl<'f> Fx<'f> {
         if let Some(x) = a.known() {
             return Val::from_known(x.map(|k| eval::unary(op, k)));
         }
-        let result = match op {
-            UnaryOp::Negate | UnaryOp::Popcount => ty,
-            UnaryOp::SignExtend(_) => Scalar::I32,
-            _ => Scalar::F32,
-        };
         if !a.varies() {
             let x = self.scalar(a);
-            return Val::Uniform(self.emit_unary(op, ty, x, false));
+            return Val::Uniform(self.reuse(Operation::unary(op), ty, x, None, |fx| {
+                fx.emit_unary(op, ty, x, false)
+            }));
         }
-        if op == UnaryOp::Popcount {
-            return self.lanewise(ty, result, &[a], |fx, xs| fx.b.ins().popcnt(xs[0]));
+        let mut x = self.vector(a, ty);
+        // Both read only the low 16 bits (and ignore the rest).
+        if matches!(op, UnaryOp::HalfToFloat | UnaryOp::BfloatToFloat) {
+            if let Some(&(source, width)) = self.low_bits.get(&x) {
+                if width >= 16 {
+                    x = source;
+                }
+            }
         }
-        let x = self.vector(a, ty);
-        Val::Vector(self.emit_unary(op, ty, x, true))
+        Val::Vector(self.reuse(Operation::unary(op), ty, x, None, |fx| {
+            fx.emit_unary(op, ty, x, true)
+        }))
     }
 
     fn emit_unary(&mut self, op: UnaryOp, ty: Scalar, x: ir::Value, vector: bool) -> ir::Value {
@@ -557,6 +655,21 @@ impl<'f> Fx<'f> {
         match op {
             UnaryOp::Negate if ty == Scalar::F32 => self.b.ins().fneg(x),
             UnaryOp::Negate => self.b.ins().ineg(x),
+            UnaryOp::Popcount if vector => {
+                // Per byte (x64 has it for i8x16), then the four bytes of a
+                // lane summed into its top byte by one multiply (sums <= 32).
+                let bytes = self.b.ins().bitcast(
+                    types::I8X16,
+                    MemFlagsData::new().with_endianness(Endianness::Little),
+                    x,
+                );
+                let counts = self.b.ins().popcnt(bytes);
+                let counts = self.bitcast(true, Scalar::U32, counts);
+                let k = self.int(true, 0x0101_0101);
+                let summed = self.b.ins().imul(counts, k);
+                let twenty_four = self.iconst(24);
+                self.b.ins().ushr(summed, twenty_four)
+            }
             UnaryOp::Popcount => self.b.ins().popcnt(x),
             UnaryOp::HalfToFloat => self.half_to_float(x, vector),
             UnaryOp::BfloatToFloat => {
@@ -579,43 +692,46 @@ impl<'f> Fx<'f> {
 
     /// IEEE binary16 in the low 16 bits -> f32, exactly as `half::f16::to_f32`
     /// (and F16C), with integer and exact float ops only, so it needs no f16
-    /// support from Cranelift and no flush-to-zero mode can change it. Normal
-    /// numbers rebias the exponent; the rest (see `rare_halves`) are handled
-    /// for vectors on a side path taken only when some lane needs it. The
-    /// sign is bit 15 moved to 31.
+    /// support from Cranelift and no flush-to-zero mode can change it. Bits
+    /// above 15 are ignored (shifted out). Normal numbers rebias the exponent;
+    /// the rest (see `rare_halves`) are handled for vectors on a side path
+    /// taken only when some lane needs it. The sign is bit 15 moved to 31.
     fn half_to_float(&mut self, x: ir::Value, vector: bool) -> ir::Value {
-        let k = self.int(vector, 0x7FFF);
-        let magnitude = self.b.ins().band(x, k);
-        let thirteen = self.iconst(13);
-        let shifted = self.b.ins().ishl(magnitude, thirteen);
+        let [four, thirteen, fifteen, seventeen, twenty_seven, twenty_eight, thirty_one] =
+            [4, 13, 15, 17, 27, 28, 31].map(|n| self.iconst(n));
+        // Exponent and mantissa at the top, nothing above them.
+        let top = self.b.ins().ishl(x, seventeen);
+        let shifted = self.b.ins().ushr(top, four);
         let k = self.int(vector, 112 << 23);
         let normal = self.b.ins().iadd(shifted, k);
         let value = if vector {
-            // Exponent field 0 or 31 iff adding one to it leaves 0x7800 clear.
-            let k = self.int(true, 0x400);
-            let bumped = self.b.ins().iadd(magnitude, k);
-            let k = self.int(true, 0x7800);
-            let field = self.b.ins().band(bumped, k);
-            let zero = self.int(true, 0);
-            let rare = self.b.ins().icmp(IntCC::Equal, field, zero);
-            let any = self.b.ins().vany_true(rare);
+            // The exponent field (the top 5 bits) is 0 or 31 iff shifting it
+            // down arithmetically by one more bit changes nothing.
+            let field = self.b.ins().sshr(top, twenty_seven);
+            let half_field = self.b.ins().sshr(top, twenty_eight);
+            let rare = self.b.ins().icmp(IntCC::Equal, field, half_field);
+            // One bit per lane (movmskps), cheaper to test than ptest.
+            let any = self.b.ins().vhigh_bits(types::I32, rare);
             let side = self.b.create_block();
             let join = self.b.create_block();
             let value = self.b.append_block_param(join, types::I32X4);
             self.b.set_cold_block(side);
-            self.b.ins().brif(any, side, &[], join, &[BlockArg::Value(normal)]);
+            self.b
+                .ins()
+                .brif(any, side, &[], join, &[BlockArg::Value(normal)]);
             // Values cached on the side path do not dominate `join`.
-            let (splats, words) = (self.splats.clone(), self.words.clone());
+            let cached = self.cached.clone();
             self.b.switch_to_block(side);
+            let magnitude = self.b.ins().ushr(shifted, thirteen);
             let exact = self.rare_halves(true, magnitude, normal);
             self.b.ins().jump(join, &[BlockArg::Value(exact)]);
-            (self.splats, self.words) = (splats, words);
+            self.cached = cached;
             self.b.switch_to_block(join);
             value
         } else {
+            let magnitude = self.b.ins().ushr(shifted, thirteen);
             self.rare_halves(false, magnitude, normal)
         };
-        let (fifteen, thirty_one) = (self.iconst(15), self.iconst(31));
         let sign = self.b.ins().ushr(x, fifteen);
         let sign = self.b.ins().ishl(sign, thirty_one);
         let bits = self.b.ins().bor(value, sign);
@@ -703,27 +819,47 @@ impl<'f> Fx<'f> {
     }
 
     /// f32 element `index` of the array at `base + offset` bytes.
-    pub fn load_f32(&mut self, flags: MemFlagsData, base: ir::Value, offset: u32, index: Val) -> Val {
+    pub fn load_f32(
+        &mut self,
+        flags: MemFlagsData,
+        base: ir::Value,
+        offset: u32,
+        index: Val,
+    ) -> Val {
         let at = |i: u32| (offset + 4 * i) as i32;
         match index {
-            Val::Const(k) => Val::Uniform(self.b.ins().load(types::F32, flags, base, at(known_u32(k)))),
+            Val::Const(k) => {
+                Val::Uniform(self.b.ins().load(types::F32, flags, base, at(known_u32(k))))
+            }
             Val::Uniform(i) => {
                 let address = self.element(base, i);
                 Val::Uniform(self.b.ins().load(types::F32, flags, address, offset as i32))
             }
-            Val::Lanes(ks) if contiguous(ks.map(known_u32)) => {
-                Val::Vector(self.b.ins().load(types::F32X4, flags, base, at(known_u32(ks[0]))))
-            }
+            Val::Lanes(ks) if contiguous(ks.map(known_u32)) => Val::Vector(self.b.ins().load(
+                types::F32X4,
+                flags,
+                base,
+                at(known_u32(ks[0])),
+            )),
             Val::Offset { base: row, offsets } if contiguous(offsets) => {
                 let address = self.element(base, row);
-                Val::Vector(self.b.ins().load(types::F32X4, flags, address, at(offsets[0])))
+                Val::Vector(
+                    self.b
+                        .ins()
+                        .load(types::F32X4, flags, address, at(offsets[0])),
+                )
             }
-            _ => Val::Vector(self.build(Scalar::F32, |fx, k| match index {
-                Val::Lanes(ks) => fx.b.ins().load(types::F32, flags, base, at(known_u32(ks[k]))),
-                _ => {
-                    let i = fx.lane(index, k, Scalar::U32);
-                    let address = fx.element(base, i);
-                    fx.b.ins().load(types::F32, flags, address, offset as i32)
+            _ => Val::Vector(self.build(Scalar::F32, |fx, k| {
+                match index {
+                    Val::Lanes(ks) => {
+                        fx.b.ins()
+                            .load(types::F32, flags, base, at(known_u32(ks[k])))
+                    }
+                    _ => {
+                        let i = fx.lane(index, k, Scalar::U32);
+                        let address = fx.element(base, i);
+                        fx.b.ins().load(types::F32, flags, address, offset as i32)
+                    }
                 }
             })),
         }
@@ -788,9 +924,12 @@ mod tests {
             .expect("compiles");
         let (_code, [address]) = jit.finish([id]).expect("links");
         // SAFETY: the function just defined, of this signature, alive with `_code`.
-        let halves: unsafe extern "C" fn(*const u32, *mut u32) = unsafe { std::mem::transmute(address) };
+        let halves: unsafe extern "C" fn(*const u32, *mut u32) =
+            unsafe { std::mem::transmute(address) };
         for first in (0..=u16::MAX as u32).step_by(4) {
-            let input: [u32; 4] = std::array::from_fn(|k| (first + k as u32) | [0, 0xDEAD_0000, 0x0001_0000, 0xFFFF_0000][k]);
+            let input: [u32; 4] = std::array::from_fn(|k| {
+                (first + k as u32) | [0, 0xDEAD_0000, 0x0001_0000, 0xFFFF_0000][k]
+            });
             let mut output = [0u32; 8];
             // SAFETY: 4 u32 in, 8 out, as the function reads and writes.
             unsafe { halves(input.as_ptr(), output.as_mut_ptr()) };

@@ -102,7 +102,9 @@ pub struct Kernels {
 
 impl std::fmt::Debug for Kernels {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Kernels").field("shape", &self.shape).finish_non_exhaustive()
+        f.debug_struct("Kernels")
+            .field("shape", &self.shape)
+            .finish_non_exhaustive()
     }
 }
 
@@ -172,8 +174,16 @@ impl Kernels {
     pub fn score(&self, page: &[u8], tables: &Tables, arrays: &[f32], logits: &mut [f32]) -> usize {
         let count = self.count(page);
         self.check_tables(tables);
-        assert_eq!(arrays.len(), self.shape.heads * self.shape.arrays_len, "arrays");
-        assert_eq!(logits.len(), self.shape.heads * self.shape.items_stride, "logits");
+        assert_eq!(
+            arrays.len(),
+            self.shape.heads * self.shape.arrays_len,
+            "arrays"
+        );
+        assert_eq!(
+            logits.len(),
+            self.shape.heads * self.shape.items_stride,
+            "logits"
+        );
         if count > 0 {
             // SAFETY: sizes checked above; count <= items per page.
             unsafe {
@@ -191,12 +201,27 @@ impl Kernels {
 
     /// For every item i of the page and head h:
     /// `acc[h * dims_stride + c] = acc[..] * decays[h * items_stride + i] + weights[..] * v_i(c)`.
-    pub fn accumulate(&self, page: &[u8], tables: &Tables, weights: &[f32], decays: &[f32], acc: &mut [f32]) {
+    pub fn accumulate(
+        &self,
+        page: &[u8],
+        tables: &Tables,
+        weights: &[f32],
+        decays: &[f32],
+        acc: &mut [f32],
+    ) {
         let count = self.count(page);
         self.check_tables(tables);
         let rates = self.shape.heads * self.shape.items_stride;
-        assert_eq!((weights.len(), decays.len()), (rates, rates), "weights and decays");
-        assert_eq!(acc.len(), self.shape.heads * self.shape.dims_stride, "accumulator");
+        assert_eq!(
+            (weights.len(), decays.len()),
+            (rates, rates),
+            "weights and decays"
+        );
+        assert_eq!(
+            acc.len(),
+            self.shape.heads * self.shape.dims_stride,
+            "accumulator"
+        );
         if count > 0 {
             // SAFETY: sizes checked above; count <= items per page.
             unsafe {

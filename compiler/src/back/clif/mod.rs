@@ -116,14 +116,20 @@ pub fn compile(module: &ValidModule, options: &Options) -> Result<Kernels, Error
         })
         .map_err(error)?;
     let score = jit
-        .define("key.score", &[ptr, i32, ptr, ptr, ptr], lanes, |fx, args| {
-            program::score(fx, m, &info.score, &shape, args)
-        })
+        .define(
+            "key.score",
+            &[ptr, i32, ptr, ptr, ptr],
+            lanes,
+            |fx, args| program::score(fx, m, &info.score, &shape, args),
+        )
         .map_err(error)?;
     let accumulate = jit
-        .define("value.accumulate", &[ptr, i32, ptr, ptr, ptr, ptr], lanes, |fx, args| {
-            program::accumulate(fx, m, &info.accumulate, &shape, args)
-        })
+        .define(
+            "value.accumulate",
+            &[ptr, i32, ptr, ptr, ptr, ptr],
+            lanes,
+            |fx, args| program::accumulate(fx, m, &info.accumulate, &shape, args),
+        )
         .map_err(error)?;
     let epilogue = jit
         .define("value.epilogue", &[ptr, ptr, f32], 1, |fx, args| {

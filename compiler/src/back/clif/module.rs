@@ -26,7 +26,11 @@ impl Jit {
     /// (measured 1.0-1.9x slower on the bundled specs).
     pub fn new(settings: &[(String, String)]) -> Result<Jit, ErrorKind> {
         let mut flags = settings::builder();
-        let defaults = [("opt_level", "none"), ("use_colocated_libcalls", "false"), ("is_pic", "false")];
+        let defaults = [
+            ("opt_level", "none"),
+            ("use_colocated_libcalls", "false"),
+            ("is_pic", "false"),
+        ];
         let requested = settings.iter().map(|(n, v)| (n.as_str(), v.as_str()));
         for (name, value) in defaults.into_iter().chain(requested) {
             flags.set(name, value).map_err(|e| ErrorKind::Setting {
@@ -69,7 +73,9 @@ impl Jit {
             message,
         };
         let mut signature = self.module.make_signature();
-        signature.params.extend(params.iter().map(|&t| AbiParam::new(t)));
+        signature
+            .params
+            .extend(params.iter().map(|&t| AbiParam::new(t)));
         let id = self
             .module
             .declare_function(name, Linkage::Local, &signature)
@@ -95,7 +101,10 @@ impl Jit {
 
     /// Links the defined functions into executable memory; returns it with
     /// the address of each of `functions`.
-    pub fn finish<const N: usize>(mut self, functions: [FuncId; N]) -> Result<(Code, [*const u8; N]), ErrorKind> {
+    pub fn finish<const N: usize>(
+        mut self,
+        functions: [FuncId; N],
+    ) -> Result<(Code, [*const u8; N]), ErrorKind> {
         self.module
             .finalize_definitions()
             .map_err(|e| ErrorKind::Link(e.to_string()))?;
@@ -108,7 +117,9 @@ impl Jit {
 /// function text when there are any.
 fn describe(error: &cranelift_module::ModuleError, ctx: &Context) -> String {
     match error {
-        cranelift_module::ModuleError::Compilation(cranelift_codegen::CodegenError::Verifier(errors)) => {
+        cranelift_module::ModuleError::Compilation(cranelift_codegen::CodegenError::Verifier(
+            errors,
+        )) => {
             cranelift_codegen::print_errors::pretty_verifier_error(&ctx.func, None, errors.clone())
         }
         other => other.to_string(),

@@ -5,6 +5,7 @@
 //! score(page, count, tables, arrays, logits)          logits[h][i] = ⟨q_h, k_i⟩
 //! accumulate(page, count, tables, weights, decays, acc)
 //!                                                     acc[h][c] = acc[h][c]·decay[h][i] + weight[h][i]·v_i(c)
+//!                                                     (the product rounded before the sum)
 //! prologue(tables, arrays)                            one head's key arrays from its query
 //! epilogue(tables, arrays, denominator)               one head's output from its accumulator
 //! ```
@@ -17,14 +18,14 @@
 //! arithmetic folds to constants; what does not depend on the channel is
 //! emitted once per item.
 
-use cranelift_codegen::ir::condcodes::IntCC;
+use cranelift_codegen::ir::condcodes::{FloatCC, IntCC};
 use cranelift_codegen::ir::{self, types, BlockArg, InstBuilder};
 
 use super::expr::{invariant, literal, writable, Fx, Val, LANES};
 use super::stream::{item_bits, Items, Stream};
 use super::Shape;
 use crate::back::interp::eval::Value as Known;
-use crate::ir::{Arena, Expr, Handle, Input, Kernel, Module, Scalar};
+use crate::ir::{Arena, BinaryOp, Expr, Handle, Input, Kernel, Module, Scalar};
 use crate::layout::{Side, HEADER_FIXED_BYTES};
 use crate::valid::FunctionInfo;
 
@@ -58,12 +59,19 @@ struct Program<'m> {
     info: &'m FunctionInfo,
     deps: Vec<u8>,
     live: Vec<bool>,
+    /// Known trailing zero bits of each u32 value (alignment of bit offsets).
+    zeros: Vec<u32>,
     heads: usize,
     vals: Vec<Option<Val>>,
 }
 
 impl<'m> Program<'m> {
-    fn new(exprs: &'m Arena<Expr>, info: &'m FunctionInfo, roots: &[Handle<Expr>], heads: usize) -> Program<'m> {
+    fn new(
+        exprs: &'m Arena<Expr>,
+        info: &'m FunctionInfo,
+        roots: &[Handle<Expr>],
+        heads: usize,
+    ) -> Program<'m> {
         let mut deps = vec![0u8; exprs.len()];
         for (h, expr) in exprs.iter() {
             let own = match expr {
@@ -73,6 +81,10 @@ impl<'m> Program<'m> {
                 _ => 0,
             };
             deps[h.index()] = operands(expr).iter().fold(own, |d, o| d | deps[o.index()]);
+        }
+        let mut zeros = vec![0u32; exprs.len()];
+        for (h, expr) in exprs.iter() {
+            zeros[h.index()] = trailing_zeros(expr, &zeros);
         }
         let mut live = vec![false; exprs.len()];
         for root in roots {
@@ -90,13 +102,18 @@ impl<'m> Program<'m> {
             info,
             deps,
             live,
+            zeros,
             heads,
             vals: vec![None; exprs.len() * heads],
         }
     }
 
     fn slot(&self, h: Handle<Expr>, head: usize) -> usize {
-        let head = if self.deps[h.index()] & HEAD != 0 { head } else { 0 };
+        let head = if self.deps[h.index()] & HEAD != 0 {
+            head
+        } else {
+            0
+        };
         h.index() * self.heads + head
     }
 
@@ -112,7 +129,11 @@ impl<'m> Program<'m> {
             if !self.live[i] || !filter(self.deps[i]) || self.vals[self.slot(h, 0)].is_some() {
                 continue;
             }
-            let heads = if self.deps[i] & HEAD != 0 { self.heads } else { 1 };
+            let heads = if self.deps[i] & HEAD != 0 {
+                self.heads
+            } else {
+                1
+            };
             for head in 0..heads {
                 let v = self.lower_one(fx, env, expr, head);
                 let slot = self.slot(h, head);
@@ -141,18 +162,22 @@ impl<'m> Program<'m> {
             Expr::Input(Input::Denominator) => Val::Uniform(env.denominator.expect(AVAILABLE)),
             Expr::ItemBits { bit_offset, width } => {
                 let stream = env.stream.as_ref().expect(AVAILABLE);
-                let max = self.info.ranges[bit_offset.index()].map_or(u64::from(u32::MAX), |r| r.hi);
-                item_bits(fx, stream, get(bit_offset), width, max)
+                let max =
+                    self.info.ranges[bit_offset.index()].map_or(u64::from(u32::MAX), |r| r.hi);
+                let byte_aligned = self.zeros[bit_offset.index()] >= 3;
+                item_bits(fx, stream, get(bit_offset), width, max, byte_aligned)
             }
             Expr::HeaderScale { slot } => {
                 let page = env.page.expect(AVAILABLE);
                 fx.load_f32(invariant(), page, HEADER_FIXED_BYTES, get(slot))
             }
             Expr::Table { table, index } => {
-                let base = fx
-                    .b
-                    .ins()
-                    .load(types::I64, invariant(), env.tables, 8 * table.index() as i32);
+                let base = fx.b.ins().load(
+                    types::I64,
+                    invariant(),
+                    env.tables,
+                    8 * table.index() as i32,
+                );
                 fx.load_f32(invariant(), base, 0, get(index))
             }
             Expr::Shared { array, index } => {
@@ -168,6 +193,27 @@ impl<'m> Program<'m> {
                 reject,
             } => fx.select(ty(accept), get(condition), get(accept), get(reject)),
         }
+    }
+}
+
+/// Trailing zero bits every value of `expr` has (u32 arithmetic; 0 when
+/// unknown), given its operands'.
+fn trailing_zeros(expr: &Expr, zeros: &[u32]) -> u32 {
+    let z = |h: Handle<Expr>| zeros[h.index()];
+    match *expr {
+        Expr::Literal(crate::ir::Literal::U32(v)) => v.trailing_zeros(),
+        Expr::Binary { op, left, right } => match op {
+            BinaryOp::Add | BinaryOp::Subtract | BinaryOp::Or | BinaryOp::Min => {
+                z(left).min(z(right))
+            }
+            BinaryOp::Multiply => (z(left) + z(right)).min(32),
+            BinaryOp::And => z(left).max(z(right)),
+            // At least the operand's (the amount is not tracked).
+            BinaryOp::ShiftLeft => z(left),
+            _ => 0,
+        },
+        Expr::Select { accept, reject, .. } => z(accept).min(z(reject)),
+        _ => 0,
     }
 }
 
@@ -229,15 +275,43 @@ fn store(fx: &mut Fx, v: Val, address: ir::Value, offset: u32) {
     fx.b.ins().store(writable(), x, address, offset as i32);
 }
 
-/// The f32 at `base + 4 * index + offset`, as a value of every lane.
-fn broadcast(fx: &mut Fx, base: ir::Value, offset: u32, index: ir::Value) -> ir::Value {
+/// The f32 at `base + 4 * index + offset`.
+fn load_f32(fx: &mut Fx, base: ir::Value, offset: u32, index: ir::Value) -> ir::Value {
     let at = address(fx, base, offset, 4, index);
-    let x = fx.b.ins().load(types::F32, invariant(), at, 0);
-    if fx.lanes > 1 {
-        fx.vector(Val::Uniform(x), Scalar::F32)
+    fx.b.ins().load(types::F32, invariant(), at, 0)
+}
+
+/// `acc[start..start + len] *= decay` unless `decay` is 1. The interpreter's
+/// `acc * decay + weight * v` rounds the product before the sum, so scaling
+/// first and adding `weight * v` later is the same arithmetic; a decay other
+/// than 1 (a new running max) is rare, so this stays off the hot path.
+fn rescale(fx: &mut Fx, acc: ir::Value, start: usize, len: usize, decay: ir::Value) {
+    let ty = if fx.lanes > 1 {
+        types::F32X4
     } else {
-        x
+        types::F32
+    };
+    let one = fx.b.ins().f32const(1.0);
+    let unit = fx.b.ins().fcmp(FloatCC::Equal, decay, one);
+    let scale = fx.b.create_block();
+    let done = fx.b.create_block();
+    fx.b.set_cold_block(scale);
+    fx.b.ins().brif(unit, done, &[], scale, &[]);
+    fx.b.switch_to_block(scale);
+    let factor = if fx.lanes > 1 {
+        fx.b.ins().splat(ty, decay)
+    } else {
+        decay
+    };
+    for at in (start..start + len).step_by(fx.lanes) {
+        let old = fx.b.ins().load(ty, writable(), acc, (4 * at) as i32);
+        let new = fx.b.ins().fmul(old, factor);
+        fx.b.ins().store(writable(), new, acc, (4 * at) as i32);
     }
+    fx.b.ins().jump(done, &[]);
+    // `done` is dominated by the block before the branch: what lowering has
+    // cached there stays valid.
+    fx.b.switch_to_block(done);
 }
 
 /// Bytes readable from the start of any item of `side`'s stream.
@@ -248,16 +322,30 @@ fn readable(module: &Module, side: Side) -> u32 {
 }
 
 /// `score(page, count, tables, arrays, logits)`.
-pub(super) fn score(fx: &mut Fx, module: &Module, info: &FunctionInfo, shape: &Shape, args: &[ir::Value]) {
+pub(super) fn score(
+    fx: &mut Fx,
+    module: &Module,
+    info: &FunctionInfo,
+    shape: &Shape,
+    args: &[ir::Value],
+) {
     let &[page, count, tables, arrays, logits] = args else {
         unreachable!("score takes five arguments")
     };
     let layout = &module.layout;
     let heads = shape.heads;
     let lanes = fx.lanes;
-    let mut program = Program::new(&module.key.score.exprs, info, &[result(&module.key.score)], heads);
+    let mut program = Program::new(
+        &module.key.score.exprs,
+        info,
+        &[result(&module.key.score)],
+        heads,
+    );
     let arrays = (0..heads)
-        .map(|h| fx.b.ins().iadd_imm_u(arrays, (4 * h * shape.arrays_len) as i64))
+        .map(|h| {
+            fx.b.ins()
+                .iadd_imm_u(arrays, (4 * h * shape.arrays_len) as i64)
+        })
         .collect();
     let mut env = Env {
         channel: None,
@@ -303,7 +391,13 @@ pub(super) fn score(fx: &mut Fx, module: &Module, info: &FunctionInfo, shape: &S
 }
 
 /// `accumulate(page, count, tables, weights, decays, acc)`.
-pub(super) fn accumulate(fx: &mut Fx, module: &Module, info: &FunctionInfo, shape: &Shape, args: &[ir::Value]) {
+pub(super) fn accumulate(
+    fx: &mut Fx,
+    module: &Module,
+    info: &FunctionInfo,
+    shape: &Shape,
+    args: &[ir::Value],
+) {
     let &[page, count, tables, weights, decays, acc] = args else {
         unreachable!("accumulate takes six arguments")
     };
@@ -330,18 +424,26 @@ pub(super) fn accumulate(fx: &mut Fx, module: &Module, info: &FunctionInfo, shap
             items: Items::One(item),
             readable: readable(module, Side::Value),
         });
-        let rates: Vec<(ir::Value, ir::Value)> = (0..shape.heads)
+        let weights: Vec<ir::Value> = (0..shape.heads)
             .map(|h| {
                 let offset = (4 * h * shape.items_stride) as u32;
-                (broadcast(fx, decays, offset, i), broadcast(fx, weights, offset, i))
+                let decay = load_f32(fx, decays, offset, i);
+                rescale(fx, acc, h * shape.dims_stride, shape.dims_stride, decay);
+                let weight = load_f32(fx, weights, offset, i);
+                if lanes > 1 {
+                    fx.vector(Val::Uniform(weight), Scalar::F32)
+                } else {
+                    weight
+                }
             })
             .collect();
         program.lower(fx, &env, |d| d & CHANNEL == 0);
         for group in 0..dims.div_ceil(lanes as u32) {
             program.forget(CHANNEL);
             // Lanes past the last channel repeat it; acc is padded for them.
-            let channels: [Known; LANES] =
-                std::array::from_fn(|k| Known::U32((group * lanes as u32 + k as u32).min(dims - 1)));
+            let channels: [Known; LANES] = std::array::from_fn(|k| {
+                Known::U32((group * lanes as u32 + k as u32).min(dims - 1))
+            });
             env.channel = Some(if lanes > 1 {
                 Val::from_known(channels)
             } else {
@@ -355,13 +457,11 @@ pub(super) fn accumulate(fx: &mut Fx, module: &Module, info: &FunctionInfo, shap
                 fx.scalar(v)
             };
             let ty = if lanes > 1 { types::F32X4 } else { types::F32 };
-            for (h, &(decay, weight)) in rates.iter().enumerate() {
+            for (h, &weight) in weights.iter().enumerate() {
                 let offset = (4 * (h * shape.dims_stride + group as usize * lanes)) as i32;
                 let old = fx.b.ins().load(ty, writable(), acc, offset);
-                // The interpreter's `acc * decay + weight * v`: not fused.
-                let kept = fx.b.ins().fmul(old, decay);
                 let added = fx.b.ins().fmul(weight, v);
-                let new = fx.b.ins().fadd(kept, added);
+                let new = fx.b.ins().fadd(old, added);
                 fx.b.ins().store(writable(), new, acc, offset);
             }
         }
@@ -371,14 +471,24 @@ pub(super) fn accumulate(fx: &mut Fx, module: &Module, info: &FunctionInfo, shap
 
 /// `prologue(tables, arrays)` or `epilogue(tables, arrays, denominator)`:
 /// the stages in order, each a loop over its iterations, for one head.
-pub(super) fn kernel(fx: &mut Fx, kernel: &Kernel, infos: &[FunctionInfo], shape: &Shape, args: &[ir::Value]) {
+pub(super) fn kernel(
+    fx: &mut Fx,
+    kernel: &Kernel,
+    infos: &[FunctionInfo],
+    shape: &Shape,
+    args: &[ir::Value],
+) {
     let (tables, arrays, denominator) = match *args {
         [tables, arrays] => (tables, arrays, None),
         [tables, arrays, denominator] => (tables, arrays, Some(denominator)),
         _ => unreachable!("kernels take two or three arguments"),
     };
     for (stage, info) in kernel.stages.iter().zip(infos) {
-        let roots: Vec<_> = stage.stores.iter().flat_map(|s| [s.index, s.value]).collect();
+        let roots: Vec<_> = stage
+            .stores
+            .iter()
+            .flat_map(|s| [s.index, s.value])
+            .collect();
         let mut program = Program::new(&stage.exprs, info, &roots, 1);
         let mut env = Env {
             channel: None,
@@ -399,7 +509,13 @@ pub(super) fn kernel(fx: &mut Fx, kernel: &Kernel, infos: &[FunctionInfo], shape
             for s in &stage.stores {
                 let index = fx.scalar(program.get(s.index, 0));
                 let value = fx.scalar(program.get(s.value, 0));
-                let at = address(fx, arrays, 4 * shape.array_offsets[s.array.index()], 4, index);
+                let at = address(
+                    fx,
+                    arrays,
+                    4 * shape.array_offsets[s.array.index()],
+                    4,
+                    index,
+                );
                 fx.b.ins().store(writable(), value, at, 0);
             }
         };

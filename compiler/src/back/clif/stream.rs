@@ -33,23 +33,47 @@ pub(super) struct Stream {
 }
 
 /// `width` bits at bit `offset` of the current item(s); `offset_max` is the
-/// validator's bound on the offset.
-pub(super) fn item_bits(fx: &mut Fx, stream: &Stream, offset: Val, width: u8, offset_max: u64) -> Val {
+/// validator's bound on the offset, `byte_aligned` whether it is a multiple
+/// of 8.
+pub(super) fn item_bits(
+    fx: &mut Fx,
+    stream: &Stream,
+    offset: Val,
+    width: u8,
+    offset_max: u64,
+    byte_aligned: bool,
+) -> Val {
     let width = u32::from(width);
+    let dynamic = |fx: &mut Fx, item, at| {
+        if byte_aligned {
+            read_aligned(fx, item, at, width)
+        } else {
+            read_dynamic(fx, item, at, width, offset_max, stream.readable)
+        }
+    };
     match (stream.items, offset) {
-        (Items::One(item), Val::Const(k)) => Val::Uniform(read_fixed(fx, item, known_u32(k), width, stream.readable)),
-        (Items::One(item), Val::Uniform(at)) => Val::Uniform(read_dynamic(fx, item, at, width, offset_max, stream.readable)),
+        (Items::One(item), Val::Const(k)) => {
+            Val::Uniform(read_fixed(fx, item, known_u32(k), width, stream.readable))
+        }
+        (Items::One(item), Val::Uniform(at)) => Val::Uniform(dynamic(fx, item, at)),
         (Items::One(item), Val::Lanes(ks)) => {
             let offsets = ks.map(known_u32);
             let v = consecutive(fx, item, offsets, width, stream.readable)
                 .or_else(|| window(fx, item, offsets, width, stream.readable))
-                .unwrap_or_else(|| fx.build(Scalar::U32, |fx, k| read_fixed(fx, item, offsets[k], width, stream.readable)));
+                .unwrap_or_else(|| {
+                    fx.build(Scalar::U32, |fx, k| {
+                        read_fixed(fx, item, offsets[k], width, stream.readable)
+                    })
+                });
             Val::Vector(v)
         }
         (Items::Lanes(items), Val::Const(k)) => {
             let bit = known_u32(k);
-            let v = gathered(fx, items, bit, width, stream.readable)
-                .unwrap_or_else(|| fx.build(Scalar::U32, |fx, k| read_fixed(fx, items[k], bit, width, stream.readable)));
+            let v = gathered(fx, items, bit, width, stream.readable).unwrap_or_else(|| {
+                fx.build(Scalar::U32, |fx, k| {
+                    read_fixed(fx, items[k], bit, width, stream.readable)
+                })
+            });
             Val::Vector(v)
         }
         (items, offset) => Val::Vector(fx.build(Scalar::U32, |fx, k| {
@@ -58,7 +82,7 @@ pub(super) fn item_bits(fx: &mut Fx, stream: &Stream, offset: Val, width: u8, of
                 Items::Lanes(items) => items[k],
             };
             let at = fx.lane(offset, k, Scalar::U32);
-            read_dynamic(fx, item, at, width, offset_max, stream.readable)
+            dynamic(fx, item, at)
         })),
     }
 }
@@ -129,7 +153,25 @@ fn read_fixed(fx: &mut Fx, item: ir::Value, bit: u32, width: u32, readable: u32)
     extract(fx, raw, len, shift + 8 * (byte - start), width)
 }
 
-fn read_dynamic(fx: &mut Fx, item: ir::Value, at: ir::Value, width: u32, offset_max: u64, readable: u32) -> ir::Value {
+/// A field at a runtime bit offset that is a multiple of 8: exactly its own
+/// bytes, which are inside the item.
+fn read_aligned(fx: &mut Fx, item: ir::Value, at: ir::Value, width: u32) -> ir::Value {
+    let byte = fx.b.ins().ushr_imm_u(at, 3);
+    let byte = fx.b.ins().uextend(types::I64, byte);
+    let address = fx.b.ins().iadd(item, byte);
+    let len = width.div_ceil(8);
+    let raw = load(fx, address, 0, len);
+    extract(fx, raw, len, 0, width)
+}
+
+fn read_dynamic(
+    fx: &mut Fx,
+    item: ir::Value,
+    at: ir::Value,
+    width: u32,
+    offset_max: u64,
+    readable: u32,
+) -> ir::Value {
     // Up to 7 bits of shift in the first byte.
     let need = (7 + width).div_ceil(8);
     let wide = need.next_power_of_two();
@@ -178,13 +220,19 @@ fn read_dynamic(fx: &mut Fx, item: ir::Value, at: ir::Value, width: u32, offset_
 /// the word's 16-byte chunk is readable, the four lanes' chunks are loaded
 /// whole and transposed (4 loads and 8 unpacks give 4 words); otherwise the
 /// word is inserted lane by lane.
-fn gathered(fx: &mut Fx, items: [ir::Value; LANES], bit: u32, width: u32, readable: u32) -> Option<ir::Value> {
+fn gathered(
+    fx: &mut Fx,
+    items: [ir::Value; LANES],
+    bit: u32,
+    width: u32,
+    readable: u32,
+) -> Option<ir::Value> {
     let word = bit / 32 * 4;
     let shift = bit % 32;
     if shift + width > 32 || word + 4 > readable {
         return None;
     }
-    if !fx.words.contains_key(&word) {
+    if !fx.cached.words.contains_key(&word) {
         let chunk = word / 16 * 16;
         if chunk + 16 <= readable {
             let rows = items.map(|item| {
@@ -194,23 +242,27 @@ fn gathered(fx: &mut Fx, items: [ir::Value; LANES], bit: u32, width: u32, readab
             let [w0, w1, w2, w3] = transpose(fx, rows);
             for (k, w) in [w0, w1, w2, w3].into_iter().enumerate() {
                 let w = fx.b.ins().bitcast(types::I32X4, little(), w);
-                fx.words.insert(chunk + 4 * k as u32, w);
+                fx.cached.words.insert(chunk + 4 * k as u32, w);
             }
         } else {
             // f32 lanes: x64 inserts a lane straight from memory (insertps).
-            let v = fx.build(Scalar::F32, |fx, k| fx.b.ins().load(types::F32, stream(), items[k], word as i32));
+            let v = fx.build(Scalar::F32, |fx, k| {
+                fx.b.ins().load(types::F32, stream(), items[k], word as i32)
+            });
             let v = fx.b.ins().bitcast(types::I32X4, little(), v);
-            fx.words.insert(word, v);
+            fx.cached.words.insert(word, v);
         }
     }
-    let mut v = fx.words[&word];
+    let mut v = fx.cached.words[&word];
     if shift > 0 {
         let amount = fx.iconst(shift);
         v = fx.b.ins().ushr(v, amount);
     }
     if shift + width < 32 {
         let m = fx.vector(Val::Const(Known::U32(mask(width))), Scalar::U32);
-        v = fx.b.ins().band(v, m);
+        let masked = fx.b.ins().band(v, m);
+        fx.low_bits.insert(masked, (v, width));
+        v = masked;
     }
     Some(v)
 }
@@ -231,7 +283,11 @@ fn transpose(fx: &mut Fx, [r0, r1, r2, r3]: [ir::Value; 4]) -> [ir::Value; 4] {
     const LOW64: u128 = 0x1716_1514_1312_1110_0706_0504_0302_0100;
     const HIGH64: u128 = 0x1f1e_1d1c_1b1a_1918_0f0e_0d0c_0b0a_0908;
     let mut shuffle = |a, b, mask: u128| {
-        let mask = fx.b.func.dfg.immediates.push(mask.to_le_bytes().to_vec().into());
+        let mask =
+            fx.b.func
+                .dfg
+                .immediates
+                .push(mask.to_le_bytes().to_vec().into());
         fx.b.ins().shuffle(a, b, mask)
     };
     let (t0, t1) = (shuffle(r0, r1, LOW32), shuffle(r2, r3, LOW32));
@@ -246,14 +302,20 @@ fn transpose(fx: &mut Fx, [r0, r1, r2, r3]: [ir::Value; 4]) -> [ir::Value; 4] {
 
 /// Accumulate lanes: fields `o, o+w, o+2w, o+3w` of a byte-aligned 8-, 16- or
 /// 32-bit width as one widening load.
-fn consecutive(fx: &mut Fx, item: ir::Value, offsets: [u32; LANES], width: u32, readable: u32) -> Option<ir::Value> {
+fn consecutive(
+    fx: &mut Fx,
+    item: ir::Value,
+    offsets: [u32; LANES],
+    width: u32,
+    readable: u32,
+) -> Option<ir::Value> {
     let first = offsets[0];
     let consecutive = offsets
         .iter()
         .enumerate()
         .all(|(k, &o)| o == first + k as u32 * width);
     let byte = first / 8;
-    if !consecutive || first % 8 != 0 || byte + LANES as u32 * width / 8 > readable {
+    if !consecutive || !first.is_multiple_of(8) || byte + LANES as u32 * width / 8 > readable {
         return None;
     }
     let at = byte as i32;
@@ -275,7 +337,13 @@ fn consecutive(fx: &mut Fx, item: ir::Value, offsets: [u32; LANES], width: u32, 
 /// Accumulate lanes: fields inside one 32-bit window: one load, splat, keep
 /// each lane's field, multiply each up to the highest lane's position, and
 /// one shift down.
-fn window(fx: &mut Fx, item: ir::Value, offsets: [u32; LANES], width: u32, readable: u32) -> Option<ir::Value> {
+fn window(
+    fx: &mut Fx,
+    item: ir::Value,
+    offsets: [u32; LANES],
+    width: u32,
+    readable: u32,
+) -> Option<ir::Value> {
     let low = *offsets.iter().min()?;
     let high = *offsets.iter().max()? + width;
     let byte = low / 8;

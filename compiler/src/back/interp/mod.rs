@@ -126,7 +126,13 @@ impl Softmax {
     /// not fused).
     pub fn push(&mut self, logit: f32) -> (f32, f32) {
         let max = self.max.max(logit);
-        let decay = (self.max - max).exp();
+        // exp(0) is exactly 1; skipping it is worth it (most logits leave the
+        // max where it is), and it is only 0 when the max is finite.
+        let decay = if max == self.max && max.is_finite() {
+            1.0
+        } else {
+            (self.max - max).exp()
+        };
         let weight = (logit - max).exp();
         self.max = max;
         self.sum = self.sum * decay + weight;

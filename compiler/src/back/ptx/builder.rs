@@ -320,10 +320,6 @@ impl Kernel {
         }
     }
 
-    pub fn threads(&self) -> u32 {
-        self.threads
-    }
-
     /// Declares the next parameter (parameters are positional, in call order).
     pub fn param<T: Type>(&mut self, name: &str) -> Param<T> {
         debug_assert!(
@@ -391,6 +387,12 @@ impl Kernel {
     }
     pub fn bar_sync(&mut self) {
         self.line(format_args!("bar.sync 0"));
+    }
+    /// Orders the shared-memory accesses of all 32 lanes of the warp: lanes
+    /// are scheduled independently (sm_70+), so a value lanes read and one
+    /// lane then overwrites needs this between the reads and the write.
+    pub fn bar_warp_sync(&mut self) {
+        self.line(format_args!("bar.warp.sync 0xffffffff"));
     }
     pub fn ret(&mut self) {
         self.line(format_args!("ret"));
@@ -744,6 +746,13 @@ impl Kernel {
         self.line(format_args!("ld.shared.{} {d}, {at}", T::SUFFIX));
         d
     }
+    /// One byte (`bits` 8) or an aligned halfword (`bits` 16), zero-extended.
+    pub fn ld_shared_narrow(&mut self, at: Shared, bits: u32) -> Reg<U32> {
+        debug_assert!(bits == 8 || bits == 16);
+        let d = self.reg();
+        self.line(format_args!("ld.shared.u{bits} {d}, {at}"));
+        d
+    }
     /// 16 bytes; `at` must be 16-byte aligned.
     pub fn ld_shared_v4<T: Bits32>(&mut self, at: Shared) -> [Reg<T>; 4] {
         let d = [self.reg(), self.reg(), self.reg(), self.reg()];
@@ -789,11 +798,6 @@ impl Kernel {
             d[2],
             d[3]
         ));
-        d
-    }
-    pub fn ld_global<T: Bits32>(&mut self, at: Global) -> Reg<T> {
-        let d = self.reg();
-        self.line(format_args!("ld.global.{} {d}, {at}", T::SUFFIX));
         d
     }
     pub fn st_global<T: Bits32>(&mut self, at: Global, value: impl Into<Op<T>>) {
@@ -907,6 +911,40 @@ mod tests {
         assert!(text.contains("setp.neu.f32 %p0, %f1, 0f00000000;"));
         assert!(text.contains("st.shared.f32 [%r2+8], %f2;"));
         assert!(text.contains("setp.ne.u32 %p1, %r3, 64;\n\t@%p1 trap;"));
+    }
+
+    #[test]
+    fn narrow_loads_and_warp_barrier() {
+        let mut k = Kernel::new("k", 32, "smem");
+        let base = k.shared_base();
+        let byte = k.ld_shared_narrow(Shared::at(base).plus(3), 8);
+        let half = k.ld_shared_narrow(Shared::at(base).plus(6), 16);
+        let sum = k.add(byte, half);
+        k.bar_warp_sync();
+        k.st_shared(Shared::at(base), sum);
+        let text = k.finish();
+        assert!(text.contains("ld.shared.u8 %r1, [%r0+3];"));
+        assert!(text.contains("ld.shared.u16 %r2, [%r0+6];"));
+        assert!(text.contains("bar.warp.sync 0xffffffff;"));
+    }
+
+    #[test]
+    fn bit_instructions_keep_their_types() {
+        let mut k = Kernel::new("k", 32, "smem");
+        let base = k.shared_base();
+        let word = k.ld_shared::<U32>(Shared::at(base));
+        let field = k.bfe_u32(word, 3u32, 5u32);
+        let merged = k.bfi(field, word, 8u32, 5u32);
+        let raw: Reg<B32> = k.bitcast(merged);
+        let signed = k.bfe_s32(merged, 0u32, 4u32);
+        let f = k.s32_to_f32(signed);
+        k.st_shared(Shared::at(base).plus(4), raw);
+        k.st_shared(Shared::at(base).plus(8), f);
+        let text = k.finish();
+        assert!(text.contains("bfi.b32 %r3, %r2, %r1, 8, 5;"));
+        assert!(text.contains("mov.b32 %b0, %r3;"));
+        assert!(text.contains("bfe.s32 %s0, %r3, 0, 4;"));
+        assert!(text.contains("st.shared.b32 [%r0+4], %b0;"));
     }
 
     #[test]

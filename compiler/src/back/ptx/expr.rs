@@ -120,7 +120,10 @@ pub fn emit(k: &mut Kernel, exprs: &Arena<Expr>, env: &Env) -> Values {
         Replicas::Heads(n) => n as usize,
         Replicas::Channels(c) => c.len(),
     };
-    let zeros = known_zeros(exprs);
+    let known = Known {
+        zeros: known_zeros(exprs),
+        bits: known_bits(exprs),
+    };
     let mut reader = env.item.map(ItemReader::new);
     let mut chunks = Chunks::default();
     let mut varies = Vec::with_capacity(exprs.len());
@@ -166,7 +169,7 @@ pub fn emit(k: &mut Kernel, exprs: &Arena<Expr>, env: &Env) -> Values {
                         v[r]
                     }
                 };
-                let value = emit_one(k, expr, r, get, env, &mut reader, &mut chunks, &zeros);
+                let value = emit_one(k, expr, r, get, env, &mut reader, &mut chunks, &known);
                 out.push(value);
             }
         }
@@ -264,6 +267,70 @@ fn known_zeros(exprs: &Arena<Expr>) -> Vec<u32> {
     zeros
 }
 
+/// Bits of a u32 value (it is below `2^bits`) or of an i32 value (it is in
+/// `[-2^(bits-1), 2^(bits-1))`), from item field widths, sign extensions,
+/// masks and shifts; 32 when nothing is known.
+fn known_bits(exprs: &Arena<Expr>) -> Vec<u32> {
+    let mut bits: Vec<u32> = Vec::with_capacity(exprs.len());
+    for (_, expr) in exprs.iter() {
+        let b = |h: Handle<Expr>| bits[h.index()];
+        let value = match *expr {
+            Expr::Literal(Literal::U32(v)) => 32 - v.leading_zeros(),
+            Expr::ItemBits { width, .. } => width.into(),
+            Expr::Unary {
+                op: UnaryOp::SignExtend(n),
+                ..
+            } => n.into(),
+            Expr::Binary { op, left, right } => match op {
+                // And and shifts exist on u32 only; min also on i32, where
+                // min(-2^20, 3) needs the wider operand's bits.
+                BinaryOp::And => b(left).min(b(right)),
+                BinaryOp::Min => b(left).max(b(right)),
+                BinaryOp::ShiftRight => match exprs[right] {
+                    Expr::Literal(Literal::U32(amount)) => b(left).saturating_sub(amount),
+                    _ => b(left),
+                },
+                _ => 32,
+            },
+            _ => 32,
+        };
+        bits.push(value);
+    }
+    bits
+}
+
+/// What the analyses prove about each expression's value.
+struct Known {
+    /// Known trailing zero bits ([`known_zeros`]).
+    zeros: Vec<u32>,
+    /// Significant bits ([`known_bits`]).
+    bits: Vec<u32>,
+}
+
+/// Integers of at most this many bits convert to f32 exactly by placing them
+/// in the mantissa of 2^23 (or 1.5 * 2^23 for signed) and subtracting that.
+const MANTISSA_BITS: u32 = 23;
+
+/// `x` as f32 for `x` of at most [`MANTISSA_BITS`] bits: an integer add or
+/// or, plus an f32 subtract, both exact. `cvt.rn.f32.{u32,s32}` runs on the
+/// quarter-rate conversion unit (16 per clock per SM on sm_80/sm_90), which
+/// bounded the score of int8/int4 codecs (one conversion per coordinate per
+/// head block).
+fn small_int_to_f32(k: &mut Kernel, x: Val) -> Val {
+    let (biased, bias): (Reg<U32>, f32) = match x {
+        Val::U32(Op::Imm(v)) => return Val::F32(Op::Imm(v as f32)),
+        Val::I32(Op::Imm(v)) => return Val::F32(Op::Imm(v as f32)),
+        Val::U32(x) => (k.or(x, 0x4B00_0000u32), 8_388_608.0),
+        Val::I32(x) => {
+            let sum = k.add(x, 0x4B40_0000i32);
+            (k.bitcast(sum), 12_582_912.0)
+        }
+        _ => unreachable!("validated IR: to_float of an integer"),
+    };
+    let float: Reg<F32> = k.bitcast(biased);
+    Val::F32(Op::Reg(k.sub(float, bias)))
+}
+
 #[allow(clippy::too_many_arguments)]
 fn emit_one(
     k: &mut Kernel,
@@ -273,7 +340,7 @@ fn emit_one(
     env: &Env,
     reader: &mut Option<ItemReader>,
     chunks: &mut Chunks,
-    zeros: &[u32],
+    known: &Known,
 ) -> Val {
     match *expr {
         Expr::Literal(Literal::U32(v)) => Val::U32(Op::Imm(v)),
@@ -300,7 +367,7 @@ fn emit_one(
             let bits = match get(bit_offset).u32() {
                 Op::Imm(offset) => reader.read_static(k, offset, width.into()),
                 Op::Reg(offset) => {
-                    reader.read_dynamic(k, offset, width.into(), zeros[bit_offset.index()])
+                    reader.read_dynamic(k, offset, width.into(), known.zeros[bit_offset.index()])
                 }
             };
             Val::U32(Op::Reg(bits))
@@ -352,6 +419,10 @@ fn emit_one(
             };
             Val::F32(Op::Reg(value))
         }
+        Expr::Unary {
+            op: UnaryOp::ToFloat,
+            arg,
+        } if known.bits[arg.index()] <= MANTISSA_BITS => small_int_to_f32(k, get(arg)),
         Expr::Unary { op, arg } => unary(k, op, get(arg)),
         Expr::Binary { op, left, right } => binary(k, op, get(left), get(right)),
         Expr::Fma { a, b, c } => {
@@ -611,15 +682,66 @@ impl ItemReader {
     }
 
     fn mask(k: &mut Kernel, value: Reg<U32>, position: Op<U32>, width: u32) -> Reg<U32> {
-        if width == 32 {
+        match position {
+            _ if width == 32 => value,
+            Op::Imm(_) => k.bfe_u32(value, position, width),
+            // `bfe` with a register position becomes four SASS instructions
+            // (two PRMTs unpack position and length every time); the field
+            // fits in the word here, so shift and mask say the same in two.
+            Op::Reg(_) => {
+                let shifted = k.shr(value, position);
+                k.and(shifted, (1u32 << width) - 1)
+            }
+        }
+    }
+
+    /// The unit (8 or 16 bits) one naturally aligned narrow load can read a
+    /// field of `width` bits from, when the field's offset has `zeros` known
+    /// trailing zero bits: a field no wider than the power-of-two block its
+    /// offset is aligned to never leaves that block, so it never leaves the
+    /// byte (or halfword) holding it.
+    fn narrow_unit(&self, width: u32, zeros: u32) -> Option<u32> {
+        if width <= 8 && width <= 1 << zeros.min(3) {
+            Some(8)
+        } else if width <= 16 && zeros >= 4 && self.align >= 2 {
+            Some(16)
+        } else {
+            None
+        }
+    }
+
+    /// The field at bit `offset` (`offset & (unit - 1)` within the unit) from a
+    /// byte or halfword load at `at`.
+    fn narrow(
+        k: &mut Kernel,
+        at: Shared,
+        unit: u32,
+        shift: Option<Op<U32>>,
+        width: u32,
+    ) -> Reg<U32> {
+        let value = k.ld_shared_narrow(at, unit);
+        let value = match shift {
+            Some(shift) => k.shr(value, shift),
+            None => value,
+        };
+        if width == unit {
             value
         } else {
-            k.bfe_u32(value, position, width)
+            k.and(value, (1u32 << width) - 1)
         }
     }
 
     fn read_static(&mut self, k: &mut Kernel, offset: u32, width: u32) -> Reg<U32> {
         let (index, shift) = (offset / 32, offset % 32);
+        // Items at odd addresses: whole words cost two loads and a funnel
+        // shift, so a byte or halfword field not already in a loaded word
+        // is loaded alone.
+        let unit = self.narrow_unit(width, offset.trailing_zeros());
+        if let Some(unit) = unit.filter(|_| self.align < 4 && !self.words.contains_key(&index)) {
+            let at = Shared::at(self.base).plus(i64::from(offset / 8 / (unit / 8) * (unit / 8)));
+            let within = offset % unit;
+            return Self::narrow(k, at, unit, (within > 0).then_some(Op::Imm(within)), width);
+        }
         let lo = self.word(k, index);
         if shift + width <= 32 {
             Self::mask(k, lo, Op::Imm(shift), width)
@@ -638,6 +760,15 @@ impl ItemReader {
         width: u32,
         zeros: u32,
     ) -> Reg<U32> {
+        if let Some(unit) = self.narrow_unit(width, zeros) {
+            // Byte address and one narrow load, at any item alignment: three
+            // or four instructions instead of a word address, one or two
+            // word loads and a funnel shift.
+            let byte = k.shr(offset, 3u32);
+            let at = k.add(self.base, byte);
+            let shift = (zeros < 3).then(|| Op::Reg(k.and(offset, 7u32)));
+            return Self::narrow(k, Shared::at(at), unit, shift, width);
+        }
         let (word_base, bit) = if self.align >= 4 {
             (self.base, offset)
         } else {

@@ -70,7 +70,16 @@ pub struct Accumulate {
     pub channels: u32,
     /// Rounds over channels per head block.
     pub channel_rounds: u32,
+    /// Items per trip of the item loop (see `Skeleton::strided_unrolled`):
+    /// enough that about [`LOADS_IN_FLIGHT`] channels' value loads are
+    /// independent per trip, never more copies of the program than that.
+    pub item_unroll: u32,
 }
+
+/// Independent per-item value loads the accumulate loop aims to have in flight
+/// per thread: with one, each item waits a full shared-memory latency (~30
+/// cycles) for a handful of fmas.
+const LOADS_IN_FLIGHT: u32 = 4;
 
 #[derive(Debug, Clone)]
 pub struct Plan {
@@ -81,6 +90,14 @@ pub struct Plan {
     /// Query heads per score / accumulate work unit (register arrays).
     pub head_block: u32,
     pub head_blocks: u32,
+    /// Query heads per score work unit: the largest divisor of `head_block`
+    /// that still leaves no thread idle when a tile's (item, block) units are
+    /// spread over the CTA. Each unit runs the score program's per-head chain
+    /// serially, and the phase ends at a barrier, so fewer heads per unit on
+    /// otherwise idle threads shorten the phase; the key is decoded once per
+    /// unit, i.e. again for each block, by those otherwise idle threads.
+    pub score_head_block: u32,
+    pub score_head_blocks: u32,
     pub items_per_page: u32,
     pub page_bytes: u32,
     /// Items per tile, and tiles per page.
@@ -191,6 +208,11 @@ impl Plan {
         let threads = 32 * options.warps;
         let head_block = options.head_block.min(group_max);
         let head_blocks = group_max.div_ceil(head_block);
+        let score_head_block = (1..=head_block)
+            .filter(|h| head_block.is_multiple_of(*h))
+            .find(|&h| tile_items * group_max.div_ceil(h) <= threads)
+            .unwrap_or(head_block);
+        let score_head_blocks = group_max.div_ceil(score_head_block);
         let mut key = Stream::new(layout.key_stream_offset, layout.key.stride);
         let mut value = Stream::new(layout.value_stream_offset, layout.value.stride);
         let items_per_page = layout.items_per_page;
@@ -299,6 +321,8 @@ impl Plan {
             group_max,
             head_block,
             head_blocks,
+            score_head_block,
+            score_head_blocks,
             items_per_page,
             page_bytes: layout.page_bytes,
             tile_items,
@@ -367,6 +391,7 @@ fn partition(threads: u32, dims: u32, head_block: u32, max_accumulators: u32) ->
             slots: threads,
             channels,
             channel_rounds: dims.div_ceil(threads * channels),
+            item_unroll: (LOADS_IN_FLIGHT / channels).max(1),
         }
     } else {
         let lanes = (threads / dims).min(32);
@@ -377,6 +402,7 @@ fn partition(threads: u32, dims: u32, head_block: u32, max_accumulators: u32) ->
             slots,
             channels: 1,
             channel_rounds: dims.div_ceil(slots),
+            item_unroll: LOADS_IN_FLIGHT,
         }
     }
 }

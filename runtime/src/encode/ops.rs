@@ -1,0 +1,219 @@
+//! The numeric pieces of encoding and decoding, shared by the generic encoder
+//! ([`encode_page`](super::encode_page), which walks a `TierLayout` at run
+//! time) and the encoders `kv_format!` generates (which unroll that walk for
+//! one tier at compile time, with constant bit offsets). Both call these for
+//! every number they store or reconstruct, so their pages are byte-identical
+//! by construction; only the field walking and the bit packing differ.
+//!
+//! Everything is `#[inline]`: the generated code calls these across crates
+//! with constant sizes, which is what lets the compiler unroll them.
+
+use half::{bf16, f16};
+use kvcc_compiler::layout::coeff_max;
+
+pub use crate::math::hadamard::{fwht_normalized, srht_forward, srht_inverse};
+pub use crate::math::kmeans::{best_direction, nearest, Dim, Fixed};
+
+use super::{check_finite, EncodeError};
+
+/// Checks the inputs of one page: `[token][head_dim]` keys and values, as
+/// many of each, finite, at most `items_per_page` tokens. Returns the tokens.
+pub fn check_page(
+    head_dim: usize,
+    items_per_page: u32,
+    keys: &[f32],
+    values: &[f32],
+) -> Result<usize, EncodeError> {
+    for (what, data) in [("keys", keys), ("values", values)] {
+        if !data.len().is_multiple_of(head_dim) {
+            return Err(EncodeError::Ragged {
+                what,
+                found: data.len(),
+                head_dim,
+            });
+        }
+        check_finite(what, data, &[data.len() / head_dim, head_dim])?;
+    }
+    let tokens = keys.len() / head_dim;
+    if values.len() / head_dim != tokens {
+        return Err(EncodeError::KeysValues {
+            keys: tokens,
+            values: values.len() / head_dim,
+        });
+    }
+    if tokens > items_per_page as usize {
+        return Err(EncodeError::PageOverflow {
+            tokens,
+            capacity: items_per_page,
+        });
+    }
+    Ok(tokens)
+}
+
+/// A page scale as stored: the measured one, or 1 where nothing was measured
+/// (an all-zero page), so decoding never divides by or multiplies with 0.
+#[inline]
+pub fn scale_or_one(scale: f32) -> f32 {
+    if scale > 0.0 {
+        scale
+    } else {
+        1.0
+    }
+}
+
+/// Length of the group's projection onto its (not exactly unit, once rounded
+/// to f16) codeword: the least-squares radius, never negative.
+#[inline]
+pub fn radius_of(x: &[f32], c: &[f32]) -> f32 {
+    let dot: f32 = x.iter().zip(c).map(|(a, b)| a * b).sum();
+    let norm: f32 = c.iter().map(|v| v * v).sum();
+    if norm > 0.0 {
+        (dot / norm).max(0.0)
+    } else {
+        0.0
+    }
+}
+
+/// The `bits`-bit code of radius `r` under page scale `scale`.
+#[inline]
+pub fn radius_code(r: f32, scale: f32, bits: u32) -> u32 {
+    let levels = ((1u32 << bits) - 1) as f32;
+    (r / scale * levels).round().clamp(0.0, levels) as u32
+}
+
+/// The radius a `bits`-bit code stands for under page scale `scale`.
+#[inline]
+pub fn radius_value(code: u32, scale: f32, bits: u32) -> f32 {
+    code as f32 * scale / ((1u32 << bits) - 1) as f32
+}
+
+/// The page (or page-component) scale of symmetric `bits`-bit codes whose
+/// largest magnitude is `max_abs`.
+#[inline]
+pub fn coeff_scale(max_abs: f32, bits: u32) -> f32 {
+    scale_or_one(max_abs / coeff_max(bits) as f32)
+}
+
+/// An f16 scale as stored in an item (rounded, kept finite and non-zero) for
+/// codes of largest magnitude `q` whose inputs reach `max_abs`.
+#[inline]
+pub fn half_scale(max_abs: f32, q: f32) -> f32 {
+    scale_or_one(f16::from_f32((max_abs / q).min(f16::MAX.to_f32())).to_f32())
+}
+
+/// `x / scale` rounded to a symmetric `bits`-bit code, as two's-complement bits.
+#[inline]
+pub fn quantize(x: f32, scale: f32, bits: u32) -> u32 {
+    let q = coeff_max(bits);
+    let code = (x / scale).round().clamp(-(q as f32), q as f32) as i32;
+    (code as u32) & ((1u32 << bits) - 1)
+}
+
+/// A `width`-bit two's-complement code as a number.
+#[inline]
+pub fn signed(bits: u32, width: u32) -> f32 {
+    let unused = 32 - width;
+    (((bits << unused) as i32) >> unused) as f32
+}
+
+#[inline]
+pub fn f16_bits(v: f32) -> u32 {
+    u32::from(f16::from_f32(v).to_bits())
+}
+
+#[inline]
+pub fn bf16_bits(v: f32) -> u32 {
+    u32::from(bf16::from_f32(v).to_bits())
+}
+
+#[inline]
+pub fn f16_value(bits: u32) -> f32 {
+    f16::from_bits(bits as u16).to_f32()
+}
+
+#[inline]
+pub fn bf16_value(bits: u32) -> f32 {
+    bf16::from_bits(bits as u16).to_f32()
+}
+
+/// Squared norm of a bitmap group: what decides which groups are kept.
+#[inline]
+pub fn energy(group: &[f32]) -> f32 {
+    group.iter().map(|v| v * v).sum()
+}
+
+/// The `keep` groups of largest `energy` (ties: the lower index wins), in
+/// ascending order, as the first `keep` entries of `order` (`energy.len()`
+/// long, scratch). A selection, not a sort: only the kept set matters.
+#[inline]
+pub fn keep_largest<'o>(energy: &[f32], keep: usize, order: &'o mut [usize]) -> &'o [usize] {
+    for (i, o) in order.iter_mut().enumerate() {
+        *o = i;
+    }
+    // Larger energy first, then lower index: a strict total order, so the
+    // first `keep` after the selection are exactly the kept set.
+    order.select_nth_unstable_by(keep - 1, |&a, &b| {
+        energy[b].total_cmp(&energy[a]).then(a.cmp(&b))
+    });
+    let kept = &mut order[..keep];
+    kept.sort_unstable();
+    kept
+}
+
+/// PCA coordinates `out = Bᵀ (x − mean)` with a row-major `head_dim × rank`
+/// basis (`rank = out.len()`).
+#[inline]
+pub fn pca_forward(basis: &[f32], mean: &[f32], x: &[f32], out: &mut [f32]) {
+    let rank = out.len();
+    out.fill(0.0);
+    for ((&xi, &mi), row) in x.iter().zip(mean).zip(basis.chunks_exact(rank)) {
+        let centered = xi - mi;
+        for (c, &b) in out.iter_mut().zip(row) {
+            *c += b * centered;
+        }
+    }
+}
+
+/// PCA reconstruction `out = mean + B y` (`head_dim = out.len()`).
+#[inline]
+pub fn pca_inverse(basis: &[f32], mean: &[f32], y: &[f32], out: &mut [f32]) {
+    let rank = y.len();
+    for ((o, &m), row) in out.iter_mut().zip(mean).zip(basis.chunks_exact(rank)) {
+        *o = m + row.iter().zip(y).map(|(b, c)| b * c).sum::<f32>();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keep_largest_is_the_stable_sort_selection() {
+        // The trait the encoders rely on: the kept set is that of a stable
+        // descending sort by energy, whatever the ties.
+        let energies: [Vec<f32>; 3] = [
+            vec![1.0, 3.0, 3.0, 0.0, 3.0, 2.0, 2.0, 5.0],
+            vec![0.0; 8],
+            vec![1.0, -0.0, 0.0, 1.0, 4.0, 4.0, 1.0, 0.5],
+        ];
+        for energy in &energies {
+            for keep in 1..=energy.len() {
+                let mut by_sort: Vec<usize> = (0..energy.len()).collect();
+                by_sort.sort_by(|&a, &b| energy[b].total_cmp(&energy[a]));
+                by_sort.truncate(keep);
+                by_sort.sort_unstable();
+                let mut order = vec![0; energy.len()];
+                assert_eq!(keep_largest(energy, keep, &mut order), by_sort);
+            }
+        }
+    }
+
+    #[test]
+    fn quantize_is_symmetric_and_saturates() {
+        assert_eq!(quantize(0.5, 1.0, 4), 1);
+        assert_eq!(quantize(-0.5, 1.0, 4), 0xF);
+        assert_eq!(quantize(100.0, 1.0, 4), 7);
+        assert_eq!(quantize(-1000.0, 1.0, 8), (-127i32 as u32) & 0xFF);
+        assert_eq!(signed(quantize(-3.2, 1.0, 4), 4), -3.0);
+    }
+}
