@@ -65,8 +65,8 @@ fn bench_encoders(c: &mut Criterion) {
             tokens: PAGES * items,
             head_dim: d,
         });
-        let tables = cache::train(format, &kv.keys, &kv.values, 1, &TrainOptions::default())
-            .expect("train");
+        let tables =
+            cache::train(format, &kv.keys, &kv.values, 1, &TrainOptions::default()).expect("train");
         for t in 0..format.tiers().len() {
             let layout = format.layout(t);
             let tables = &tables[t][0];

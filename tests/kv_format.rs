@@ -152,7 +152,10 @@ fn layout_constants_are_the_compilers() {
     use spherical::high::key::{codebook, radius};
     assert_eq!((radius::OFFSET, radius::BITS, radius::GROUPS), (0, 8, 8));
     assert_eq!((radius::SLOT, radius::SLOTS), (0, 1));
-    assert_eq!((codebook::OFFSET, codebook::BITS, codebook::BOOKS), (64, 6, 8));
+    assert_eq!(
+        (codebook::OFFSET, codebook::BITS, codebook::BOOKS),
+        (64, 6, 8)
+    );
     assert_eq!(spherical::high::key::BYTES, 14);
     assert_eq!(spherical::low::key::BYTES, 6);
     assert_eq!(kivi::int4::value::coeff::ITEM_SCALE_OFFSET, 0);
@@ -234,7 +237,11 @@ fn pages_are_byte_identical_to_the_generic_encoder() {
             let layout = g.format.layout(t);
             let tables = &tables[t][0];
             for &(from, to, zero) in &cases {
-                let what = format!("{} tier {} tokens {from}..{to}", g.format.name(), layout.name);
+                let what = format!(
+                    "{} tier {} tokens {from}..{to}",
+                    g.format.name(),
+                    layout.name
+                );
                 let keys = rows(&kv.keys, d, from, to, zero);
                 let values = rows(&kv.values, d, from, to, zero);
                 let mut want = vec![0x5Au8; layout.page_bytes as usize];

@@ -33,7 +33,7 @@ for s in "$@"; do
       step "ncu DRAM bytes read (one 32K decode step per spec)"
       ncu --metrics dram__bytes_read.sum --clock-control none --csv --kernel-name regex:kvcc_ --log-file "$out/ncu.csv" \
         .gpu/kvcc bench --ctx 32768 --warmup 0 --iters 1 --json > "$out/ncu-bench.json" 2> "$out/ncu.err"
-      echo "ncu exit $? ($(wc -l < "$out/ncu.csv") lines)"
+      echo "ncu exit $?"; python3 benches/gpu/ncu_bytes.py "$out/ncu.csv" "$out/ncu-bench.json" || status=1
       ;;
     baseline)
       step "dense baselines (SDPA, FlashInfer)"

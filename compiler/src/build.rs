@@ -69,13 +69,12 @@ pub fn generate(
     })?;
     let mut files = vec![(dir.join(LAYOUT_REPORT), layout_report(&format))];
     for &target in targets {
-        let output =
-            ptx::write(&format, &ptx::Options::for_target(target)).map_err(|source| {
-                Error::Ptx {
-                    format: format.name().to_string(),
-                    source,
-                }
-            })?;
+        let output = ptx::write(&format, &ptx::Options::for_target(target)).map_err(|source| {
+            Error::Ptx {
+                format: format.name().to_string(),
+                source,
+            }
+        })?;
         for tier in output.tiers {
             files.push((dir.join(ptx::file_name(&tier.tier, target)), tier.ptx));
         }

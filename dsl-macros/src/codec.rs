@@ -205,7 +205,10 @@ impl Codec<'_> {
             self.side()
         );
         let body = match self.plan() {
-            Plan::OnePass { item: stmts, elements } => {
+            Plan::OnePass {
+                item: stmts,
+                elements,
+            } => {
                 let pack = pack(&item, &elements, self.codec.bits.div_ceil(8));
                 quote! {
                     for (x, #item) in data.chunks_exact(#head_dim).zip(stream.chunks_exact_mut(#stride)) {
@@ -477,8 +480,7 @@ impl Codec<'_> {
                 item_scale,
                 elems_offset,
             } => {
-                let (g, groups_n, keep_n) =
-                    (group_size as usize, groups as usize, keep as usize);
+                let (g, groups_n, keep_n) = (group_size as usize, groups as usize, keep as usize);
                 let kept_elems = keep_n * g;
                 let mask_words = groups.div_ceil(MASK_WORD);
                 let mask_words_n = mask_words as usize;
@@ -782,12 +784,12 @@ impl Codec<'_> {
     /// `pub mod key { ... }`: the codec's item layout as constants.
     pub fn constants(&self) -> TokenStream {
         let side = format_ident!("{}", self.side());
-        let (dims, bits, bytes) = (
-            self.dims(),
-            self.codec.bits,
-            self.codec.stride as usize,
-        );
-        let fields = self.codec.fields.iter().map(|f| field_constants(f, self.layout));
+        let (dims, bits, bytes) = (self.dims(), self.codec.bits, self.codec.stride as usize);
+        let fields = self
+            .codec
+            .fields
+            .iter()
+            .map(|f| field_constants(f, self.layout));
         let doc = format!(
             "Layout of a {} item: {bits} bits in {bytes} bytes, {dims} coordinates after the transform.",
             self.side()

@@ -102,8 +102,9 @@ pub fn kv_format(input: proc_macro::TokenStream) -> proc_macro::TokenStream {
 /// The module, or every error message (each becomes a compile error).
 fn expand(input: &Input) -> Result<TokenStream, Vec<String>> {
     let file = input.path.value();
-    let manifest_dir = std::env::var_os("CARGO_MANIFEST_DIR")
-        .ok_or_else(|| vec!["CARGO_MANIFEST_DIR is not set: kv_format! runs under Cargo".to_string()])?;
+    let manifest_dir = std::env::var_os("CARGO_MANIFEST_DIR").ok_or_else(|| {
+        vec!["CARGO_MANIFEST_DIR is not set: kv_format! runs under Cargo".to_string()]
+    })?;
     let absolute = PathBuf::from(manifest_dir).join(&file);
     let tracked = absolute
         .to_str()
@@ -162,12 +163,14 @@ fn expand(input: &Input) -> Result<TokenStream, Vec<String>> {
         }
     });
     let merge_match = tier::ptx_match("MERGE_PTX_", &Target::ALL);
-    let arms_encode = tier_idents.iter().enumerate().map(|(t, ident)| {
-        quote!(Some(#t) => #ident::encode_page(tables, keys, values, page),)
-    });
-    let arms_decode = tier_idents.iter().enumerate().map(|(t, ident)| {
-        quote!(Some(#t) => #ident::decode_page(tables, page),)
-    });
+    let arms_encode = tier_idents
+        .iter()
+        .enumerate()
+        .map(|(t, ident)| quote!(Some(#t) => #ident::encode_page(tables, keys, values, page),));
+    let arms_decode = tier_idents
+        .iter()
+        .enumerate()
+        .map(|(t, ident)| quote!(Some(#t) => #ident::decode_page(tables, page),));
     let tier_names = (0..format.tiers().len()).map(|t| format.layout(t).name.clone());
     let tier_count = format.tiers().len();
     let name = format.name();

@@ -149,21 +149,19 @@ fn set_page_scales(
                 scale,
                 slot,
                 ..
-            } => {
-                match scale {
-                    CoeffScale::Page => {
-                        let max = items.iter().flatten().fold(0.0f32, |m, v| m.max(v.abs()));
-                        scales[slot as usize] = coeff_scale(max, bits);
-                    }
-                    CoeffScale::PageComponent => {
-                        for c in 0..count as usize {
-                            let max = items.iter().fold(0.0f32, |m, x| m.max(x[c].abs()));
-                            scales[slot as usize + c] = coeff_scale(max, bits);
-                        }
-                    }
-                    CoeffScale::Item | CoeffScale::Component => {}
+            } => match scale {
+                CoeffScale::Page => {
+                    let max = items.iter().flatten().fold(0.0f32, |m, v| m.max(v.abs()));
+                    scales[slot as usize] = coeff_scale(max, bits);
                 }
-            }
+                CoeffScale::PageComponent => {
+                    for c in 0..count as usize {
+                        let max = items.iter().fold(0.0f32, |m, x| m.max(x[c].abs()));
+                        scales[slot as usize + c] = coeff_scale(max, bits);
+                    }
+                }
+                CoeffScale::Item | CoeffScale::Component => {}
+            },
             _ => {}
         }
     }
@@ -195,7 +193,12 @@ fn encode_field(
                     RadiusScale::Page => scales[slot as usize],
                     RadiusScale::PageGroup => scales[slot as usize + j],
                 };
-                write_bits(item, offset + j as u32 * bits, bits, radius_code(r, s, bits));
+                write_bits(
+                    item,
+                    offset + j as u32 * bits,
+                    bits,
+                    radius_code(r, s, bits),
+                );
             }
         }
         FieldLayout::Codebook { offset, bits, .. } => {
@@ -344,7 +347,9 @@ pub fn decode_item(
         } => {
             for (c, value) in x.iter_mut().enumerate().take(count as usize) {
                 let s = match scale {
-                    CoeffScale::Item => f16_value(read_bits(item, item_scale.expect("item scale"), 16)),
+                    CoeffScale::Item => {
+                        f16_value(read_bits(item, item_scale.expect("item scale"), 16))
+                    }
                     CoeffScale::Page => scales[slot as usize],
                     CoeffScale::PageComponent => scales[slot as usize + c],
                     CoeffScale::Component => tables[table.expect("component table")][c],

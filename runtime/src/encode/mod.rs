@@ -45,7 +45,9 @@ pub enum EncodeError {
     Empty,
     #[error("tables for {found} tiers given; the format has {tiers} tiers")]
     TierTables { found: usize, tiers: usize },
-    #[error("tier {tier}, kv head {kv_head}: table lengths {found:?}, the layout needs {expected:?}")]
+    #[error(
+        "tier {tier}, kv head {kv_head}: table lengths {found:?}, the layout needs {expected:?}"
+    )]
     TableShape {
         tier: String,
         kv_head: usize,
@@ -56,7 +58,9 @@ pub enum EncodeError {
     TableHeads { found: usize, expected: usize },
     /// A specialized (`kv_format!`) encoder was handed a page of a layout it
     /// was not generated for.
-    #[error("the encoder of format {encoder} has no tier laid out as tier {tier} (index {index}) is")]
+    #[error(
+        "the encoder of format {encoder} has no tier laid out as tier {tier} (index {index}) is"
+    )]
     ForeignLayout {
         encoder: String,
         tier: String,

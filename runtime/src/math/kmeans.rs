@@ -139,8 +139,8 @@ pub fn best_direction<D: Dim>(centroids: &[f32], dim: D, x: &[f32]) -> usize {
     )
 }
 
-/// Centroids scored together, one per lane of a 128-bit vector (wider blocks make the compiler
-/// shuffle the lane masks between registers).
+/// Centroids scored together: one per lane of a 128-bit vector, the baseline width of x86-64
+/// (8 lanes measured slower there: the compiler shuffles the lane masks between registers).
 const LANES: usize = 4;
 
 /// Index of the first centroid whose score beats every earlier one (`better` is strict), 0 if
@@ -162,7 +162,6 @@ fn search<D: Dim>(
     }
     let x = &x[..dim.min(x.len())];
     let mut best = [worst; LANES];
-    // u32, the width of an f32 lane, so that choosing indices is a vector select too.
     let mut index = [0u32; LANES];
     let blocks = centroids.chunks_exact(LANES * dim);
     let tail = blocks.remainder();
@@ -931,7 +930,11 @@ mod tests {
                 assert_eq!(nearest(&c, 4, &x), near, "nearest of {count}");
                 assert_eq!(nearest(&c, Fixed::<4>, &x), near, "nearest of {count}");
                 assert_eq!(best_direction(&c, 4, &x), dir, "direction of {count}");
-                assert_eq!(best_direction(&c, Fixed::<4>, &x), dir, "direction of {count}");
+                assert_eq!(
+                    best_direction(&c, Fixed::<4>, &x),
+                    dir,
+                    "direction of {count}"
+                );
             }
         }
     }

@@ -653,6 +653,12 @@ impl Kernel {
         self.line(format_args!("cvt.u16.u32 {d}, {a}"));
         d
     }
+    /// The low and high 16 bits of `a`.
+    pub fn split_halves(&mut self, a: Reg<U32>) -> (Reg<B16>, Reg<B16>) {
+        let (lo, hi) = (self.reg(), self.reg());
+        self.line(format_args!("mov.b32 {{{lo}, {hi}}}, {a}"));
+        (lo, hi)
+    }
     /// IEEE binary16 bits to f32 (exact).
     pub fn f16_to_f32(&mut self, a: Reg<B16>) -> Reg<F32> {
         let d = self.reg();

@@ -15,7 +15,7 @@
 
 use std::collections::HashMap;
 
-use super::builder::{Cmp, Global, Kernel, Op, Pred, Reg, Shared, F32, S32, U32, U64};
+use super::builder::{Cmp, Global, Kernel, Op, Pred, Reg, Shared, B16, F32, S32, U32, U64};
 use crate::ir::{Arena, BinaryOp, Expr, Handle, Input, Literal, UnaryOp};
 
 /// A value of an IR type.
@@ -123,12 +123,13 @@ pub fn emit(k: &mut Kernel, exprs: &Arena<Expr>, env: &Env) -> Values {
     let known = Known {
         zeros: known_zeros(exprs),
         bits: known_bits(exprs),
+        halves: half_reads(exprs),
     };
     let mut reader = env.item.map(ItemReader::new);
     let mut chunks = Chunks::default();
     let mut varies = Vec::with_capacity(exprs.len());
     let mut values: Vec<Vec<Val>> = Vec::with_capacity(exprs.len());
-    for (_, expr) in exprs.iter() {
+    for (handle, expr) in exprs.iter() {
         let vary = match *expr {
             Expr::Input(Input::Channel) => matches!(env.replicas, Replicas::Channels(_)),
             Expr::Shared { index, .. } => {
@@ -169,7 +170,17 @@ pub fn emit(k: &mut Kernel, exprs: &Arena<Expr>, env: &Env) -> Values {
                         v[r]
                     }
                 };
-                let value = emit_one(k, expr, r, get, env, &mut reader, &mut chunks, &known);
+                let value = emit_one(
+                    k,
+                    handle,
+                    expr,
+                    r,
+                    get,
+                    env,
+                    &mut reader,
+                    &mut chunks,
+                    &known,
+                );
                 out.push(value);
             }
         }
@@ -299,12 +310,49 @@ fn known_bits(exprs: &Arena<Expr>) -> Vec<u32> {
     bits
 }
 
+/// Item reads that are one whole half of an item word (16 bits at a constant
+/// offset that is a multiple of 16) and that only `half_to_float` consumes:
+/// they are emitted as the f32 directly, converting the word's half in place
+/// (`mov.b32 {lo, hi}`, then `cvt.f32.f16`, which ptxas turns into one HADD2
+/// with a half selector) instead of extracting it first (a PRMT per
+/// coordinate: 128 of ~600 SASS in the dense f16 score per key). Item reads
+/// occur only in score and accumulate, whose one root is an f32 result, so
+/// only other expressions can consume them.
+fn half_reads(exprs: &Arena<Expr>) -> Vec<bool> {
+    let mut halves: Vec<bool> = exprs
+        .iter()
+        .map(|(_, expr)| match *expr {
+            Expr::ItemBits { bit_offset, width } => {
+                width == 16
+                    && matches!(exprs[bit_offset], Expr::Literal(Literal::U32(o)) if o.is_multiple_of(16))
+            }
+            _ => false,
+        })
+        .collect();
+    for (_, expr) in exprs.iter() {
+        if !matches!(
+            expr,
+            Expr::Unary {
+                op: UnaryOp::HalfToFloat,
+                ..
+            }
+        ) {
+            for h in operands(expr) {
+                halves[h.index()] = false;
+            }
+        }
+    }
+    halves
+}
+
 /// What the analyses prove about each expression's value.
 struct Known {
     /// Known trailing zero bits ([`known_zeros`]).
     zeros: Vec<u32>,
     /// Significant bits ([`known_bits`]).
     bits: Vec<u32>,
+    /// Item reads emitted as f32 ([`half_reads`]).
+    halves: Vec<bool>,
 }
 
 /// Integers of at most this many bits convert to f32 exactly by placing them
@@ -334,6 +382,7 @@ fn small_int_to_f32(k: &mut Kernel, x: Val) -> Val {
 #[allow(clippy::too_many_arguments)]
 fn emit_one(
     k: &mut Kernel,
+    handle: Handle<Expr>,
     expr: &Expr,
     replica: usize,
     get: impl Fn(Handle<Expr>) -> Val,
@@ -365,6 +414,9 @@ fn emit_one(
                 .as_mut()
                 .expect("validated IR: item bits in item programs");
             let bits = match get(bit_offset).u32() {
+                Op::Imm(offset) if known.halves[handle.index()] => {
+                    return Val::F32(Op::Reg(reader.read_half(k, offset)));
+                }
                 Op::Imm(offset) => reader.read_static(k, offset, width.into()),
                 Op::Reg(offset) => {
                     reader.read_dynamic(k, offset, width.into(), known.zeros[bit_offset.index()])
@@ -467,6 +519,8 @@ fn unary(k: &mut Kernel, op: UnaryOp, arg: Val) -> Val {
             let x = materialize_u32(k, x);
             Val::U32(Op::Reg(k.popc(x)))
         }
+        // Already converted where it was read ([`half_reads`]).
+        (UnaryOp::HalfToFloat, Val::F32(x)) => Val::F32(x),
         (UnaryOp::HalfToFloat, Val::U32(x)) => {
             let x = materialize_u32(k, x);
             let half = k.low16(x);
@@ -619,6 +673,8 @@ struct ItemReader {
     align: u32,
     words: HashMap<u32, Reg<U32>>,
     chunks: HashMap<u32, [Reg<U32>; 4]>,
+    /// Item words split into their low and high halves ([`half_reads`]).
+    halves: HashMap<u32, (Reg<B16>, Reg<B16>)>,
     raw: HashMap<u32, Reg<U32>>,
     /// For unaligned items: the aligned address below the item and the bit
     /// shift from it to the item's first bit.
@@ -632,6 +688,7 @@ impl ItemReader {
             align: source.align,
             words: HashMap::new(),
             chunks: HashMap::new(),
+            halves: HashMap::new(),
             raw: HashMap::new(),
             unaligned: None,
         }
@@ -750,6 +807,32 @@ impl ItemReader {
             let joined = k.shf_r_wrap(lo, hi, shift);
             Self::mask(k, joined, Op::Imm(0), width)
         }
+    }
+
+    /// The f16 at bit `offset` (a multiple of 16) as f32.
+    fn read_half(&mut self, k: &mut Kernel, offset: u32) -> Reg<F32> {
+        let index = offset / 32;
+        // Odd-address items load a lone halfword (see `read_static`).
+        let half = if self.align < 4 && !self.words.contains_key(&index) {
+            let bits = self.read_static(k, offset, 16);
+            k.low16(bits)
+        } else {
+            let (lo, hi) = match self.halves.get(&index) {
+                Some(&pair) => pair,
+                None => {
+                    let word = self.word(k, index);
+                    let pair = k.split_halves(word);
+                    self.halves.insert(index, pair);
+                    pair
+                }
+            };
+            if offset.is_multiple_of(32) {
+                lo
+            } else {
+                hi
+            }
+        };
+        k.f16_to_f32(half)
     }
 
     /// `zeros`: trailing zero bits `offset` is known to have.
