@@ -14,37 +14,70 @@ use kvcc::runtime::exec::{CudaExecutor, Executor};
 fn gpu(test: &str) -> Option<CudaExecutor> {
     match CudaExecutor::open() {
         Ok(executor) => Some(executor),
-        Err(error) if std::env::var_os("KVCC_REQUIRE_GPU").is_some() => panic!("{test}: KVCC_REQUIRE_GPU is set but {error}"),
+        Err(error) if std::env::var_os("KVCC_REQUIRE_GPU").is_some() => {
+            panic!("{test}: KVCC_REQUIRE_GPU is set but {error}")
+        }
         Err(error) => {
-            eprintln!("SKIPPED {test}: {error} (GPU tests run for real on a machine with an NVIDIA GPU)");
+            eprintln!(
+                "SKIPPED {test}: {error} (GPU tests run for real on a machine with an NVIDIA GPU)"
+            );
             None
         }
     }
 }
 
 /// Sequences of several lengths (not page multiples), pages placed by `plan`.
-fn cache_and_queries(format: &Format, seed: u64, kv_heads: usize, group: usize, plan: &dyn Fn(usize, usize) -> usize) -> (PagedCache, Vec<f32>) {
+fn cache_and_queries(
+    format: &Format,
+    seed: u64,
+    kv_heads: usize,
+    group: usize,
+    plan: &dyn Fn(usize, usize) -> usize,
+) -> (PagedCache, Vec<f32>) {
     let lengths = [1usize, 150, 333, 1000];
-    let sets: Vec<_> = lengths.iter().enumerate().map(|(i, &t)| data(format, seed + i as u64, kv_heads, kv_heads * group, t)).collect();
+    let sets: Vec<_> = lengths
+        .iter()
+        .enumerate()
+        .map(|(i, &t)| data(format, seed + i as u64, kv_heads, kv_heads * group, t))
+        .collect();
     let mut cache = trained_cache(format, &sets[3], seed);
     for (s, set) in sets.iter().enumerate() {
-        cache.append_sequence(&set.keys, &set.values, |p| plan(s, p)).expect("append");
+        cache
+            .append_sequence(&set.keys, &set.values, |p| plan(s, p))
+            .expect("append");
     }
-    let queries = sets.iter().flat_map(|s| s.queries.iter().copied()).collect();
+    let queries = sets
+        .iter()
+        .flat_map(|s| s.queries.iter().copied())
+        .collect();
     (cache, queries)
 }
 
-fn check(executor: &CudaExecutor, format: &Format, seed: u64, kv_heads: usize, group: usize, plan: &dyn Fn(usize, usize) -> usize, what: &str) {
+fn check(
+    executor: &CudaExecutor,
+    format: &Format,
+    seed: u64,
+    kv_heads: usize,
+    group: usize,
+    plan: &dyn Fn(usize, usize) -> usize,
+    what: &str,
+) {
     let (cache, queries) = cache_and_queries(format, seed, kv_heads, group, plan);
     let q_heads = kv_heads * group;
-    let want = Interpreter::new(format.tiers(), Options::default()).decode(&cache.view(), &queries, q_heads).expect("interpreter");
-    let got = executor.decode(&cache, &queries, q_heads).unwrap_or_else(|e| panic!("{what}: {e}"));
+    let want = Interpreter::new(format.tiers(), Options::default())
+        .decode(&cache.view(), &queries, q_heads)
+        .expect("interpreter");
+    let got = executor
+        .decode(&cache, &queries, q_heads)
+        .unwrap_or_else(|e| panic!("{what}: {e}"));
     assert_rows_close(what, &got, &want, format.head_dim() as usize, 1e-4);
 }
 
 #[test]
 fn gpu_matches_interpreter_on_every_bundled_tier() {
-    let Some(executor) = gpu("gpu_matches_interpreter_on_every_bundled_tier") else { return };
+    let Some(executor) = gpu("gpu_matches_interpreter_on_every_bundled_tier") else {
+        return;
+    };
     let seed = fresh_seed("gpu_bundled");
     for format in bundled() {
         for tier in 0..format.tiers().len() {
@@ -56,25 +89,46 @@ fn gpu_matches_interpreter_on_every_bundled_tier() {
 
 #[test]
 fn gpu_matches_interpreter_with_gqa_1_4_8_and_mixed_tiers() {
-    let Some(executor) = gpu("gpu_matches_interpreter_with_gqa_1_4_8_and_mixed_tiers") else { return };
+    let Some(executor) = gpu("gpu_matches_interpreter_with_gqa_1_4_8_and_mixed_tiers") else {
+        return;
+    };
     let seed = fresh_seed("gpu_gqa_mixed");
     for format in bundled() {
         let tiers = format.tiers().len();
         for group in [1, 4, 8] {
             let what = format!("{} mixed tiers (GQA {group})", format.name());
-            check(&executor, &format, seed, 2, group, &|s, p| (s + p) % tiers, &what);
+            check(
+                &executor,
+                &format,
+                seed,
+                2,
+                group,
+                &|s, p| (s + p) % tiers,
+                &what,
+            );
         }
     }
 }
 
 #[test]
 fn gpu_matches_interpreter_on_random_specs() {
-    let Some(executor) = gpu("gpu_matches_interpreter_on_random_specs") else { return };
+    let Some(executor) = gpu("gpu_matches_interpreter_on_random_specs") else {
+        return;
+    };
     let seed = fresh_seed("gpu_random_specs");
     for (i, source) in common::random_specs(seed, 24).iter().enumerate() {
-        let format = Format::parse(source, "random.toml").unwrap_or_else(|e| panic!("generated spec rejected: {e}\n{source}"));
+        let format = Format::parse(source, "random.toml")
+            .unwrap_or_else(|e| panic!("generated spec rejected: {e}\n{source}"));
         let tiers = format.tiers().len();
         let group = [1, 2, 4][i % 3];
-        check(&executor, &format, seed + i as u64, 2, group, &|s, p| (s * 7 + p) % tiers, &format!("random spec {i}:\n{source}"));
+        check(
+            &executor,
+            &format,
+            seed + i as u64,
+            2,
+            group,
+            &|s, p| (s * 7 + p) % tiers,
+            &format!("random spec {i}:\n{source}"),
+        );
     }
 }

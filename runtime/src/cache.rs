@@ -72,25 +72,46 @@ fn check_block(
 
 impl PagedCache {
     /// An empty cache with trained `tables` (`[tier][kv_head][table]`).
-    pub fn new(format: &Format, kv_heads: usize, tables: Tables) -> Result<PagedCache, EncodeError> {
+    pub fn new(
+        format: &Format,
+        kv_heads: usize,
+        tables: Tables,
+    ) -> Result<PagedCache, EncodeError> {
         let tiers = format.tiers().len();
         if tables.len() != tiers {
-            return Err(EncodeError::TierTables { found: tables.len(), tiers });
+            return Err(EncodeError::TierTables {
+                found: tables.len(),
+                tiers,
+            });
         }
         for (tier, per_head) in tables.iter().enumerate() {
             if per_head.len() != kv_heads {
-                return Err(EncodeError::TableHeads { found: per_head.len(), expected: kv_heads });
+                return Err(EncodeError::TableHeads {
+                    found: per_head.len(),
+                    expected: kv_heads,
+                });
             }
             let layout = format.layout(tier);
             let expected: Vec<usize> = layout.tables.iter().map(|t| t.len as usize).collect();
             for (kv_head, head_tables) in per_head.iter().enumerate() {
                 let found: Vec<usize> = head_tables.iter().map(Vec::len).collect();
                 if found != expected {
-                    return Err(EncodeError::TableShape { tier: layout.name.clone(), kv_head, found, expected });
+                    return Err(EncodeError::TableShape {
+                        tier: layout.name.clone(),
+                        kv_head,
+                        found,
+                        expected,
+                    });
                 }
             }
         }
-        Ok(PagedCache { format: format.clone(), kv_heads, tables, pools: vec![Vec::new(); tiers], page_tables: Vec::new() })
+        Ok(PagedCache {
+            format: format.clone(),
+            kv_heads,
+            tables,
+            pools: vec![Vec::new(); tiers],
+            page_tables: Vec::new(),
+        })
     }
 
     pub fn format(&self) -> &Format {
@@ -213,7 +234,11 @@ impl PagedCache {
     pub fn replicate(&self, sequences: usize, tokens: usize) -> Result<PagedCache, EncodeError> {
         let items = self.format.spec().page.items as usize;
         let sources = self.page_tables.first().ok_or(EncodeError::Empty)?;
-        let mut out = PagedCache { pools: vec![Vec::new(); self.pools.len()], page_tables: Vec::new(), ..self.clone_empty() };
+        let mut out = PagedCache {
+            pools: vec![Vec::new(); self.pools.len()],
+            page_tables: Vec::new(),
+            ..self.clone_empty()
+        };
         let pages = tokens.div_ceil(items);
         for _ in 0..sequences {
             let mut heads = Vec::with_capacity(self.kv_heads);
@@ -232,12 +257,19 @@ impl PagedCache {
                         let size = layout.page_bytes as usize;
                         let pool = &mut out.pools[r.tier as usize];
                         let start = pool.len();
-                        pool.extend_from_slice(&self.pools[r.tier as usize][r.page as usize * size..(r.page as usize + 1) * size]);
+                        pool.extend_from_slice(
+                            &self.pools[r.tier as usize]
+                                [r.page as usize * size..(r.page as usize + 1) * size],
+                        );
                         let count = (tokens - p * items).min(items) as u32;
-                        let mut header = PageHeader::read(layout, &pool[start..]).expect("whole page");
+                        let mut header =
+                            PageHeader::read(layout, &pool[start..]).expect("whole page");
                         header.count = count;
                         header.write(layout, &mut pool[start..]);
-                        PageRef { tier: r.tier, page: (start / size) as u32 }
+                        PageRef {
+                            tier: r.tier,
+                            page: (start / size) as u32,
+                        }
                     })
                     .collect();
                 heads.push(refs);
@@ -248,13 +280,23 @@ impl PagedCache {
     }
 
     fn clone_empty(&self) -> PagedCache {
-        PagedCache { format: self.format.clone(), kv_heads: self.kv_heads, tables: self.tables.clone(), pools: Vec::new(), page_tables: Vec::new() }
+        PagedCache {
+            format: self.format.clone(),
+            kv_heads: self.kv_heads,
+            tables: self.tables.clone(),
+            pools: Vec::new(),
+            page_tables: Vec::new(),
+        }
     }
 
     fn page_count(&self, r: &PageRef) -> u32 {
         let layout = self.format.layout(r.tier as usize);
         let size = layout.page_bytes as usize;
-        PageHeader::read(layout, &self.pools[r.tier as usize][r.page as usize * size..]).map_or(0, |h| h.count)
+        PageHeader::read(
+            layout,
+            &self.pools[r.tier as usize][r.page as usize * size..],
+        )
+        .map_or(0, |h| h.count)
     }
 
     /// Bytes of all pages in all pools.

@@ -1,12 +1,12 @@
 pub mod builtin;
 pub mod cache;
 pub mod cli;
+pub mod cuda;
 pub mod encode;
+pub mod exec;
 pub mod math;
 pub mod metrics;
 pub mod reference;
 pub mod synth;
 pub mod table;
 pub mod tensor_io;
-pub mod exec;
-pub mod cuda;

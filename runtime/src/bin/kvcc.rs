@@ -156,13 +156,33 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                 println!("{}", demo::render(&rows, &options));
             }
         }
-        Command::Bench { specs, only, batch, q_heads, kv_heads, ctx, warmup, iters, baseline, save, json } => {
+        Command::Bench {
+            specs,
+            only,
+            batch,
+            q_heads,
+            kv_heads,
+            ctx,
+            warmup,
+            iters,
+            baseline,
+            save,
+            json,
+        } => {
             let mut formats = demo::formats(specs.as_deref())?;
             if !only.is_empty() {
                 formats.retain(|f| only.iter().any(|o| o == f.name()));
             }
             let baselines = baseline.map(|p| bench::Baselines::load(&p)).transpose()?;
-            let options = bench::BenchOptions { batch, q_heads, kv_heads, contexts: ctx, warmup, iters, ..Default::default() };
+            let options = bench::BenchOptions {
+                batch,
+                q_heads,
+                kv_heads,
+                contexts: ctx,
+                warmup,
+                iters,
+                ..Default::default()
+            };
             let tiers: usize = formats.iter().map(|f| f.tiers().len()).sum();
             let progress = bar((tiers * options.contexts.len()) as u64, "bench");
             let report = bench::run(&formats, baselines, &options, |what| {
@@ -171,7 +191,8 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             })?;
             progress.finish_and_clear();
             if let Some(path) = save {
-                std::fs::write(&path, serde_json::to_string_pretty(&report)?).map_err(|e| format!("{}: {e}", path.display()))?;
+                std::fs::write(&path, serde_json::to_string_pretty(&report)?)
+                    .map_err(|e| format!("{}: {e}", path.display()))?;
             }
             if json {
                 println!("{}", serde_json::to_string_pretty(&report)?);
@@ -191,9 +212,14 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             let format = Format::load(&spec)?;
             let data = load_qkv(&qkv, prefix.as_deref())?;
             let progress = bar(data.k.shape[0] as u64, "layers");
-            let report = eval::run(&format, &data, max_queries.max(1), context, executor, |done, _| {
-                progress.set_position(done as u64)
-            })?;
+            let report = eval::run(
+                &format,
+                &data,
+                max_queries.max(1),
+                context,
+                executor,
+                |done, _| progress.set_position(done as u64),
+            )?;
             progress.finish_and_clear();
             if json {
                 println!("{}", serde_json::to_string_pretty(&report)?);

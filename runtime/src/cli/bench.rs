@@ -37,7 +37,16 @@ pub struct BenchOptions {
 
 impl Default for BenchOptions {
     fn default() -> Self {
-        BenchOptions { batch: 8, q_heads: 32, kv_heads: 8, contexts: vec![8192, 32768, 131072], warmup: 10, iters: 50, rotate_bytes: 512 << 20, seed: 11 }
+        BenchOptions {
+            batch: 8,
+            q_heads: 32,
+            kv_heads: 8,
+            contexts: vec![8192, 32768, 131072],
+            warmup: 10,
+            iters: 50,
+            rotate_bytes: 512 << 20,
+            seed: 11,
+        }
     }
 }
 
@@ -95,16 +104,39 @@ impl Baselines {
         serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))
     }
     fn ms(&self, baseline: &str, ctx: usize) -> Option<f64> {
-        self.rows.iter().find(|r| r.baseline == baseline && r.ctx == ctx).and_then(|r| r.ms)
+        self.rows
+            .iter()
+            .find(|r| r.baseline == baseline && r.ctx == ctx)
+            .and_then(|r| r.ms)
     }
 }
 
 /// Encodes a few full pages per kv head of tier `tier` (structured synthetic K/V).
-fn source_cache(format: &Format, tier: usize, kv_heads: usize, seed: u64) -> Result<PagedCache, Box<dyn std::error::Error>> {
+fn source_cache(
+    format: &Format,
+    tier: usize,
+    kv_heads: usize,
+    seed: u64,
+) -> Result<PagedCache, Box<dyn std::error::Error>> {
     let items = format.spec().page.items as usize;
     let tokens = items * 8;
-    let data = synthesize(&SynthOptions { seed, kv_heads, q_heads: kv_heads, tokens, head_dim: format.head_dim() as usize });
-    let tables = cache::train(format, &data.keys, &data.values, kv_heads, &TrainOptions { seed, ..TrainOptions::default() })?;
+    let data = synthesize(&SynthOptions {
+        seed,
+        kv_heads,
+        q_heads: kv_heads,
+        tokens,
+        head_dim: format.head_dim() as usize,
+    });
+    let tables = cache::train(
+        format,
+        &data.keys,
+        &data.values,
+        kv_heads,
+        &TrainOptions {
+            seed,
+            ..TrainOptions::default()
+        },
+    )?;
     let mut cache = PagedCache::new(format, kv_heads, tables)?;
     cache.append_sequence(&data.keys, &data.values, |_| tier)?;
     Ok(cache)
@@ -121,18 +153,36 @@ fn max_rel_error(got: &[f32], want: &[f32], row: usize) -> f64 {
         .zip(want.chunks(row))
         .map(|(g, w)| {
             let scale = w.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1e-6);
-            g.iter().zip(w).map(|(a, b)| if a.is_finite() { ((a - b).abs() / scale) as f64 } else { f64::INFINITY }).fold(0.0, f64::max)
+            g.iter()
+                .zip(w)
+                .map(|(a, b)| {
+                    if a.is_finite() {
+                        ((a - b).abs() / scale) as f64
+                    } else {
+                        f64::INFINITY
+                    }
+                })
+                .fold(0.0, f64::max)
         })
         .fold(0.0, f64::max)
 }
 
 /// Runs one decode step on a small replica and compares with the interpreter.
-fn verify(gpu: &Gpu, kernels: &FormatKernels, source: &PagedCache, options: &BenchOptions) -> Result<f64, Box<dyn std::error::Error>> {
+fn verify(
+    gpu: &Gpu,
+    kernels: &FormatKernels,
+    source: &PagedCache,
+    options: &BenchOptions,
+) -> Result<f64, Box<dyn std::error::Error>> {
     let items = source.format().spec().page.items as usize;
     let small = source.replicate(2, 5 * items + items / 3)?;
     let d = source.format().head_dim() as usize;
     let queries = random_queries(2 * options.q_heads * d, options.seed ^ 0x51);
-    let want = Interpreter::new(source.format().tiers(), InterpOptions::default()).decode(&small.view(), &queries, options.q_heads)?;
+    let want = Interpreter::new(source.format().tiers(), InterpOptions::default()).decode(
+        &small.view(),
+        &queries,
+        options.q_heads,
+    )?;
     let device = DeviceCache::upload(gpu, kernels, &small)?;
     let mut step = DeviceDecode::new(gpu, kernels, &device, options.q_heads, None)?;
     step.set_queries(gpu, kernels, &device, &queries)?;
@@ -142,8 +192,18 @@ fn verify(gpu: &Gpu, kernels: &FormatKernels, source: &PagedCache, options: &Ben
 }
 
 /// Median, min and max milliseconds of decode steps rotating over `steps`.
-fn time_steps(gpu: &Gpu, kernels: &FormatKernels, caches: &[DeviceCache], steps: &mut [DeviceDecode], options: &BenchOptions) -> Result<(f64, f64, f64), CudaError> {
-    let event = || gpu.context.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).during(|| "creating an event".into());
+fn time_steps(
+    gpu: &Gpu,
+    kernels: &FormatKernels,
+    caches: &[DeviceCache],
+    steps: &mut [DeviceDecode],
+    options: &BenchOptions,
+) -> Result<(f64, f64, f64), CudaError> {
+    let event = || {
+        gpu.context
+            .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+            .during(|| "creating an event".into())
+    };
     for i in 0..options.warmup {
         let r = i % caches.len();
         steps[r].launch(gpu, kernels, &caches[r])?;
@@ -152,23 +212,39 @@ fn time_steps(gpu: &Gpu, kernels: &FormatKernels, caches: &[DeviceCache], steps:
     for i in 0..options.iters {
         let r = i % caches.len();
         let (start, end) = (event()?, event()?);
-        start.record(&gpu.stream).during(|| "recording an event".into())?;
+        start
+            .record(&gpu.stream)
+            .during(|| "recording an event".into())?;
         steps[r].launch(gpu, kernels, &caches[r])?;
-        end.record(&gpu.stream).during(|| "recording an event".into())?;
-        end.synchronize().during(|| "waiting for a decode step".into())?;
-        times.push(f64::from(start.elapsed_ms(&end).during(|| "reading an event".into())?));
+        end.record(&gpu.stream)
+            .during(|| "recording an event".into())?;
+        end.synchronize()
+            .during(|| "waiting for a decode step".into())?;
+        times.push(f64::from(
+            start
+                .elapsed_ms(&end)
+                .during(|| "reading an event".into())?,
+        ));
     }
     times.sort_by(f64::total_cmp);
     Ok((times[times.len() / 2], times[0], times[times.len() - 1]))
 }
 
-pub fn run(formats: &[Format], baselines: Option<Baselines>, options: &BenchOptions, mut progress: impl FnMut(&str)) -> Result<BenchReport, Box<dyn std::error::Error>> {
+pub fn run(
+    formats: &[Format],
+    baselines: Option<Baselines>,
+    options: &BenchOptions,
+    mut progress: impl FnMut(&str),
+) -> Result<BenchReport, Box<dyn std::error::Error>> {
     let gpu = Gpu::open()?;
     let mut rows = Vec::new();
     for format in formats {
         let d = format.head_dim() as usize;
         let group = (options.q_heads / options.kv_heads.max(1)) as u32;
-        let kernel_options = ptx::Options { query_group: Some(group), ..ptx::Options::for_target(gpu.target()) };
+        let kernel_options = ptx::Options {
+            query_group: Some(group),
+            ..ptx::Options::for_target(gpu.target())
+        };
         let kernels = FormatKernels::load(&gpu, format, kernel_options)?;
         for tier in 0..format.tiers().len() {
             let name = format.layout(tier).name.clone();
@@ -181,7 +257,8 @@ pub fn run(formats: &[Format], baselines: Option<Baselines>, options: &BenchOpti
                 progress(&format!("{}/{name} @{context}", format.name()));
                 let host = source.replicate(options.batch, context)?;
                 let first = DeviceCache::upload(&gpu, &kernels, &host)?;
-                let replicas = (options.rotate_bytes.div_ceil(first.bytes_per_step.max(1))).clamp(1, 8) as usize;
+                let replicas = (options.rotate_bytes.div_ceil(first.bytes_per_step.max(1)))
+                    .clamp(1, 8) as usize;
                 let mut caches = vec![first];
                 for _ in 1..replicas {
                     caches.push(DeviceCache::upload(&gpu, &kernels, &host)?);
@@ -190,11 +267,15 @@ pub fn run(formats: &[Format], baselines: Option<Baselines>, options: &BenchOpti
                 let mut steps = Vec::new();
                 for (r, cache) in caches.iter().enumerate() {
                     let mut step = DeviceDecode::new(&gpu, &kernels, cache, options.q_heads, None)?;
-                    let queries = random_queries(options.batch * options.q_heads * d, options.seed + r as u64);
+                    let queries = random_queries(
+                        options.batch * options.q_heads * d,
+                        options.seed + r as u64,
+                    );
                     step.set_queries(&gpu, &kernels, cache, &queries)?;
                     steps.push(step);
                 }
-                let (ms, min_ms, max_ms) = time_steps(&gpu, &kernels, &caches, &mut steps, options)?;
+                let (ms, min_ms, max_ms) =
+                    time_steps(&gpu, &kernels, &caches, &mut steps, options)?;
                 let bytes = caches[0].bytes_per_step as f64;
                 let bytes_per_token = bytes / (options.batch * options.kv_heads * context) as f64;
                 let dense = (4 * d) as f64;
@@ -222,14 +303,29 @@ pub fn run(formats: &[Format], baselines: Option<Baselines>, options: &BenchOpti
         gpu: gpu.name.clone(),
         compute_capability: gpu.compute_capability,
         driver_version: gpu.driver_version,
-        shape: format!("batch {}, {} query heads, {} kv heads, contexts {:?}", options.batch, options.q_heads, options.kv_heads, options.contexts),
+        shape: format!(
+            "batch {}, {} query heads, {} kv heads, contexts {:?}",
+            options.batch, options.q_heads, options.kv_heads, options.contexts
+        ),
         rows,
         baselines,
     })
 }
 
 pub fn render(report: &BenchReport) -> String {
-    let mut table = Table::new(&["format", "tier", "ctx", "B/token", "ms", "TB/s", "SDPA ms", "vs SDPA", "bar", "FlashInfer ms", "max err"]);
+    let mut table = Table::new(&[
+        "format",
+        "tier",
+        "ctx",
+        "B/token",
+        "ms",
+        "TB/s",
+        "SDPA ms",
+        "vs SDPA",
+        "bar",
+        "FlashInfer ms",
+        "max err",
+    ]);
     for column in 2..11 {
         table.right_align(column);
     }
@@ -249,7 +345,12 @@ pub fn render(report: &BenchReport) -> String {
             format!("{:.1e}", r.max_rel_error),
         ]);
     }
-    let baseline = report.baselines.as_ref().map_or("no baseline file".to_string(), |b| format!("baselines: torch {} on {}", b.torch, b.gpu));
+    let baseline = report
+        .baselines
+        .as_ref()
+        .map_or("no baseline file".to_string(), |b| {
+            format!("baselines: torch {} on {}", b.torch, b.gpu)
+        });
     format!(
         "kvcc bench on {} (sm_{}{}, driver {}); {}; {}\nTB/s = bytes the layout says a step reads / median time; bar = 0.75 x dense bytes / format bytes\n{}",
         report.gpu, report.compute_capability.0, report.compute_capability.1, report.driver_version, report.shape, baseline, table

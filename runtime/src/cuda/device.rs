@@ -33,16 +33,26 @@ impl Gpu {
         let context = CudaContext::new(0).during(|| "creating a context on GPU 0".into())?;
         let stream = context.new_stream().during(|| "creating a stream".into())?;
         let name = context.name().during(|| "reading the device name".into())?;
-        let compute_capability = context.compute_capability().during(|| "reading the compute capability".into())?;
+        let compute_capability = context
+            .compute_capability()
+            .during(|| "reading the compute capability".into())?;
         let multiprocessors = context
             .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-            .during(|| "reading the multiprocessor count".into())? as u32;
+            .during(|| "reading the multiprocessor count".into())?
+            as u32;
         let mut driver_version = 0;
         // SAFETY: writes one int; the library is loaded (checked above).
         unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut driver_version) }
             .result()
             .during(|| "reading the driver version".into())?;
-        Ok(Gpu { context, stream, name, compute_capability, driver_version, multiprocessors })
+        Ok(Gpu {
+            context,
+            stream,
+            name,
+            compute_capability,
+            driver_version,
+            multiprocessors,
+        })
     }
 
     /// The PTX target to generate for this GPU.

@@ -21,7 +21,11 @@ pub struct FormatKernels {
 
 impl FormatKernels {
     /// Generates PTX for `gpu`'s target with `options` and loads it.
-    pub fn load(gpu: &Gpu, format: &Format, options: ptx::Options) -> Result<FormatKernels, CudaError> {
+    pub fn load(
+        gpu: &Gpu,
+        format: &Format,
+        options: ptx::Options,
+    ) -> Result<FormatKernels, CudaError> {
         let output = ptx::write(format, &options)?;
         let mut modules = Vec::new();
         let mut load = |source: &str, name: &str, what: &str| -> Result<CudaFunction, CudaError> {
@@ -29,7 +33,9 @@ impl FormatKernels {
                 .context
                 .load_module(Ptx::from_src(source))
                 .during(|| format!("loading the PTX of {}/{what}", format.name()))?;
-            let function = module.load_function(name).during(|| format!("finding kernel {name}"))?;
+            let function = module
+                .load_function(name)
+                .during(|| format!("finding kernel {name}"))?;
             modules.push(module);
             Ok(function)
         };
@@ -38,11 +44,28 @@ impl FormatKernels {
             let function = load(&tier.ptx, &tier.kernel.name, &tier.tier)?;
             let shared = tier.kernel.dynamic_shared_bytes();
             function
-                .set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, shared as i32)
-                .during(|| format!("allowing {} {shared} bytes of shared memory", tier.kernel.name))?;
+                .set_attribute(
+                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    shared as i32,
+                )
+                .during(|| {
+                    format!(
+                        "allowing {} {shared} bytes of shared memory",
+                        tier.kernel.name
+                    )
+                })?;
             decode.push((function, tier.kernel.clone()));
         }
-        let merge = (load(&output.merge.ptx, &output.merge.kernel.name, "merge")?, output.merge.kernel.clone());
-        Ok(FormatKernels { format: format.clone(), options, decode, merge, _modules: modules })
+        let merge = (
+            load(&output.merge.ptx, &output.merge.kernel.name, "merge")?,
+            output.merge.kernel.clone(),
+        );
+        Ok(FormatKernels {
+            format: format.clone(),
+            options,
+            decode,
+            merge,
+            _modules: modules,
+        })
     }
 }

@@ -39,6 +39,9 @@ pub trait During<T> {
 
 impl<T> During<T> for Result<T, DriverError> {
     fn during(self, what: impl FnOnce() -> String) -> Result<T, CudaError> {
-        self.map_err(|source| CudaError::Driver { during: what(), source })
+        self.map_err(|source| CudaError::Driver {
+            during: what(),
+            source,
+        })
     }
 }

@@ -24,7 +24,11 @@ pub struct DeviceCache {
 
 impl DeviceCache {
     /// Checks the cache on the host (page tables, tables) and uploads it.
-    pub fn upload(gpu: &Gpu, kernels: &FormatKernels, cache: &PagedCache) -> Result<DeviceCache, CudaError> {
+    pub fn upload(
+        gpu: &Gpu,
+        kernels: &FormatKernels,
+        cache: &PagedCache,
+    ) -> Result<DeviceCache, CudaError> {
         let view = cache.view();
         Interpreter::new(kernels.format.tiers(), InterpOptions::default()).check_cache(&view)?;
         let stream = &gpu.stream;
@@ -86,13 +90,25 @@ pub struct DeviceDecode {
 impl DeviceDecode {
     /// `splits`: per tier, or `None` to split each row so that one wave of CTAs
     /// fills every multiprocessor to the kernel's occupancy.
-    pub fn new(gpu: &Gpu, kernels: &FormatKernels, cache: &DeviceCache, q_heads: usize, splits: Option<Vec<u32>>) -> Result<DeviceDecode, CudaError> {
+    pub fn new(
+        gpu: &Gpu,
+        kernels: &FormatKernels,
+        cache: &DeviceCache,
+        q_heads: usize,
+        splits: Option<Vec<u32>>,
+    ) -> Result<DeviceDecode, CudaError> {
         let kv_heads = cache.kv_heads;
         if kv_heads == 0 || q_heads == 0 || !q_heads.is_multiple_of(kv_heads) {
-            return Err(CudaError::Shape(format!("{q_heads} query heads is not a positive multiple of {kv_heads} kv heads")));
+            return Err(CudaError::Shape(format!(
+                "{q_heads} query heads is not a positive multiple of {kv_heads} kv heads"
+            )));
         }
         let group = (q_heads / kv_heads) as u32;
-        if let Some((_, k)) = kernels.decode.first().filter(|(_, k)| group > k.max_query_group) {
+        if let Some((_, k)) = kernels
+            .decode
+            .first()
+            .filter(|(_, k)| group > k.max_query_group)
+        {
             return Err(CudaError::Shape(format!(
                 "query group {group} exceeds the format's page.max_query_group {}",
                 k.max_query_group
@@ -105,7 +121,13 @@ impl DeviceDecode {
                 .zip(&cache.row_pages_max)
                 .map(|(&s, &max)| if max == 0 { 0 } else { s.clamp(1, max) })
                 .collect(),
-            Some(s) => return Err(CudaError::Shape(format!("{} split counts for {} tiers", s.len(), kernels.decode.len()))),
+            Some(s) => {
+                return Err(CudaError::Shape(format!(
+                    "{} split counts for {} tiers",
+                    s.len(),
+                    kernels.decode.len()
+                )))
+            }
             // One full wave: as many CTAs as the GPU holds at once (occupancy
             // from the kernel's registers and shared memory). A partial second
             // wave (e.g. 576 CTAs on 396 slots) leaves SMs idle for its whole
@@ -114,10 +136,18 @@ impl DeviceDecode {
                 let mut splits = Vec::with_capacity(kernels.decode.len());
                 for ((function, kernel), &max) in kernels.decode.iter().zip(&cache.row_pages_max) {
                     let resident = function
-                        .occupancy_max_active_blocks_per_multiprocessor(kernel.threads, kernel.dynamic_shared_bytes() as usize, None)
+                        .occupancy_max_active_blocks_per_multiprocessor(
+                            kernel.threads,
+                            kernel.dynamic_shared_bytes() as usize,
+                            None,
+                        )
                         .during(|| format!("reading the occupancy of {}", kernel.name))?;
                     let slots = resident.max(1) * gpu.multiprocessors;
-                    splits.push(if max == 0 { 0 } else { (slots / rows).clamp(1, max) });
+                    splits.push(if max == 0 {
+                        0
+                    } else {
+                        (slots / rows).clamp(1, max)
+                    });
                 }
                 splits
             }
@@ -127,37 +157,68 @@ impl DeviceDecode {
         let rows_out = cache.sequences * q_heads;
         let d = kernels.format.head_dim() as usize;
         let stream = &gpu.stream;
-        let alloc = |len: usize, what: &'static str| stream.alloc_zeros::<f32>(len.max(4)).during(|| format!("allocating {what}"));
+        let alloc = |len: usize, what: &'static str| {
+            stream
+                .alloc_zeros::<f32>(len.max(4))
+                .during(|| format!("allocating {what}"))
+        };
         Ok(DeviceDecode {
             q_heads,
             splits,
             slot_bases,
             slot_count,
             queries: alloc(rows_out * d, "queries")?,
-            partials: alloc(layout.len(cache.sequences, q_heads, slot_count as usize), "partials")?,
+            partials: alloc(
+                layout.len(cache.sequences, q_heads, slot_count as usize),
+                "partials",
+            )?,
             output: alloc(rows_out * d, "the output")?,
         })
     }
 
     /// Uploads `[sequence][q_head][head_dim]` queries (checked for NaN/Inf first).
-    pub fn set_queries(&mut self, gpu: &Gpu, kernels: &FormatKernels, cache: &DeviceCache, queries: &[f32]) -> Result<(), CudaError> {
-        Interpreter::new(kernels.format.tiers(), InterpOptions::default()).check_queries(queries, cache.sequences, self.q_heads, cache.kv_heads)?;
-        gpu.stream.memcpy_htod(queries, &mut self.queries).during(|| "uploading queries".into())
+    pub fn set_queries(
+        &mut self,
+        gpu: &Gpu,
+        kernels: &FormatKernels,
+        cache: &DeviceCache,
+        queries: &[f32],
+    ) -> Result<(), CudaError> {
+        Interpreter::new(kernels.format.tiers(), InterpOptions::default()).check_queries(
+            queries,
+            cache.sequences,
+            self.q_heads,
+            cache.kv_heads,
+        )?;
+        gpu.stream
+            .memcpy_htod(queries, &mut self.queries)
+            .during(|| "uploading queries".into())
     }
 
     /// Fills output and partials with NaN, so an element no kernel writes shows.
     pub fn poison(&mut self, gpu: &Gpu) -> Result<(), CudaError> {
         for buffer in [&mut self.output, &mut self.partials] {
             let nan = vec![f32::NAN; buffer.len()];
-            gpu.stream.memcpy_htod(&nan, buffer).during(|| "poisoning buffers".into())?;
+            gpu.stream
+                .memcpy_htod(&nan, buffer)
+                .during(|| "poisoning buffers".into())?;
         }
         Ok(())
     }
 
     /// Enqueues one decode step (every tier's kernel, then the merge).
-    pub fn launch(&mut self, gpu: &Gpu, kernels: &FormatKernels, cache: &DeviceCache) -> Result<(), CudaError> {
+    pub fn launch(
+        &mut self,
+        gpu: &Gpu,
+        kernels: &FormatKernels,
+        cache: &DeviceCache,
+    ) -> Result<(), CudaError> {
         let scale = 1.0 / (kernels.format.head_dim() as f32).sqrt();
-        let (q_heads, kv_heads, sequences) = (self.q_heads as u32, cache.kv_heads as u32, cache.sequences as u32);
+        let (q_heads, kv_heads, sequences) = (
+            self.q_heads as u32,
+            cache.kv_heads as u32,
+            cache.sequences as u32,
+        );
         for (t, (function, kernel)) in kernels.decode.iter().enumerate() {
             let splits = self.splits[t];
             if splits == 0 || sequences == 0 {
@@ -179,21 +240,34 @@ impl DeviceDecode {
                 .arg(&scale);
             // SAFETY: arguments follow abi::DECODE_PARAMS in order and type; every
             // buffer is sized by the ABI's layouts and the page lists were checked.
-            unsafe { args.launch(config(launch)) }.during(|| format!("launching {}", kernel.name))?;
+            unsafe { args.launch(config(launch)) }
+                .during(|| format!("launching {}", kernel.name))?;
         }
         if sequences > 0 {
             let (function, kernel) = &kernels.merge;
             let mut args = gpu.stream.launch_builder(function);
-            args.arg(&self.partials).arg(&mut self.output).arg(&q_heads).arg(&self.slot_count);
+            args.arg(&self.partials)
+                .arg(&mut self.output)
+                .arg(&q_heads)
+                .arg(&self.slot_count);
             // SAFETY: arguments follow abi::MERGE_PARAMS.
-            unsafe { args.launch(config(kernel.launch(q_heads, sequences))) }.during(|| format!("launching {}", kernel.name))?;
+            unsafe { args.launch(config(kernel.launch(q_heads, sequences))) }
+                .during(|| format!("launching {}", kernel.name))?;
         }
         Ok(())
     }
 
     /// Waits for the step and downloads `[sequence][q_head][head_dim]`.
-    pub fn output(&self, gpu: &Gpu, cache: &DeviceCache, head_dim: usize) -> Result<Vec<f32>, CudaError> {
-        let mut out = gpu.stream.clone_dtoh(&self.output).during(|| "downloading the output".into())?;
+    pub fn output(
+        &self,
+        gpu: &Gpu,
+        cache: &DeviceCache,
+        head_dim: usize,
+    ) -> Result<Vec<f32>, CudaError> {
+        let mut out = gpu
+            .stream
+            .clone_dtoh(&self.output)
+            .during(|| "downloading the output".into())?;
         out.truncate(cache.sequences * self.q_heads * head_dim);
         Ok(out)
     }

@@ -21,7 +21,11 @@ impl CudaExecutor {
     pub fn open() -> Result<CudaExecutor, CudaError> {
         let gpu = Gpu::open()?;
         let options = ptx::Options::for_target(gpu.target());
-        Ok(CudaExecutor { gpu, options, kernels: Mutex::new(HashMap::new()) })
+        Ok(CudaExecutor {
+            gpu,
+            options,
+            kernels: Mutex::new(HashMap::new()),
+        })
     }
 
     pub fn gpu(&self) -> &Gpu {
@@ -35,16 +39,26 @@ impl CudaExecutor {
         if let Some(k) = loaded.get(&key) {
             return Ok(k.clone());
         }
-        let options = ptx::Options { query_group: Some(group), ..self.options };
+        let options = ptx::Options {
+            query_group: Some(group),
+            ..self.options
+        };
         let k = Arc::new(FormatKernels::load(&self.gpu, cache.format(), options)?);
         loaded.insert(key, k.clone());
         Ok(k)
     }
 
-    fn run(&self, cache: &PagedCache, queries: &[f32], q_heads: usize) -> Result<Vec<f32>, CudaError> {
+    fn run(
+        &self,
+        cache: &PagedCache,
+        queries: &[f32],
+        q_heads: usize,
+    ) -> Result<Vec<f32>, CudaError> {
         let kv_heads = cache.kv_heads().max(1);
         if q_heads == 0 || !q_heads.is_multiple_of(kv_heads) {
-            return Err(CudaError::Shape(format!("{q_heads} query heads is not a positive multiple of {kv_heads} kv heads")));
+            return Err(CudaError::Shape(format!(
+                "{q_heads} query heads is not a positive multiple of {kv_heads} kv heads"
+            )));
         }
         let kernels = self.kernels(cache, (q_heads / kv_heads) as u32)?;
         let device = DeviceCache::upload(&self.gpu, &kernels, cache)?;
@@ -61,7 +75,12 @@ impl Executor for CudaExecutor {
         "cuda"
     }
 
-    fn decode(&self, cache: &PagedCache, queries: &[f32], q_heads: usize) -> Result<Vec<f32>, ExecError> {
+    fn decode(
+        &self,
+        cache: &PagedCache,
+        queries: &[f32],
+        q_heads: usize,
+    ) -> Result<Vec<f32>, ExecError> {
         self.run(cache, queries, q_heads).map_err(|e| match e {
             CudaError::Decode(d) => ExecError::Decode(d),
             other => ExecError::Backend {

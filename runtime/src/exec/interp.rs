@@ -13,7 +13,12 @@ impl Executor for InterpExecutor {
         "interp"
     }
 
-    fn decode(&self, cache: &PagedCache, queries: &[f32], q_heads: usize) -> Result<Vec<f32>, ExecError> {
+    fn decode(
+        &self,
+        cache: &PagedCache,
+        queries: &[f32],
+        q_heads: usize,
+    ) -> Result<Vec<f32>, ExecError> {
         let interp = Interpreter::new(cache.format().tiers(), Options::default());
         Ok(interp.decode(&cache.view(), queries, q_heads)?)
     }

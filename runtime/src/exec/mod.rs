@@ -42,7 +42,12 @@ pub struct Decoded {
 /// Decode attention: `queries` and the result are `[sequence][q_head][head_dim]`.
 pub trait Executor {
     fn name(&self) -> &'static str;
-    fn decode(&self, cache: &PagedCache, queries: &[f32], q_heads: usize) -> Result<Vec<f32>, ExecError>;
+    fn decode(
+        &self,
+        cache: &PagedCache,
+        queries: &[f32],
+        q_heads: usize,
+    ) -> Result<Vec<f32>, ExecError>;
     /// `decode` with every row's logits (what fidelity metrics compare).
     fn decode_with_logits(
         &self,
