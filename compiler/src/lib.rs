@@ -8,7 +8,8 @@
 //! - [`page`]: page headers and the cache view executors read.
 //! - [`Format`]: the pipeline (check, layout, lower, validate) in one call.
 //! - [`back`]: backends: `interp` (the reference interpreter that defines the
-//!   semantics) and `text` (readable IR, the snapshot format of `generated/`).
+//!   semantics), `text` (readable IR, the snapshot format of `generated/`) and
+//!   `clif` (Cranelift JIT for the host CPU).
 //! - [`build`]: PTX and layout reports for a user's `build.rs`.
 
 pub mod back;

@@ -22,6 +22,19 @@ pub struct Fidelity {
 }
 
 /// Running sums behind a [`Fidelity`].
+impl Fidelity {
+    /// Table cells: output error, max and mean logit drift with `digits`
+    /// decimals, then the top-8 overlap.
+    pub fn cells(&self, digits: usize) -> [String; 4] {
+        [
+            format!("{:.digits$}", self.output_rel_error),
+            format!("{:.digits$}", self.max_logit_drift),
+            format!("{:.digits$}", self.mean_logit_drift),
+            format!("{:.3}", self.top8_overlap),
+        ]
+    }
+}
+
 #[derive(Debug, Clone, Default)]
 pub struct FidelityAccumulator {
     err_sq: f64,

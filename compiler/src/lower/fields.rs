@@ -145,3 +145,30 @@ pub fn coeff_scale(
         CoeffScale::Component => None,
     }
 }
+
+/// Index in the codebook table of codeword `index`'s first value for group
+/// `group` (u32 values): books are `entries x group_size` values, one per group
+/// or one shared by every group.
+pub fn codeword_start(
+    b: &mut ExprBuilder,
+    field: &FieldLayout,
+    group: Handle<Expr>,
+    index: Handle<Expr>,
+) -> Handle<Expr> {
+    let FieldLayout::Codebook {
+        group_size,
+        bits,
+        per_group,
+        ..
+    } = *field
+    else {
+        unreachable!("codeword_start takes a codebook field")
+    };
+    let book = if per_group {
+        b.mul_u32(group, (1u32 << bits) * group_size)
+    } else {
+        b.u32(0)
+    };
+    let word = b.mul_u32(index, group_size);
+    b.add(book, word)
+}

@@ -1,7 +1,8 @@
 //! Key codec -> query prologue (transform, LUTs) and per-item score ⟨q, k⟩.
 
 use super::fields::{
-    bitmap_element, bitmap_slot, coeff_scale, dense_element, item_scale, signed_element,
+    bitmap_element, bitmap_slot, codeword_start, coeff_scale, dense_element, item_scale,
+    signed_element,
 };
 use super::transform::{array, dot_with_table, elementwise, fwht, project};
 use super::Tables;
@@ -55,7 +56,8 @@ pub fn lower(
         }
     };
     let mut lut = None;
-    let transformed = match *codec.body() {
+    let body = codec.body();
+    let transformed = match *body {
         FieldLayout::Coeff {
             scale: CoeffScale::Component,
             table,
@@ -75,7 +77,6 @@ pub fn lower(
             groups,
             group_size,
             bits,
-            per_group,
             table,
             ..
         } => {
@@ -85,13 +86,7 @@ pub fn lower(
             stages.push(Stage::build(groups * entries, |b, it| {
                 let j = b.div_u32(it, entries);
                 let i = b.rem_u32(it, entries);
-                let book = if per_group {
-                    b.mul_u32(j, entries * group_size)
-                } else {
-                    b.u32(0)
-                };
-                let word = b.mul_u32(i, group_size);
-                let row = b.add(book, word);
+                let row = codeword_start(b, body, j, i);
                 let first = b.mul_u32(j, group_size);
                 let zero = b.f32(0.0);
                 let terms: Vec<_> = (0..group_size)

@@ -1,7 +1,8 @@
 //! Value codec -> per-item, per-channel accumulate and the inverse-transform epilogue.
 
 use super::fields::{
-    bitmap_element, bitmap_slot, coeff_scale, dense_element, item_scale, signed_element,
+    bitmap_element, bitmap_slot, codeword_start, coeff_scale, dense_element, item_scale,
+    signed_element,
 };
 use super::transform::{array, elementwise, fwht, reconstruct};
 use super::Tables;
@@ -55,28 +56,21 @@ fn accumulate(codec: &CodecLayout, tables: &Tables) -> Function {
     let mut b = ExprBuilder::new(&mut function.exprs);
     let b = &mut b;
     let c = b.input(Input::Channel);
-    let value = match *codec.body() {
+    let body = codec.body();
+    let value = match *body {
         FieldLayout::Codebook {
             offset,
             group_size,
             bits,
-            per_group,
             table,
             ..
         } => {
-            let entries = 1u32 << bits;
             let j = b.div_u32(c, group_size);
             let t = b.rem_u32(c, group_size);
             let index_bits = b.mul_u32(j, bits);
             let index_offset = b.add_u32(index_bits, offset);
             let index = b.item_bits(index_offset, bits);
-            let book = if per_group {
-                b.mul_u32(j, entries * group_size)
-            } else {
-                b.u32(0)
-            };
-            let word = b.mul_u32(index, group_size);
-            let row = b.add(book, word);
+            let row = codeword_start(b, body, j, index);
             let at = b.add(row, t);
             let codeword = b.table(tables.get(table), at);
             match codec.radius().cloned() {

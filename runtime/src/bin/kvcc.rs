@@ -43,7 +43,7 @@ enum Command {
         tokens: usize,
         #[arg(long, default_value_t = 32_768)]
         context: u32,
-        /// Executor the fidelity columns come from (interp, jit); the
+        /// Executor the fidelity columns come from (interp, jit, cuda); the
         /// interpreter is timed beside it.
         #[arg(long, default_value = "jit")]
         executor: ExecutorKind,
@@ -94,7 +94,7 @@ enum Command {
         max_queries: usize,
         #[arg(long, default_value_t = 32_768)]
         context: u32,
-        /// Executor that decodes the queries (interp, jit).
+        /// Executor that decodes the queries (interp, jit, cuda).
         #[arg(long, default_value = "jit")]
         executor: ExecutorKind,
         #[arg(long)]

@@ -83,7 +83,7 @@ pub fn run(
     mut progress: impl FnMut(&str),
 ) -> Result<Vec<DemoRow>, Box<dyn std::error::Error>> {
     let mut rows = Vec::new();
-    let executor = options.executor.executor();
+    let executor = options.executor.executor()?;
     for format in formats {
         progress(format.name());
         let d = format.head_dim() as usize;
@@ -179,12 +179,9 @@ pub fn render(rows: &[DemoRow], options: &DemoOptions) -> String {
             r.tier.clone(),
             format!("{:.2}", r.bytes_per_token),
             format!("{:.2}x", r.compression),
-            format!("{:.4}", r.fidelity.output_rel_error),
-            format!("{:.4}", r.fidelity.max_logit_drift),
-            format!("{:.4}", r.fidelity.mean_logit_drift),
-            format!("{:.3}", r.fidelity.top8_overlap),
-            format!("{:.1}", r.interpreter_ms),
         ];
+        row.extend(r.fidelity.cells(4));
+        row.push(format!("{:.1}", r.interpreter_ms));
         if timed {
             row.push(format!("{:.2}", r.executor_ms));
         }

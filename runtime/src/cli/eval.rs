@@ -44,6 +44,8 @@ pub enum EvalError {
     Encode(#[from] crate::encode::EncodeError),
     #[error(transparent)]
     Fidelity(#[from] FidelityError),
+    #[error(transparent)]
+    Executor(#[from] crate::exec::ExecError),
 }
 
 /// Evaluates every tier on `executor`; at most `max_query_rows` query rows per
@@ -78,7 +80,7 @@ pub fn run(
         .map(|_| FidelityAccumulator::default())
         .collect();
     let mut elapsed = vec![Duration::ZERO; plans.len()];
-    let executor = executor.executor();
+    let executor = executor.executor()?;
     let mut page_bytes = vec![0usize; plans.len()];
     for layer in 0..layers {
         progress(layer, layers);
@@ -169,16 +171,14 @@ pub fn render(report: &EvalReport) -> String {
         table.right_align(column);
     }
     for r in &report.rows {
-        table.row(vec![
+        let mut row = vec![
             r.tier.clone(),
             format!("{:.2}", r.bytes_per_token),
             format!("{:.2}x", r.compression),
-            format!("{:.5}", r.fidelity.output_rel_error),
-            format!("{:.5}", r.fidelity.max_logit_drift),
-            format!("{:.5}", r.fidelity.mean_logit_drift),
-            format!("{:.3}", r.fidelity.top8_overlap),
-            format!("{:.1}", r.executor_ms),
-        ]);
+        ];
+        row.extend(r.fidelity.cells(5));
+        row.push(format!("{:.1}", r.executor_ms));
+        table.row(row);
     }
     format!(
         "kvcc eval {}: {} layers, {} query heads over {} kv heads, {} tokens, {} query rows per head\n{}",

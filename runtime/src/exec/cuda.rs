@@ -5,7 +5,7 @@ use std::sync::{Arc, Mutex};
 
 use kvcc_compiler::back::ptx;
 
-use super::{ExecError, Executor};
+use super::{Decoded, ExecError, Executor, JitExecutor};
 use crate::cache::PagedCache;
 use crate::cuda::{CudaError, DeviceCache, DeviceDecode, FormatKernels, Gpu};
 
@@ -90,5 +90,21 @@ impl Executor for CudaExecutor {
                 message: other.to_string(),
             },
         })
+    }
+
+    /// Outputs from the GPU. The kernels keep logits on chip, so the logits
+    /// come from the JIT on the same pages (both backends equal the
+    /// interpreter's logits within 1e-5 in the tests).
+    fn decode_with_logits(
+        &self,
+        cache: &PagedCache,
+        queries: &[f32],
+        q_heads: usize,
+    ) -> Result<Decoded, ExecError> {
+        let outputs = self.decode(cache, queries, q_heads)?;
+        let logits = JitExecutor::default()
+            .decode_with_logits(cache, queries, q_heads)?
+            .logits;
+        Ok(Decoded { outputs, logits })
     }
 }

@@ -15,6 +15,11 @@ use crate::cache::PagedCache;
 pub enum ExecError {
     #[error(transparent)]
     Decode(#[from] kvcc_compiler::back::interp::DecodeError),
+    #[error("the {executor} executor is not available here: {reason}")]
+    Unavailable {
+        executor: &'static str,
+        reason: String,
+    },
     /// A backend failed to build or run a tier's kernels; names format and tier.
     #[error("{executor} executor, format {format}, tier {tier}: {message}")]
     Backend {
@@ -68,24 +73,34 @@ pub enum ExecutorKind {
     Interp,
     #[default]
     Jit,
+    /// The generated PTX kernels on GPU 0.
+    Cuda,
 }
 
 impl ExecutorKind {
-    pub const ALL: [ExecutorKind; 2] = [ExecutorKind::Interp, ExecutorKind::Jit];
+    pub const ALL: [ExecutorKind; 3] =
+        [ExecutorKind::Interp, ExecutorKind::Jit, ExecutorKind::Cuda];
 
     pub fn name(self) -> &'static str {
         match self {
             ExecutorKind::Interp => "interp",
             ExecutorKind::Jit => "jit",
+            ExecutorKind::Cuda => "cuda",
         }
     }
 
-    /// The executor (with its default options).
-    pub fn executor(self) -> Box<dyn Executor> {
-        match self {
+    /// The executor (with its default options); `cuda` fails without a GPU.
+    pub fn executor(self) -> Result<Box<dyn Executor>, ExecError> {
+        Ok(match self {
             ExecutorKind::Interp => Box::new(InterpExecutor),
             ExecutorKind::Jit => Box::new(JitExecutor::default()),
-        }
+            ExecutorKind::Cuda => {
+                Box::new(CudaExecutor::open().map_err(|e| ExecError::Unavailable {
+                    executor: "cuda",
+                    reason: e.to_string(),
+                })?)
+            }
+        })
     }
 }
 

@@ -23,7 +23,8 @@ impl Jit {
     /// `opt_level = none`: the lowering schedules, folds and hoists itself
     /// (see `expr.rs`); Cranelift's e-graph pass would place every pure value
     /// at its last use, which turns a page's long fma chains into spills
-    /// (measured 1.0-1.9x slower on the bundled specs).
+    /// (up to 1.7x slower on the bundled specs, never 1% faster;
+    /// docs/cpu-bench.md).
     pub fn new(settings: &[(String, String)]) -> Result<Jit, ErrorKind> {
         let mut flags = settings::builder();
         let defaults = [
