@@ -26,7 +26,9 @@ for s in "$@"; do
       for tool in memcheck racecheck; do
         compute-sanitizer --tool "$tool" --error-exitcode 9 .gpu/gpu-tests gpu_matches_interpreter_on_every_bundled_tier --test-threads 1 \
           > "$out/sanitize-$tool.log" 2>&1
-        echo "$tool exit $?: $(grep -E 'ERROR SUMMARY|test result' "$out/sanitize-$tool.log" | tr '\n' ' ')"
+        rc=$?
+        echo "$tool exit $rc: $(grep -E 'ERROR SUMMARY|test result' "$out/sanitize-$tool.log" | tr '\n' ' ')"
+        [ "$rc" -eq 0 ] || status=1
       done
       ;;
     ncu)

@@ -17,6 +17,7 @@ use std::collections::HashMap;
 
 use super::builder::{Cmp, Global, Kernel, Op, Pred, Reg, Shared, B16, F32, S32, U32, U64};
 use crate::ir::{Arena, BinaryOp, Expr, Handle, Input, Literal, UnaryOp};
+use crate::valid::Range;
 
 /// A value of an IR type.
 #[derive(Clone, Copy)]
@@ -81,8 +82,16 @@ pub enum Replicas<'a> {
     One,
     /// Query heads: shared arrays are per head.
     Heads(u32),
-    /// Channels: `Input::Channel` of each replica.
-    Channels(&'a [Reg<U32>]),
+    /// Channels: `Input::Channel` of each replica. Replicas come in packs of
+    /// `pack` adjacent channels (`c, c + 1, ..`, `c` a multiple of `pack`):
+    /// what is the same across a pack is emitted once per pack, and item
+    /// fields at adjacent offsets come from one load ([`pack_steps`]).
+    /// `ranges`: the validator's u32 ranges of the program.
+    Channels {
+        channels: &'a [Reg<U32>],
+        pack: u32,
+        ranges: &'a [Option<Range>],
+    },
 }
 
 /// Everything a program may read, as the skeleton provides it.
@@ -118,10 +127,20 @@ pub fn emit(k: &mut Kernel, exprs: &Arena<Expr>, env: &Env) -> Values {
     let replicas = match env.replicas {
         Replicas::One => 1,
         Replicas::Heads(n) => n as usize,
-        Replicas::Channels(c) => c.len(),
+        Replicas::Channels { channels, .. } => channels.len(),
     };
+    let pack = match env.replicas {
+        Replicas::Channels { pack, .. } => pack as usize,
+        _ => 1,
+    };
+    let steps = match env.replicas {
+        Replicas::Channels { pack, ranges, .. } if pack > 1 => pack_steps(exprs, ranges, pack),
+        _ => vec![None; exprs.len()],
+    };
+    // Trailing zeros at a pack's first channel (a multiple of `pack`).
+    let pack_zeros = known_zeros(exprs, pack.trailing_zeros());
     let known = Known {
-        zeros: known_zeros(exprs),
+        zeros: known_zeros(exprs, 0),
         bits: known_bits(exprs),
         halves: half_reads(exprs),
     };
@@ -131,7 +150,7 @@ pub fn emit(k: &mut Kernel, exprs: &Arena<Expr>, env: &Env) -> Values {
     let mut values: Vec<Vec<Val>> = Vec::with_capacity(exprs.len());
     for (handle, expr) in exprs.iter() {
         let vary = match *expr {
-            Expr::Input(Input::Channel) => matches!(env.replicas, Replicas::Channels(_)),
+            Expr::Input(Input::Channel) => matches!(env.replicas, Replicas::Channels { .. }),
             Expr::Shared { index, .. } => {
                 matches!(env.replicas, Replicas::Heads(_)) || varies[index.index()]
             }
@@ -160,6 +179,55 @@ pub fn emit(k: &mut Kernel, exprs: &Arena<Expr>, env: &Env) -> Values {
                 };
                 out.push(Val::F32(Op::Reg(value)));
             }
+        } else if let (true, Some(0)) = (vary, steps[handle.index()]) {
+            // The same for every channel of a pack: once per pack.
+            for r in 0..count {
+                let value = match r % pack {
+                    0 => {
+                        let get = |h: Handle<Expr>| {
+                            let v = &values[h.index()];
+                            if v.len() == 1 {
+                                v[0]
+                            } else {
+                                v[r]
+                            }
+                        };
+                        emit_one(
+                            k,
+                            handle,
+                            expr,
+                            r,
+                            get,
+                            env,
+                            &mut reader,
+                            &mut chunks,
+                            &known,
+                        )
+                    }
+                    e => out[r - e],
+                };
+                out.push(value);
+            }
+        } else if let Some(fields) = match *expr {
+            Expr::ItemBits { bit_offset, width } if vary => {
+                steps[bit_offset.index()].and_then(|step| {
+                    let reader = reader
+                        .as_mut()
+                        .expect("validated IR: item bits in item programs");
+                    let offsets = &values[bit_offset.index()];
+                    reader.read_pack(
+                        k,
+                        offsets,
+                        pack,
+                        step,
+                        width.into(),
+                        pack_zeros[bit_offset.index()],
+                    )
+                })
+            }
+            _ => None,
+        } {
+            out.extend(fields.into_iter().map(|f| Val::U32(Op::Reg(f))));
         } else {
             for r in 0..count {
                 let get = |h: Handle<Expr>| {
@@ -252,12 +320,14 @@ fn operands(expr: &Expr) -> Vec<Handle<Expr>> {
 /// Trailing zero bits every u32 expression is known to have (32 for zero):
 /// lets a runtime-offset bit read use one 32-bit load when the field cannot
 /// straddle two words (an f16 at `16 * channel`, say).
-fn known_zeros(exprs: &Arena<Expr>) -> Vec<u32> {
+/// `channel`: the zeros `Input::Channel` is known to have.
+fn known_zeros(exprs: &Arena<Expr>, channel: u32) -> Vec<u32> {
     let mut zeros: Vec<u32> = Vec::with_capacity(exprs.len());
     for (_, expr) in exprs.iter() {
         let z = |h: Handle<Expr>| zeros[h.index()];
         let value = match *expr {
             Expr::Literal(Literal::U32(v)) => v.trailing_zeros(),
+            Expr::Input(Input::Channel) => channel,
             Expr::Binary { op, left, right } => match op {
                 BinaryOp::Add | BinaryOp::Subtract | BinaryOp::Or | BinaryOp::Min => {
                     z(left).min(z(right))
@@ -267,6 +337,19 @@ fn known_zeros(exprs: &Arena<Expr>) -> Vec<u32> {
                 BinaryOp::ShiftLeft => match exprs[right] {
                     Expr::Literal(Literal::U32(amount)) => (z(left) + amount).min(32),
                     _ => z(left),
+                },
+                // By a power of two: the quotient keeps the zeros above it;
+                // the remainder of a multiple of the divisor is zero.
+                BinaryOp::Divide | BinaryOp::Modulo => match exprs[right] {
+                    Expr::Literal(Literal::U32(d)) if d.is_power_of_two() => {
+                        let k = d.trailing_zeros();
+                        match op {
+                            BinaryOp::Divide => z(left).saturating_sub(k),
+                            _ if z(left) >= k => 32,
+                            _ => z(left),
+                        }
+                    }
+                    _ => 0,
                 },
                 _ => 0,
             },
@@ -308,6 +391,80 @@ fn known_bits(exprs: &Arena<Expr>) -> Vec<u32> {
         bits.push(value);
     }
     bits
+}
+
+/// How each expression changes across a pack of adjacent channels `c + e`
+/// (`c` a multiple of `pack`, `e < pack`): `Some(step)` when its value at
+/// `e` is exactly (as integers, no wrap) its value at `c` plus `step · e`.
+/// Step 0: the same for the whole pack (any type), so emitted once per pack;
+/// a nonzero step exists only on u32 chains from the channel (adds, constant
+/// multiples and shifts proven not to wrap by the validator's ranges, and
+/// power-of-two divisions and remainders whose pack stays within one
+/// quotient). An `ItemBits` at such an offset reads the pack's fields with
+/// one load ([`ItemReader::read_pack`]). `None`: emitted per channel.
+fn pack_steps(exprs: &Arena<Expr>, ranges: &[Option<Range>], pack: u32) -> Vec<Option<u32>> {
+    // Trailing zeros at the pack's first channel.
+    let zeros = known_zeros(exprs, pack.trailing_zeros());
+    let mut steps: Vec<Option<u32>> = Vec::with_capacity(exprs.len());
+    for (handle, expr) in exprs.iter() {
+        let s = |h: Handle<Expr>| steps[h.index()];
+        let no_wrap = ranges[handle.index()].is_some_and(|r| r.hi < u64::from(u32::MAX));
+        let literal = |h: Handle<Expr>| match exprs[h] {
+            Expr::Literal(Literal::U32(v)) => Some(v),
+            _ => None,
+        };
+        let operands = operands(expr);
+        let step = if let Expr::Input(Input::Channel) = expr {
+            Some(1)
+        } else if operands.iter().all(|&h| s(h) == Some(0)) {
+            // Item fields read at a varying offset are not uniform even
+            // when a uniform operand selects them: only their offsets are.
+            Some(0)
+        } else {
+            match *expr {
+                Expr::Binary { op, left, right } => {
+                    let (sl, sr) = (s(left), s(right));
+                    match op {
+                        BinaryOp::Add if no_wrap => sl.zip(sr).and_then(|(a, b)| a.checked_add(b)),
+                        BinaryOp::Multiply if no_wrap => match (literal(left), literal(right)) {
+                            (_, Some(v)) => sl.and_then(|a| a.checked_mul(v)),
+                            (Some(v), _) => sr.and_then(|b| b.checked_mul(v)),
+                            _ => None,
+                        },
+                        BinaryOp::ShiftLeft if no_wrap => {
+                            literal(right).and_then(|a| sl.and_then(|s| s.checked_shl(a)))
+                        }
+                        BinaryOp::Divide | BinaryOp::Modulo => {
+                            let d = literal(right).filter(|d| d.is_power_of_two());
+                            match (d, sl) {
+                                // x + step·e with d | step: the quotient
+                                // grows by step / d, the remainder is fixed.
+                                (Some(d), Some(step)) if step.is_multiple_of(d) => {
+                                    Some(if op == BinaryOp::Divide { step / d } else { 0 })
+                                }
+                                // The first value is a multiple of 2^z, so
+                                // it is at most d - 2^z past a multiple of d:
+                                // a pack spanning less than 2^z (and d)
+                                // keeps its quotient.
+                                (Some(d), Some(step))
+                                    if step.checked_mul(pack - 1).is_some_and(|m| {
+                                        m < 1 << zeros[left.index()].min(d.trailing_zeros())
+                                    }) =>
+                                {
+                                    Some(if op == BinaryOp::Divide { 0 } else { step })
+                                }
+                                _ => None,
+                            }
+                        }
+                        _ => None,
+                    }
+                }
+                _ => None,
+            }
+        };
+        steps.push(step);
+    }
+    steps
 }
 
 /// Item reads that are one whole half of an item word (16 bits at a constant
@@ -397,7 +554,7 @@ fn emit_one(
         Expr::Literal(Literal::F32(v)) => Val::F32(Op::Imm(v)),
         Expr::Input(input) => match input {
             Input::Channel => match env.replicas {
-                Replicas::Channels(c) => Val::U32(Op::Reg(c[replica])),
+                Replicas::Channels { channels, .. } => Val::U32(Op::Reg(channels[replica])),
                 _ => unreachable!("validated IR: channel only in accumulate"),
             },
             Input::Iteration => Val::U32(Op::Reg(
@@ -833,6 +990,52 @@ impl ItemReader {
             }
         };
         k.f16_to_f32(half)
+    }
+
+    /// The fields of a pack of channels at bit offsets `offsets[r]`, which
+    /// grow by `step` per channel of a pack, the first known to have `zeros`
+    /// trailing zeros: when every pack's fields lie in one naturally aligned
+    /// byte, halfword or word (the item's alignment permitting), one load
+    /// per pack and a constant shift per channel (kivi int8 pairs: one
+    /// `ld.shared.u16` instead of an address and a byte load each). `None`
+    /// when they may not.
+    fn read_pack(
+        &mut self,
+        k: &mut Kernel,
+        offsets: &[Val],
+        pack: usize,
+        step: u32,
+        width: u32,
+        zeros: u32,
+    ) -> Option<Vec<Reg<U32>>> {
+        let span = step.checked_mul(pack as u32 - 1)?.checked_add(width)?;
+        let unit = [8, 16, 32].into_iter().find(|&unit| {
+            span <= unit && zeros >= unit.trailing_zeros() && self.align >= unit / 8
+        })?;
+        let mut fields = Vec::with_capacity(offsets.len());
+        for first in offsets.iter().step_by(pack) {
+            let bits = match first.u32() {
+                Op::Reg(offset) => {
+                    let byte = k.shr(offset, 3u32);
+                    let at = Shared::at(k.add(self.base, byte));
+                    match unit {
+                        32 => k.ld_shared(at),
+                        _ => k.ld_shared_narrow(at, unit),
+                    }
+                }
+                Op::Imm(_) => unreachable!("a varying offset is a register"),
+            };
+            for e in 0..pack as u32 {
+                let shift = step * e;
+                // The load zero-extends, so the top field needs no mask.
+                fields.push(match (shift, shift + width == unit) {
+                    (0, true) => bits,
+                    (_, true) => k.shr(bits, shift),
+                    _ => Self::mask(k, bits, Op::Imm(shift), width),
+                });
+            }
+        }
+        Some(fields)
     }
 
     /// `zeros`: trailing zero bits `offset` is known to have.

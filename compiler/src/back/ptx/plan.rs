@@ -66,7 +66,14 @@ pub struct Accumulate {
     pub item_lanes: u32,
     /// Channel slots: `threads / item_lanes`.
     pub slots: u32,
-    /// Channels per thread per round (static register arrays).
+    /// Adjacent channels evaluated together (`pack·unit ..` of one channel
+    /// unit): the accumulate program's values that are the same for the pack
+    /// (a shared scale, a mask word, a codeword index) are computed once and
+    /// fields at adjacent offsets come from one load; the weights loaded per
+    /// item serve all of them.
+    pub pack: u32,
+    /// Channel units (of `pack` channels) per thread per round (static
+    /// register arrays).
     pub channels: u32,
     /// Rounds over channels per head block.
     pub channel_rounds: u32,
@@ -221,7 +228,13 @@ impl Plan {
         let buffer_bytes = value.buffer_offset + value.capacity(tile_items) + SLACK;
 
         let dims = module.value.dims;
-        let accumulate = partition(threads, dims, head_block, options.max_accumulators);
+        // Table reads (VQ codebook rows) stay one per channel in a pair, and
+        // a warp's pair spreads each load instruction over twice the rows:
+        // measured 1% slower on shard/pca64_vq, so such programs stay single.
+        let reads_table =
+            (module.value.accumulate.exprs.iter()).any(|(_, e)| matches!(e, Expr::Table { .. }));
+        let pack = if reads_table { 1 } else { PACK };
+        let accumulate = partition(threads, dims, head_block, pack, options.max_accumulators);
 
         // Shared memory: staged tables and the arrays score/accumulate keep for
         // the whole stream first; then the stream's region, which the epilogue's
@@ -380,28 +393,46 @@ fn tile_items(
     round_up(items.div_ceil(tiles), quantum).min(items)
 }
 
+/// Adjacent channels per accumulate unit, where the channels split evenly
+/// and the head block leaves room for that many times the accumulators.
+const PACK: u32 = 2;
+
 /// Splits `dims` channels × `head_block` heads over `threads` (see [`Accumulate`]).
-fn partition(threads: u32, dims: u32, head_block: u32, max_accumulators: u32) -> Accumulate {
-    if dims >= threads {
-        let channels = dims
+fn partition(
+    threads: u32,
+    dims: u32,
+    head_block: u32,
+    pack: u32,
+    max_accumulators: u32,
+) -> Accumulate {
+    let pack = if dims.is_multiple_of(pack) && pack * head_block <= max_accumulators {
+        pack
+    } else {
+        1
+    };
+    let units = dims / pack;
+    if units >= threads {
+        let channels = units
             .div_ceil(threads)
-            .min((max_accumulators / head_block).max(1));
+            .min((max_accumulators / (head_block * pack)).max(1));
         Accumulate {
             item_lanes: 1,
             slots: threads,
+            pack,
             channels,
-            channel_rounds: dims.div_ceil(threads * channels),
+            channel_rounds: units.div_ceil(threads * channels),
             item_unroll: (LOADS_IN_FLIGHT / channels).max(1),
         }
     } else {
-        let lanes = (threads / dims).min(32);
+        let lanes = (threads / units).min(32);
         let item_lanes = 1 << (31 - lanes.leading_zeros());
         let slots = threads / item_lanes;
         Accumulate {
             item_lanes,
             slots,
+            pack,
             channels: 1,
-            channel_rounds: dims.div_ceil(slots),
+            channel_rounds: units.div_ceil(slots),
             item_unroll: LOADS_IN_FLIGHT,
         }
     }
@@ -427,12 +458,13 @@ mod tests {
     fn accumulate_partition_covers_every_channel() {
         for threads in [32, 64, 128, 256] {
             for dims in [1, 3, 16, 32, 48, 100, 128, 256, 1024] {
-                for head_block in [1, 4, 8] {
-                    let a = partition(threads, dims, head_block, 32);
+                for (head_block, pack) in [1, 4, 8].into_iter().flat_map(|h| [(h, 1), (h, PACK)]) {
+                    let a = partition(threads, dims, head_block, pack, 32);
                     assert!(a.item_lanes.is_power_of_two() && a.item_lanes <= 32);
                     assert_eq!(a.slots * a.item_lanes, threads);
-                    assert!(a.slots * a.channels * a.channel_rounds >= dims);
-                    assert!(a.channels * head_block <= 32.max(head_block));
+                    assert!(dims.is_multiple_of(a.pack));
+                    assert!(a.slots * a.channels * a.channel_rounds * a.pack >= dims);
+                    assert!(a.channels * a.pack * head_block <= 32.max(head_block));
                 }
             }
         }

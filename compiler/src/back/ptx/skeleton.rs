@@ -19,7 +19,7 @@ use super::expr::{self, ArrayAccess, Env, ItemSource, Replicas, TableAccess};
 use super::plan::{Plan, Stream, CHUNK};
 use crate::ir::{Expr, Module, Stage};
 use crate::layout::Side;
-use crate::valid::ValidModule;
+use crate::valid::{ModuleInfo, ValidModule};
 
 /// The dynamic shared memory symbol of every kvcc module.
 pub const SHARED_SYMBOL: &str = "kvcc_smem";
@@ -83,10 +83,9 @@ fn declare(k: &mut Kernel) -> Params {
 
 /// The decode kernel of one tier.
 pub fn decode(module: &ValidModule, plan: &Plan, name: &str) -> String {
-    let m = module.module();
     let mut k = Kernel::new(name, plan.threads, SHARED_SYMBOL);
     let p = declare(&mut k);
-    let s = Skeleton::setup(&mut k, m, plan, &p);
+    let s = Skeleton::setup(&mut k, module, plan, &p);
     s.run(&mut k);
     k.finish()
 }
@@ -96,6 +95,7 @@ pub fn decode(module: &ValidModule, plan: &Plan, name: &str) -> String {
 /// not occupy registers through the loop.
 struct Skeleton<'a> {
     m: &'a Module,
+    info: &'a ModuleInfo,
     plan: &'a Plan,
     p: &'a Params,
     tid: Reg<U32>,
@@ -111,7 +111,13 @@ struct Skeleton<'a> {
 }
 
 impl<'a> Skeleton<'a> {
-    fn setup(k: &mut Kernel, m: &'a Module, plan: &'a Plan, p: &'a Params) -> Skeleton<'a> {
+    fn setup(
+        k: &mut Kernel,
+        module: &'a ValidModule,
+        plan: &'a Plan,
+        p: &'a Params,
+    ) -> Skeleton<'a> {
+        let m = module.module();
         k.comment(&format!(
             "kvcc decode: format {} tier {}; {} threads, {} items/tile, {} B shared",
             m.format, m.tier, plan.threads, plan.tile_items, plan.shared_bytes
@@ -152,6 +158,7 @@ impl<'a> Skeleton<'a> {
         let smem = k.shared_base();
         Skeleton {
             m,
+            info: module.info(),
             plan,
             p,
             tid,
@@ -808,8 +815,8 @@ impl<'a> Skeleton<'a> {
         let hb = plan.head_block;
         let dims = plan.dims;
         k.comment(&format!(
-            "accumulate: {} channel(s) x {} head(s) per thread, {} item lane(s)",
-            a.channels, hb, a.item_lanes
+            "accumulate: {} x {} adjacent channel(s) x {} head(s) per thread, {} item lane(s)",
+            a.channels, a.pack, hb, a.item_lanes
         ));
         let tables = self.staged_tables(k);
         let (slot, lane, leader) = if a.item_lanes == 1 {
@@ -828,8 +835,9 @@ impl<'a> Skeleton<'a> {
         let items_base = k.add(tile.buf, plan.value.buffer_offset);
         let row_bytes = 4 * plan.head_stride;
         let rounds = plan.head_blocks * a.channel_rounds;
+        let units = dims / a.pack;
         let span = a.channels * a.slots;
-        let may_overrun = span * a.channel_rounds > dims;
+        let may_overrun = span * a.channel_rounds > units;
         let zero = k.mov(0.0f32);
 
         let r = k.mov(0u32);
@@ -850,23 +858,36 @@ impl<'a> Skeleton<'a> {
             let past = k.setp(Cmp::Ge, first_head, self.group);
             k.bra_if(past, true, end);
         }
-        let first_channel = match round {
+        let first_unit = match round {
             None => slot,
             Some(cr) => k.mad_lo(cr, span, slot),
         };
+        // Replica `pack·c + e` is channel `pack·unit_c + e`: the program's
+        // emitter relies on that order to share work within a unit.
         let mut channels = Vec::new();
         let mut valid = Vec::new();
         for c in 0..a.channels {
-            let channel = match c {
-                0 => first_channel,
-                _ => k.add(first_channel, c * a.slots),
+            let unit = match c {
+                0 => first_unit,
+                _ => k.add(first_unit, c * a.slots),
             };
-            if may_overrun {
-                valid.push(Some(k.setp(Cmp::Lt, channel, dims)));
-                channels.push(k.min(channel, dims - 1));
+            let (unit, ok) = if may_overrun {
+                // Clamping the unit (not each channel) keeps the pack adjacent.
+                let ok = k.setp(Cmp::Lt, unit, units);
+                (k.min(unit, units - 1), Some(ok))
             } else {
-                valid.push(None);
-                channels.push(channel);
+                (unit, None)
+            };
+            let first = match a.pack {
+                1 => unit,
+                pack => k.mul(unit, pack),
+            };
+            for e in 0..a.pack {
+                valid.push(ok);
+                channels.push(match e {
+                    0 => first,
+                    _ => k.add(first, e),
+                });
             }
         }
         let scaled = |k: &mut Kernel, base: Reg<U32>, bytes: u32| match block {
@@ -917,7 +938,11 @@ impl<'a> Skeleton<'a> {
         self.strided_unrolled(k, start, items, a.item_lanes, a.item_unroll, |k, i| {
             let item = k.mad_lo(i, plan.value.shared_stride, items_base);
             let env = Env {
-                replicas: Replicas::Channels(&channels),
+                replicas: Replicas::Channels {
+                    channels: &channels,
+                    pack: a.pack,
+                    ranges: &self.info.accumulate.ranges,
+                },
                 arrays: &[],
                 tables: &tables,
                 header: Some(tile.header),
