@@ -855,3 +855,38 @@ fn interpreter_rejects_corrupted_caches_without_panicking() {
         out
     );
 }
+
+/// An encoder failing after some pages were written (here: the third page
+/// call) leaves no trace: pools, page tables and decoded rows are as before.
+#[test]
+fn append_failing_mid_encode_leaves_the_cache_unchanged() {
+    let format = format_named("spherical");
+    let set = data(&format, 9, 2, 2, 300);
+    let mut cache = trained_cache(&format, &set, 9);
+    cache
+        .append_sequence(&set.keys, &set.values, |p| p % 3)
+        .expect("first append");
+    let before = snapshot(&cache);
+    let calls = std::cell::Cell::new(0);
+    let failing =
+        |layout: &_, tables: &[Vec<f32>], keys: &[f32], values: &[f32], page: &mut [u8]| {
+            calls.set(calls.get() + 1);
+            if calls.get() == 3 {
+                return Err(EncodeError::Empty);
+            }
+            encode_page(layout, tables, keys, values, page)
+        };
+    let result = cache.append_sequence_with(&set.keys, &set.values, |p| p % 3, failing);
+    assert!(matches!(result, Err(EncodeError::Empty)), "{result:?}");
+    assert_eq!(calls.get(), 3, "the encoder ran until it failed");
+    assert!(
+        snapshot(&cache) == before,
+        "a failed append changed the cache"
+    );
+    // The cache still takes a whole sequence afterwards.
+    let index = cache
+        .append_sequence(&set.keys, &set.values, |p| p % 3)
+        .expect("append after the failure");
+    assert_eq!(index, 1);
+    assert_eq!(cache.page_bytes(), 2 * before.1);
+}

@@ -166,7 +166,9 @@ impl PagedCache {
             return Err(EncodeError::UnknownTier { tier, tiers });
         }
         let head_dim = self.format.head_dim() as usize;
-        let mut pools = self.pools.clone();
+        // All or nothing without copying the pools: new pages go at their ends,
+        // and a failed page cuts every pool back to where it was.
+        let lengths: Vec<usize> = self.pools.iter().map(Vec::len).collect();
         let mut heads = Vec::with_capacity(self.kv_heads);
         for h in 0..self.kv_heads {
             let mut refs = Vec::with_capacity(pages);
@@ -174,16 +176,22 @@ impl PagedCache {
                 let layout = self.format.layout(tier);
                 let rows = h * tokens * head_dim + p * items * head_dim
                     ..h * tokens * head_dim + ((p + 1) * items).min(tokens) * head_dim;
-                let pool = &mut pools[tier];
+                let pool = &mut self.pools[tier];
                 let start = pool.len();
                 pool.resize(start + layout.page_bytes as usize, 0);
-                encode(
+                let written = encode(
                     layout,
                     &self.tables[tier][h],
                     &keys[rows.clone()],
                     &values[rows],
                     &mut pool[start..],
-                )?;
+                );
+                if let Err(error) = written {
+                    for (pool, &len) in self.pools.iter_mut().zip(&lengths) {
+                        pool.truncate(len);
+                    }
+                    return Err(error);
+                }
                 refs.push(PageRef {
                     tier: tier as u32,
                     page: (start / layout.page_bytes as usize) as u32,
@@ -191,7 +199,6 @@ impl PagedCache {
             }
             heads.push(refs);
         }
-        self.pools = pools;
         self.page_tables.push(heads);
         Ok(self.page_tables.len() - 1)
     }

@@ -9,6 +9,9 @@ use super::{Decoded, ExecError, Executor, JitExecutor};
 use crate::cache::PagedCache;
 use crate::cuda::{CudaError, DeviceCache, DeviceDecode, FormatKernels, Gpu};
 
+/// Each `decode` uploads the cache and its tables; for repeated steps over one
+/// cache keep it on the device with `cuda::DeviceCache` and `cuda::DeviceDecode`,
+/// as `kvcc bench` does.
 pub struct CudaExecutor {
     gpu: Gpu,
     options: ptx::Options,
