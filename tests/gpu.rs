@@ -132,3 +132,102 @@ fn gpu_matches_interpreter_on_random_specs() {
         );
     }
 }
+
+/// Kernel configurations other than the default (what `kvcc tune` sweeps)
+/// compute the same outputs; a configuration or kernels for another page size
+/// than the pages' are refused before anything runs.
+#[test]
+fn gpu_tuning_space_matches_interpreter_and_page_size_is_enforced() {
+    use kvcc::runtime::cuda::measure::max_rel_error;
+    use kvcc::runtime::cuda::{CudaError, DeviceCache, FormatKernels};
+    use kvcc::runtime::tune::{KernelConfig, TuneError};
+
+    let Some(executor) = gpu("gpu_tuning_space_matches_interpreter_and_page_size_is_enforced")
+    else {
+        return;
+    };
+    let gpu = executor.gpu();
+    let seed = fresh_seed("gpu_tuning_space_matches_interpreter_and_page_size_is_enforced");
+    for format in bundled() {
+        let (cache, queries) =
+            cache_and_queries(&format, seed, 2, 4, &|s, p| (s + p) % format.tiers().len());
+        let want = Interpreter::new(format.tiers(), Options::default())
+            .decode(&cache.view(), &queries, 8)
+            .expect("interpreter");
+        let default = KernelConfig::default_for(&format);
+        for config in [
+            KernelConfig {
+                warps: 2,
+                splits: Some(3),
+                ..default
+            },
+            KernelConfig {
+                warps: 8,
+                head_block: 4,
+                max_accumulators: 16,
+                ..default
+            },
+            KernelConfig {
+                tile_items: Some(32),
+                splits: Some(1),
+                ..default
+            },
+        ] {
+            let configs = vec![config; format.tiers().len()];
+            let kernels = FormatKernels::load_configs(gpu, &format, &configs, 4)
+                .unwrap_or_else(|e| panic!("{} {config}: {e}", format.name()));
+            let device = DeviceCache::upload(gpu, &kernels, &cache).expect("upload");
+            let mut step = kvcc::runtime::cuda::DeviceDecode::new(gpu, &kernels, &device, 8, None)
+                .expect("decode step");
+            step.set_queries(gpu, &kernels, &device, &queries)
+                .expect("queries");
+            step.poison(gpu).expect("poison");
+            step.launch(gpu, &kernels, &device).expect("launch");
+            let got = step
+                .output(gpu, &device, format.head_dim() as usize)
+                .expect("output");
+            let error = max_rel_error(&got, &want, format.head_dim() as usize);
+            assert!(
+                error <= 1e-4,
+                "{} {config}: max relative error {error:.2e}",
+                format.name()
+            );
+        }
+        // A configuration tuned for 128-item pages cannot load for 64-item pages…
+        let other = KernelConfig {
+            page_items: 128,
+            ..default
+        };
+        let refused =
+            FormatKernels::load_configs(gpu, &format, &vec![other; format.tiers().len()], 4);
+        assert!(
+            matches!(
+                refused,
+                Err(CudaError::Tune(TuneError::PageSize {
+                    tuned: 128,
+                    pages: 64
+                }))
+            ),
+            "{}: {:?}",
+            format.name(),
+            refused.err()
+        );
+        // …and kernels generated for 128-item pages refuse a cache of 64-item pages.
+        let paged = other.paged_format(&format).expect("128-item variant");
+        let kernels =
+            FormatKernels::load_configs(gpu, &paged, &vec![other; format.tiers().len()], 4)
+                .expect("128-item kernels");
+        let upload = DeviceCache::upload(gpu, &kernels, &cache);
+        assert!(
+            matches!(
+                upload,
+                Err(CudaError::Tune(TuneError::PageSize {
+                    tuned: 128,
+                    pages: 64
+                }))
+            ),
+            "{}: page size mismatch not refused",
+            format.name()
+        );
+    }
+}

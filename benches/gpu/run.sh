@@ -2,7 +2,10 @@
 # One call on the GPU machine: correctness, sanitizers, DRAM bytes, benchmark.
 # Binaries are built on a CPU machine and carried in .gpu/ (see build.sh):
 #   .gpu/kvcc, .gpu/gpu-tests (the tests/gpu.rs test binary); wheels in .whl/.
-# Usage: benches/gpu/run.sh STEP...   STEP: env | test | sanitize | ncu | baseline | bench
+# Usage: benches/gpu/run.sh STEP...
+#   STEP: env | test | sanitize | ncu | baseline | bench | tune | tuned-bench
+# KVCC_BENCH_CTX: contexts of bench/tune (bench default 8192,32768,131072; tune 8192,32768).
+# KVCC_TUNE_SPECS: specs tune sweeps (default: every bundled spec).
 # Logs and JSON go to $OUT (or ./gpu-out when OUT is unset).
 set -uo pipefail
 out=${OUT:-gpu-out}
@@ -47,6 +50,33 @@ for s in "$@"; do
       .gpu/kvcc bench --baseline "$out/baseline.json" --ctx "${KVCC_BENCH_CTX:-8192,32768,131072}" --save "$out/bench.json" \
         > "$out/bench.txt" 2> "$out/bench.err" || { status=1; tail -5 "$out/bench.err"; }
       cat "$out/bench.txt"
+      ;;
+    tune)
+      step "kvcc tune (sweep, then a second run that must hit the cache, then export)"
+      export KVCC_TUNE_CACHE="$out/tune-cache.json"
+      specs=${KVCC_TUNE_SPECS:-dense_f16,spherical,kivi,subspace,shard,mosaic}
+      .gpu/kvcc tune --spec "$specs" --ctx "${KVCC_BENCH_CTX:-8192,32768}" --save "$out/tune.json" > "$out/tune.txt" 2> "$out/tune.err" \
+        || { status=1; tail -5 "$out/tune.err"; }
+      start=$(date +%s%N)
+      .gpu/kvcc tune --spec "$specs" --ctx "${KVCC_BENCH_CTX:-8192,32768}" --json > "$out/tune-again.json" 2> "$out/tune-again.err" || status=1
+      python3 -c 'import json,sys,time; r=json.load(open(sys.argv[1]))["results"]; c=sum(x["cached"] for x in r); print(f"second tune run: {c} of {len(r)} tier/context results from the cache, {len(r)-c} sweeps, {(time.time_ns()-int(sys.argv[2]))/1e9:.1f} s wall"); sys.exit(c != len(r))' \
+        "$out/tune-again.json" "$start" || status=1
+      .gpu/kvcc tune-cache export "$out/tune-export.json"
+      unset KVCC_TUNE_CACHE
+      sed -n '/tune cache/,$p' "$out/tune.txt"
+      ;;
+    tuned-bench)
+      step "kvcc bench: defaults, then the exported tune results imported into a fresh cache"
+      export KVCC_TUNE_CACHE=/tmp/imported-tune-cache.json
+      rm -f "$KVCC_TUNE_CACHE"
+      .gpu/kvcc tune-cache import "$out/tune-export.json"
+      base=(.gpu/kvcc bench --ctx "${KVCC_BENCH_CTX:-8192,32768}")
+      [ -f "$out/baseline.json" ] && base+=(--baseline "$out/baseline.json")
+      "${base[@]}" --no-tune --save "$out/bench-default.json" > "$out/bench-default.txt" 2> "$out/bench-default.err" || status=1
+      "${base[@]}" --save "$out/bench-tuned.json" > "$out/bench-tuned.txt" 2> "$out/bench-tuned.err" || status=1
+      cat "$out/bench-default.txt" "$out/bench-tuned.txt"
+      python3 benches/gpu/tuned_vs_default.py "$out/bench-default.json" "$out/bench-tuned.json" | tee "$out/tuned-vs-default.txt" || status=1
+      unset KVCC_TUNE_CACHE
       ;;
   esac
 done

@@ -306,6 +306,20 @@ impl PagedCache {
         .map_or(0, |h| h.count)
     }
 
+    /// Tokens of the longest sequence (0 without sequences).
+    pub fn longest_sequence(&self) -> usize {
+        self.page_tables
+            .iter()
+            .flat_map(|heads| heads.first())
+            .map(|refs| {
+                refs.iter()
+                    .map(|r| self.page_count(r) as usize)
+                    .sum::<usize>()
+            })
+            .max()
+            .unwrap_or(0)
+    }
+
     /// Bytes of all pages in all pools.
     pub fn page_bytes(&self) -> usize {
         self.pools.iter().map(Vec::len).sum()

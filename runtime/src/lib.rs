@@ -10,3 +10,4 @@ pub mod reference;
 pub mod synth;
 pub mod table;
 pub mod tensor_io;
+pub mod tune;

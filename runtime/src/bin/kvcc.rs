@@ -6,9 +6,12 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 use kvcc_compiler::Format;
-use kvcc_runtime::cli::{bench, check, demo, eval};
+use kvcc_runtime::cli::{self, bench, check, demo, eval};
+use kvcc_runtime::cuda::Gpu;
 use kvcc_runtime::exec::ExecutorKind;
 use kvcc_runtime::tensor_io::load_qkv;
+use kvcc_runtime::tune::sweep::{self, TuneOptions};
+use kvcc_runtime::tune::TuneCache;
 
 #[derive(Parser)]
 #[command(
@@ -19,6 +22,26 @@ use kvcc_runtime::tensor_io::load_qkv;
 struct Cli {
     #[command(subcommand)]
     command: Command,
+}
+
+#[derive(Subcommand)]
+enum CacheAction {
+    /// Print the cache's location.
+    Path,
+    /// One line per entry.
+    Show {
+        #[arg(long)]
+        json: bool,
+    },
+    /// Write the entries (of one GPU, if named) to a file to ship with an application.
+    Export {
+        file: PathBuf,
+        /// Only entries of GPUs whose name contains this.
+        #[arg(long)]
+        gpu: Option<String>,
+    },
+    /// Merge an exported file into the cache.
+    Import { file: PathBuf },
 }
 
 #[derive(Subcommand)]
@@ -74,11 +97,58 @@ enum Command {
         /// JSON written by benches/gpu/baseline.py in the same session.
         #[arg(long)]
         baseline: Option<PathBuf>,
+        /// Time the default kernel configurations, not the tune cache's.
+        #[arg(long)]
+        no_tune: bool,
         /// Also write the report as JSON to this file.
         #[arg(long)]
         save: Option<PathBuf>,
         #[arg(long)]
         json: bool,
+    },
+    /// Autotune page size, tile shape, warps and splits of each tier's GPU kernel
+    /// at a serving shape; results go to the tune cache the runtime reads.
+    Tune {
+        /// Spec file, or a bundled spec by name (comma-separated for several).
+        #[arg(long, value_delimiter = ',', required = true)]
+        spec: Vec<String>,
+        /// Only this tier.
+        #[arg(long)]
+        tier: Option<String>,
+        #[arg(long, default_value_t = 8)]
+        batch: usize,
+        #[arg(long, default_value_t = 32)]
+        q_heads: usize,
+        #[arg(long, default_value_t = 8)]
+        kv_heads: usize,
+        /// Context lengths, comma-separated; each is tuned for its power-of-two bucket.
+        #[arg(long, value_delimiter = ',', default_value = "8192,32768")]
+        ctx: Vec<usize>,
+        /// Page sizes to try besides the spec's (items per page).
+        #[arg(long, value_delimiter = ',', default_value = "32,64,128,256,512")]
+        pages: Vec<u32>,
+        /// auto (exhaustive up to --exhaustive-limit points, else descent), exhaustive, descent.
+        #[arg(long, default_value = "auto")]
+        search: kvcc_runtime::tune::Strategy,
+        #[arg(long, default_value_t = 48)]
+        exhaustive_limit: usize,
+        #[arg(long, default_value_t = 5)]
+        warmup: usize,
+        #[arg(long, default_value_t = 30)]
+        iters: usize,
+        /// Sweep again even when the cache has a result.
+        #[arg(long)]
+        force: bool,
+        /// Also write the report as JSON to this file.
+        #[arg(long)]
+        save: Option<PathBuf>,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Inspect, export or import the tune cache ($KVCC_TUNE_CACHE or ~/.cache/kvcc/tune-cache.json).
+    TuneCache {
+        #[command(subcommand)]
+        action: CacheAction,
     },
     /// Fidelity of every tier on K/V/Q dumped from a model.
     Eval {
@@ -166,6 +236,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             warmup,
             iters,
             baseline,
+            no_tune,
             save,
             json,
         } => {
@@ -181,6 +252,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                 contexts: ctx,
                 warmup,
                 iters,
+                tuned: !no_tune,
                 ..Default::default()
             };
             let tiers: usize = formats.iter().map(|f| f.tiers().len()).sum();
@@ -198,6 +270,112 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                 println!("{}", serde_json::to_string_pretty(&report)?);
             } else {
                 println!("{}", bench::render(&report));
+            }
+        }
+        Command::Tune {
+            spec,
+            tier,
+            batch,
+            q_heads,
+            kv_heads,
+            ctx,
+            pages,
+            search,
+            exhaustive_limit,
+            warmup,
+            iters,
+            force,
+            save,
+            json,
+        } => {
+            let formats = spec
+                .iter()
+                .map(|s| cli::tune::load_spec(s))
+                .collect::<Result<Vec<_>, _>>()?;
+            let options = TuneOptions {
+                batch,
+                q_heads,
+                kv_heads,
+                contexts: ctx,
+                tier,
+                page_items: pages,
+                strategy: search,
+                exhaustive_limit,
+                warmup,
+                iters,
+                force,
+                ..Default::default()
+            };
+            let gpu = Gpu::open()?;
+            let mut cache = TuneCache::open_default();
+            for problem in cache.problems() {
+                eprintln!("warning: {problem}");
+            }
+            let progress = bar(1, "tune");
+            let mut results = Vec::new();
+            for format in &formats {
+                results.extend(sweep::tune(&gpu, format, &options, &mut cache, &mut |p| {
+                    progress.set_message(p.what.to_string());
+                    progress.set_length(p.estimate as u64);
+                    progress.set_position(p.tried as u64);
+                })?);
+            }
+            progress.finish_and_clear();
+            let report = cli::tune::report(&cache, &results);
+            if let Some(path) = save {
+                std::fs::write(&path, serde_json::to_string_pretty(&report)?)
+                    .map_err(|e| format!("{}: {e}", path.display()))?;
+            }
+            if json {
+                println!("{}", serde_json::to_string_pretty(&report)?);
+            } else {
+                println!("{}", cli::tune::render(&cache, &results));
+            }
+        }
+        Command::TuneCache { action } => {
+            let mut cache = TuneCache::open_default();
+            for problem in cache.problems() {
+                eprintln!("warning: {problem}");
+            }
+            match action {
+                CacheAction::Path => println!("{}", cache.path().display()),
+                CacheAction::Show { json } => {
+                    if json {
+                        println!("{}", serde_json::to_string_pretty(cache.entries())?);
+                    } else {
+                        println!(
+                            "tune cache {}: {} entries\n{}",
+                            cache.path().display(),
+                            cache.entries().len(),
+                            cli::tune::render_summary(cache.entries().iter().map(|e| (e, None)))
+                        );
+                    }
+                }
+                CacheAction::Export { file, gpu } => {
+                    let n = cache.export(&file, |e| {
+                        gpu.as_ref()
+                            .is_none_or(|g| e.key.gpu.name.contains(g.as_str()))
+                    })?;
+                    println!(
+                        "exported {n} entries from {} to {}",
+                        cache.path().display(),
+                        file.display()
+                    );
+                }
+                CacheAction::Import { file } => {
+                    let (merged, problems) = cache.import(&file)?;
+                    for problem in problems {
+                        eprintln!("warning: {}: {problem}", file.display());
+                    }
+                    cache.save()?;
+                    println!(
+                        "imported {} into {}: {} added, {} replaced",
+                        file.display(),
+                        cache.path().display(),
+                        merged.added,
+                        merged.replaced
+                    );
+                }
             }
         }
         Command::Eval {

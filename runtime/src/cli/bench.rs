@@ -9,18 +9,16 @@
 
 use std::path::Path;
 
-use cudarc::driver::sys::CUevent_flags;
-use kvcc_compiler::back::interp::{Interpreter, Options as InterpOptions};
-use kvcc_compiler::back::ptx;
 use kvcc_compiler::Format;
 use serde::{Deserialize, Serialize};
 
-use crate::cache::{self, PagedCache};
-use crate::cuda::{CudaError, DeviceCache, DeviceDecode, During, FormatKernels, Gpu};
-use crate::encode::TrainOptions;
-use crate::math::rng::{normal, seeded};
-use crate::synth::{synthesize, SynthOptions};
+use crate::cuda::measure::{
+    decode_steps, source_cache, time_steps, upload_copies, Reference, TOLERANCE,
+};
+use crate::cuda::{FormatKernels, Gpu};
 use crate::table::Table;
+use crate::tune::lookup::{self, Source};
+use crate::tune::{KernelConfig, ShapeBucket};
 
 #[derive(Debug, Clone)]
 pub struct BenchOptions {
@@ -33,6 +31,8 @@ pub struct BenchOptions {
     /// L2-defeating rotation: at least this many bytes of distinct caches.
     pub rotate_bytes: u64,
     pub seed: u64,
+    /// Look tuned configurations up in the tune cache (else the defaults).
+    pub tuned: bool,
 }
 
 impl Default for BenchOptions {
@@ -46,6 +46,7 @@ impl Default for BenchOptions {
             iters: 50,
             rotate_bytes: 512 << 20,
             seed: 11,
+            tuned: true,
         }
     }
 }
@@ -63,6 +64,9 @@ pub struct BenchRow {
     /// Bytes the layout says a step must read, over the median time.
     pub tb_per_s: f64,
     pub splits: Vec<u32>,
+    /// The tier's kernel configuration, and whether it came from the tune cache.
+    pub config: String,
+    pub tuned: bool,
     pub max_rel_error: f64,
     pub sdpa_ms: Option<f64>,
     pub speedup_vs_sdpa: Option<f64>,
@@ -111,126 +115,6 @@ impl Baselines {
     }
 }
 
-/// Encodes a few full pages per kv head of tier `tier` (structured synthetic K/V).
-fn source_cache(
-    format: &Format,
-    tier: usize,
-    kv_heads: usize,
-    seed: u64,
-) -> Result<PagedCache, Box<dyn std::error::Error>> {
-    let items = format.spec().page.items as usize;
-    let tokens = items * 8;
-    let data = synthesize(&SynthOptions {
-        seed,
-        kv_heads,
-        q_heads: kv_heads,
-        tokens,
-        head_dim: format.head_dim() as usize,
-    });
-    let tables = cache::train(
-        format,
-        &data.keys,
-        &data.values,
-        kv_heads,
-        &TrainOptions {
-            seed,
-            ..TrainOptions::default()
-        },
-    )?;
-    let mut cache = PagedCache::new(format, kv_heads, tables)?;
-    cache.append_sequence(&data.keys, &data.values, |_| tier)?;
-    Ok(cache)
-}
-
-fn random_queries(len: usize, seed: u64) -> Vec<f32> {
-    let mut rng = seeded(seed);
-    (0..len).map(|_| normal(&mut rng)).collect()
-}
-
-/// Largest |got - want| over max |want|, per row, over all rows.
-fn max_rel_error(got: &[f32], want: &[f32], row: usize) -> f64 {
-    got.chunks(row)
-        .zip(want.chunks(row))
-        .map(|(g, w)| {
-            let scale = w.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1e-6);
-            g.iter()
-                .zip(w)
-                .map(|(a, b)| {
-                    if a.is_finite() {
-                        ((a - b).abs() / scale) as f64
-                    } else {
-                        f64::INFINITY
-                    }
-                })
-                .fold(0.0, f64::max)
-        })
-        .fold(0.0, f64::max)
-}
-
-/// Runs one decode step on a small replica and compares with the interpreter.
-fn verify(
-    gpu: &Gpu,
-    kernels: &FormatKernels,
-    source: &PagedCache,
-    options: &BenchOptions,
-) -> Result<f64, Box<dyn std::error::Error>> {
-    let items = source.format().spec().page.items as usize;
-    let small = source.replicate(2, 5 * items + items / 3)?;
-    let d = source.format().head_dim() as usize;
-    let queries = random_queries(2 * options.q_heads * d, options.seed ^ 0x51);
-    let want = Interpreter::new(source.format().tiers(), InterpOptions::default()).decode(
-        &small.view(),
-        &queries,
-        options.q_heads,
-    )?;
-    let device = DeviceCache::upload(gpu, kernels, &small)?;
-    let mut step = DeviceDecode::new(gpu, kernels, &device, options.q_heads, None)?;
-    step.set_queries(gpu, kernels, &device, &queries)?;
-    step.poison(gpu)?;
-    step.launch(gpu, kernels, &device)?;
-    Ok(max_rel_error(&step.output(gpu, &device, d)?, &want, d))
-}
-
-/// Median, min and max milliseconds of decode steps rotating over `steps`.
-fn time_steps(
-    gpu: &Gpu,
-    kernels: &FormatKernels,
-    caches: &[DeviceCache],
-    steps: &mut [DeviceDecode],
-    options: &BenchOptions,
-) -> Result<(f64, f64, f64), CudaError> {
-    let event = || {
-        gpu.context
-            .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-            .during(|| "creating an event".into())
-    };
-    for i in 0..options.warmup {
-        let r = i % caches.len();
-        steps[r].launch(gpu, kernels, &caches[r])?;
-    }
-    // One pair of events serves every step: each step is waited for before the next.
-    let (start, end) = (event()?, event()?);
-    let mut times = Vec::with_capacity(options.iters);
-    for i in 0..options.iters {
-        let r = i % caches.len();
-        start
-            .record(&gpu.stream)
-            .during(|| "recording an event".into())?;
-        steps[r].launch(gpu, kernels, &caches[r])?;
-        end.record(&gpu.stream)
-            .during(|| "recording an event".into())?;
-        end.synchronize()
-            .during(|| "waiting for a decode step".into())?;
-        times.push(f64::from(
-            start
-                .elapsed_ms(&end)
-                .during(|| "reading an event".into())?,
-        ));
-    }
-    times.sort_by(f64::total_cmp);
-    Ok((times[times.len() / 2], times[0], times[times.len() - 1]))
-}
-
 pub fn run(
     formats: &[Format],
     baselines: Option<Baselines>,
@@ -241,42 +125,55 @@ pub fn run(
     let mut rows = Vec::new();
     for format in formats {
         let d = format.head_dim() as usize;
+        let items = format.spec().page.items as usize;
         let group = (options.q_heads / options.kv_heads.max(1)) as u32;
-        let kernel_options = ptx::Options {
-            query_group: Some(group),
-            ..ptx::Options::for_target(gpu.target())
-        };
-        let kernels = FormatKernels::load(&gpu, format, kernel_options)?;
+        // Kernels per distinct configuration (contexts in one bucket share them).
+        let mut loaded: Vec<(Vec<KernelConfig>, FormatKernels)> = Vec::new();
         for tier in 0..format.tiers().len() {
             let name = format.layout(tier).name.clone();
             let source = source_cache(format, tier, options.kv_heads, options.seed)?;
-            let error = verify(&gpu, &kernels, &source, options)?;
-            if error > 1e-4 {
-                return Err(format!("{}/{name}: GPU output differs from the interpreter (max relative error {error:.2e}); not timing a wrong kernel", format.name()).into());
-            }
+            let reference = Reference::new(
+                &source,
+                options.q_heads,
+                5 * items + items / 3,
+                options.seed ^ 0x51,
+            )?;
             for &context in &options.contexts {
                 progress(&format!("{}/{name} @{context}", format.name()));
+                let shape =
+                    ShapeBucket::of(options.batch, options.q_heads, options.kv_heads, context);
+                let resolution = if options.tuned {
+                    lookup::resolve_default(&gpu.id(), format, shape)
+                } else {
+                    lookup::defaults(format, "--no-tune")
+                };
+                let at = match loaded.iter().position(|(c, _)| *c == resolution.configs) {
+                    Some(at) => at,
+                    None => {
+                        let kernels =
+                            FormatKernels::load_configs(&gpu, format, &resolution.configs, group)?;
+                        loaded.push((resolution.configs.clone(), kernels));
+                        loaded.len() - 1
+                    }
+                };
+                let kernels = &loaded[at].1;
+                let error = reference.check(&gpu, kernels, None)?;
+                if error > TOLERANCE {
+                    return Err(format!("{}/{name}: GPU output differs from the interpreter (max relative error {error:.2e}); not timing a wrong kernel", format.name()).into());
+                }
                 let host = source.replicate(options.batch, context)?;
-                let first = DeviceCache::upload(&gpu, &kernels, &host)?;
-                let replicas = (options.rotate_bytes.div_ceil(first.bytes_per_step.max(1)))
-                    .clamp(1, 8) as usize;
-                let mut caches = vec![first];
-                for _ in 1..replicas {
-                    caches.push(DeviceCache::upload(&gpu, &kernels, &host)?);
-                }
+                let caches = upload_copies(&gpu, kernels, &host, options.rotate_bytes)?;
                 drop(host);
-                let mut steps = Vec::new();
-                for (r, cache) in caches.iter().enumerate() {
-                    let mut step = DeviceDecode::new(&gpu, &kernels, cache, options.q_heads, None)?;
-                    let queries = random_queries(
-                        options.batch * options.q_heads * d,
-                        options.seed + r as u64,
-                    );
-                    step.set_queries(&gpu, &kernels, cache, &queries)?;
-                    steps.push(step);
-                }
-                let (ms, min_ms, max_ms) =
-                    time_steps(&gpu, &kernels, &caches, &mut steps, options)?;
+                let mut steps =
+                    decode_steps(&gpu, kernels, &caches, options.q_heads, options.seed)?;
+                let timing = time_steps(
+                    &gpu,
+                    kernels,
+                    &caches,
+                    &mut steps,
+                    options.warmup,
+                    options.iters,
+                )?;
                 let bytes = caches[0].bytes_per_step as f64;
                 let bytes_per_token = bytes / (options.batch * options.kv_heads * context) as f64;
                 let dense = (4 * d) as f64;
@@ -286,14 +183,16 @@ pub fn run(
                     tier: name.clone(),
                     context,
                     bytes_per_token,
-                    ms,
-                    min_ms,
-                    max_ms,
-                    tb_per_s: bytes / ms / 1e9,
+                    ms: timing.ms,
+                    min_ms: timing.min_ms,
+                    max_ms: timing.max_ms,
+                    tb_per_s: bytes / timing.ms / 1e9,
                     splits: steps[0].splits.clone(),
+                    config: resolution.configs[tier].to_string(),
+                    tuned: matches!(resolution.sources[tier], Source::Tuned { .. }),
                     max_rel_error: error,
                     sdpa_ms,
-                    speedup_vs_sdpa: sdpa_ms.map(|s| s / ms),
+                    speedup_vs_sdpa: sdpa_ms.map(|s| s / timing.ms),
                     bar: 0.75 * dense / bytes_per_token,
                     flashinfer_ms: baselines.as_ref().and_then(|b| b.ms("flashinfer", context)),
                 });
@@ -326,6 +225,7 @@ pub fn render(report: &BenchReport) -> String {
         "bar",
         "FlashInfer ms",
         "max err",
+        "config",
     ]);
     for column in 2..11 {
         table.right_align(column);
@@ -344,6 +244,7 @@ pub fn render(report: &BenchReport) -> String {
             format!("{:.2}x", r.bar),
             opt(r.flashinfer_ms, 4),
             format!("{:.1e}", r.max_rel_error),
+            format!("{}{}", r.config, if r.tuned { " (tuned)" } else { "" }),
         ]);
     }
     let baseline = report

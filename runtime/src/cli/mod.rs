@@ -5,3 +5,4 @@ pub mod check;
 pub mod demo;
 pub mod eval;
 mod fidelity;
+pub mod tune;

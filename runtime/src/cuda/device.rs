@@ -7,6 +7,7 @@ use cudarc::driver::{CudaContext, CudaStream};
 use kvcc_compiler::back::ptx::Target;
 
 use super::{CudaError, During};
+use crate::tune::GpuId;
 
 pub struct Gpu {
     pub(crate) context: Arc<CudaContext>,
@@ -55,12 +56,17 @@ impl Gpu {
         })
     }
 
+    /// What tuning results are keyed by.
+    pub fn id(&self) -> GpuId {
+        GpuId {
+            name: self.name.clone(),
+            compute_capability: self.compute_capability,
+            driver_version: self.driver_version,
+        }
+    }
+
     /// The PTX target to generate for this GPU.
     pub fn target(&self) -> Target {
-        if self.compute_capability.0 >= 9 {
-            Target::Sm90
-        } else {
-            Target::Sm80
-        }
+        self.id().target()
     }
 }

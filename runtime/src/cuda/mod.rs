@@ -4,6 +4,7 @@
 
 mod device;
 mod kernels;
+pub mod measure;
 mod resident;
 
 pub use device::Gpu;
@@ -30,6 +31,8 @@ pub enum CudaError {
     Decode(#[from] kvcc_compiler::back::interp::DecodeError),
     #[error("{0}")]
     Shape(String),
+    #[error(transparent)]
+    Tune(#[from] crate::tune::TuneError),
 }
 
 /// Attaches what was being done to a driver error.

@@ -29,6 +29,22 @@ impl DeviceCache {
         kernels: &FormatKernels,
         cache: &PagedCache,
     ) -> Result<DeviceCache, CudaError> {
+        let (format, pages) = (cache.format(), cache.format().spec().page.items);
+        let kernel_pages = kernels.format.spec().page.items;
+        if format.name() != kernels.format.name() {
+            return Err(CudaError::Shape(format!(
+                "the cache holds {} pages but the kernels are for {}",
+                format.name(),
+                kernels.format.name()
+            )));
+        }
+        if pages != kernel_pages {
+            return Err(crate::tune::TuneError::PageSize {
+                tuned: kernel_pages,
+                pages,
+            }
+            .into());
+        }
         let view = cache.view();
         Interpreter::new(kernels.format.tiers(), InterpOptions::default()).check_cache(&view)?;
         let stream = &gpu.stream;
@@ -88,8 +104,9 @@ pub struct DeviceDecode {
 }
 
 impl DeviceDecode {
-    /// `splits`: per tier, or `None` to split each row so that one wave of CTAs
-    /// fills every multiprocessor to the kernel's occupancy.
+    /// `splits`: per tier, or `None` for the kernels' own (tuned) splits, and
+    /// where they have none, as many as make one wave of CTAs fill every
+    /// multiprocessor to the kernel's occupancy.
     pub fn new(
         gpu: &Gpu,
         kernels: &FormatKernels,
@@ -134,7 +151,16 @@ impl DeviceDecode {
             // duration; more, smaller splits only repeat per-CTA setup.
             None => {
                 let mut splits = Vec::with_capacity(kernels.decode.len());
-                for ((function, kernel), &max) in kernels.decode.iter().zip(&cache.row_pages_max) {
+                for (((function, kernel), &max), preferred) in kernels
+                    .decode
+                    .iter()
+                    .zip(&cache.row_pages_max)
+                    .zip(&kernels.splits)
+                {
+                    if let Some(s) = preferred {
+                        splits.push(if max == 0 { 0 } else { (*s).clamp(1, max) });
+                        continue;
+                    }
                     let resident = function
                         .occupancy_max_active_blocks_per_multiprocessor(
                             kernel.threads,

@@ -3,30 +3,26 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use kvcc_compiler::back::ptx;
-
 use super::{Decoded, ExecError, Executor, JitExecutor};
 use crate::cache::PagedCache;
 use crate::cuda::{CudaError, DeviceCache, DeviceDecode, FormatKernels, Gpu};
+use crate::tune::{lookup, ShapeBucket};
 
 /// Each `decode` uploads the cache and its tables; for repeated steps over one
 /// cache keep it on the device with `cuda::DeviceCache` and `cuda::DeviceDecode`,
-/// as `kvcc bench` does.
+/// as `kvcc bench` does. Kernel configurations come from the tune cache for
+/// the call's shape (see `tune::lookup`), else the defaults.
 pub struct CudaExecutor {
     gpu: Gpu,
-    options: ptx::Options,
-    /// Loaded kernels per format (keyed by the spec, so an edited spec reloads).
+    /// Loaded kernels per spec, query group and configurations.
     kernels: Mutex<HashMap<String, Arc<FormatKernels>>>,
 }
 
 impl CudaExecutor {
-    /// GPU 0 with default kernel options for its architecture.
+    /// GPU 0.
     pub fn open() -> Result<CudaExecutor, CudaError> {
-        let gpu = Gpu::open()?;
-        let options = ptx::Options::for_target(gpu.target());
         Ok(CudaExecutor {
-            gpu,
-            options,
+            gpu: Gpu::open()?,
             kernels: Mutex::new(HashMap::new()),
         })
     }
@@ -35,18 +31,29 @@ impl CudaExecutor {
         &self.gpu
     }
 
-    /// Kernels specialized for the query group (q_heads / kv_heads) being served.
-    fn kernels(&self, cache: &PagedCache, group: u32) -> Result<Arc<FormatKernels>, CudaError> {
-        let key = format!("{group}:{:?}", cache.format().spec());
+    /// Kernels for the cache's format at this shape: tuned where the tune
+    /// cache has an entry for the pages' page size, else the defaults.
+    fn kernels(&self, cache: &PagedCache, q_heads: usize) -> Result<Arc<FormatKernels>, CudaError> {
+        let kv_heads = cache.kv_heads();
+        let group = (q_heads / kv_heads) as u32;
+        let shape = ShapeBucket::of(
+            cache.sequences(),
+            q_heads,
+            kv_heads,
+            cache.longest_sequence(),
+        );
+        let configs = lookup::resolve_default(&self.gpu.id(), cache.format(), shape).configs;
+        let key = format!("{group}:{configs:?}:{:?}", cache.format().spec());
         let mut loaded = self.kernels.lock().expect("kernel cache lock");
         if let Some(k) = loaded.get(&key) {
             return Ok(k.clone());
         }
-        let options = ptx::Options {
-            query_group: Some(group),
-            ..self.options
-        };
-        let k = Arc::new(FormatKernels::load(&self.gpu, cache.format(), options)?);
+        let k = Arc::new(FormatKernels::load_configs(
+            &self.gpu,
+            cache.format(),
+            &configs,
+            group,
+        )?);
         loaded.insert(key, k.clone());
         Ok(k)
     }
@@ -63,7 +70,7 @@ impl CudaExecutor {
                 "{q_heads} query heads is not a positive multiple of {kv_heads} kv heads"
             )));
         }
-        let kernels = self.kernels(cache, (q_heads / kv_heads) as u32)?;
+        let kernels = self.kernels(cache, q_heads)?;
         let device = DeviceCache::upload(&self.gpu, &kernels, cache)?;
         let mut step = DeviceDecode::new(&self.gpu, &kernels, &device, q_heads, None)?;
         step.set_queries(&self.gpu, &kernels, &device, queries)?;

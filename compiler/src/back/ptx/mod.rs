@@ -165,22 +165,35 @@ pub struct Output {
 
 /// Generates the decode module of every tier and the merge module of `format`.
 pub fn write(format: &Format, options: &Options) -> Result<Output, Error> {
-    options.check()?;
-    let spec_group = format.spec().page.max_query_group;
-    let group_max = match options.query_group {
-        Some(g) if g > spec_group => {
-            return Err(Error::Options(format!(
-                "query_group {g} is larger than the spec's page.max_query_group {spec_group}"
-            )))
-        }
-        Some(g) => g,
-        None => spec_group,
-    };
+    let group_max = group_max(format, options)?;
     let tiers = format
         .tiers()
         .iter()
         .map(|module| write_tier(module, group_max, options))
         .collect::<Result<_, _>>()?;
+    Ok(Output {
+        target: options.target,
+        tiers,
+        merge: write_merge(format, options),
+    })
+}
+
+/// Query heads per kv head the kernels are sized for: `options.query_group`,
+/// at most the spec's `page.max_query_group`.
+pub fn group_max(format: &Format, options: &Options) -> Result<u32, Error> {
+    options.check()?;
+    let spec_group = format.spec().page.max_query_group;
+    match options.query_group {
+        Some(g) if g > spec_group => Err(Error::Options(format!(
+            "query_group {g} is larger than the spec's page.max_query_group {spec_group}"
+        ))),
+        Some(g) => Ok(g),
+        None => Ok(spec_group),
+    }
+}
+
+/// The format's merge module (its block size from `options.warps`).
+pub fn write_merge(format: &Format, options: &Options) -> MergeOutput {
     let name = format!("kvcc_{}_merge", identifier(format.name()));
     let threads = 32 * options.warps;
     let ptx = builder::module(
@@ -189,18 +202,14 @@ pub fn write(format: &Format, options: &Options) -> Result<Output, Error> {
         skeleton::SHARED_SYMBOL,
         &[merge::merge(format.head_dim(), threads, &name)],
     );
-    Ok(Output {
-        target: options.target,
-        tiers,
-        merge: MergeOutput {
-            ptx,
-            kernel: abi::MergeKernel {
-                name,
-                threads,
-                partials: abi::PartialLayout::new(format.head_dim()),
-            },
+    MergeOutput {
+        ptx,
+        kernel: abi::MergeKernel {
+            name,
+            threads,
+            partials: abi::PartialLayout::new(format.head_dim()),
         },
-    })
+    }
 }
 
 /// The decode module of one tier, its shared memory sized for `group_max`

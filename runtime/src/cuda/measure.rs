@@ -1,0 +1,269 @@
+//! Measuring decode steps the way `kvcc bench` and `kvcc tune` both do:
+//! structured synthetic pages, outputs checked against the interpreter before
+//! any time counts, CUDA events around each step, warm-up, the median of many
+//! steps, and several device copies of the cache rotated so L2 cannot serve
+//! repeated reads.
+
+use cudarc::driver::sys::CUevent_flags;
+use kvcc_compiler::back::interp::{DecodeError, Interpreter, Options as InterpOptions};
+use kvcc_compiler::Format;
+
+use super::{CudaError, DeviceCache, DeviceDecode, During, FormatKernels, Gpu};
+use crate::cache::{self, PagedCache};
+use crate::encode::TrainOptions;
+use crate::math::rng::{normal, seeded};
+use crate::synth::{synthesize, SynthOptions};
+
+/// Relative error above which a kernel's output is wrong (fp32 accumulation).
+pub const TOLERANCE: f64 = 1e-4;
+
+/// Encodes eight full pages per kv head of tier `tier` (structured synthetic
+/// K/V, tables trained on them): the pages large caches are replicated from.
+pub fn source_cache(
+    format: &Format,
+    tier: usize,
+    kv_heads: usize,
+    seed: u64,
+) -> Result<PagedCache, Box<dyn std::error::Error>> {
+    let items = format.spec().page.items as usize;
+    let tokens = items * 8;
+    let data = synthesize(&SynthOptions {
+        seed,
+        kv_heads,
+        q_heads: kv_heads,
+        tokens,
+        head_dim: format.head_dim() as usize,
+    });
+    let tables = cache::train(
+        format,
+        &data.keys,
+        &data.values,
+        kv_heads,
+        &TrainOptions {
+            seed,
+            ..TrainOptions::default()
+        },
+    )?;
+    let mut cache = PagedCache::new(format, kv_heads, tables)?;
+    cache.append_sequence(&data.keys, &data.values, |_| tier)?;
+    Ok(cache)
+}
+
+/// Standard normal queries (never all zero).
+pub fn random_queries(len: usize, seed: u64) -> Vec<f32> {
+    let mut rng = seeded(seed);
+    (0..len).map(|_| normal(&mut rng)).collect()
+}
+
+/// Largest |got - want| over max |want|, per row, over all rows (infinite for
+/// a non-finite output).
+pub fn max_rel_error(got: &[f32], want: &[f32], row: usize) -> f64 {
+    if got.len() != want.len() {
+        return f64::INFINITY;
+    }
+    got.chunks(row)
+        .zip(want.chunks(row))
+        .map(|(g, w)| {
+            let scale = w.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1e-6);
+            g.iter()
+                .zip(w)
+                .map(|(a, b)| {
+                    if a.is_finite() {
+                        ((a - b).abs() / scale) as f64
+                    } else {
+                        f64::INFINITY
+                    }
+                })
+                .fold(0.0, f64::max)
+        })
+        .fold(0.0, f64::max)
+}
+
+/// The interpreter's decode, its (sequence, query head) rows spread over the
+/// machine's threads: the same numbers as `Interpreter::decode`, row by row.
+pub fn interpret_rows(
+    format: &Format,
+    cache: &PagedCache,
+    queries: &[f32],
+    q_heads: usize,
+) -> Result<Vec<f32>, DecodeError> {
+    let interpreter = Interpreter::new(format.tiers(), InterpOptions::default());
+    let view = cache.view();
+    interpreter.check_cache(&view)?;
+    interpreter.check_queries(queries, cache.sequences(), q_heads, cache.kv_heads())?;
+    let d = format.head_dim() as usize;
+    let group = q_heads / cache.kv_heads();
+    let rows: Vec<&[f32]> = queries.chunks(d).collect();
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let per_thread = rows.len().div_ceil(threads).max(1);
+    let parts: Vec<Result<Vec<f32>, DecodeError>> = std::thread::scope(|scope| {
+        let workers: Vec<_> = rows
+            .chunks(per_thread)
+            .enumerate()
+            .map(|(chunk, chunk_rows)| {
+                let (interpreter, view) = (&interpreter, &view);
+                scope.spawn(move || {
+                    let mut out = Vec::with_capacity(chunk_rows.len() * d);
+                    for (i, query) in chunk_rows.iter().enumerate() {
+                        let row = chunk * per_thread + i;
+                        let (sequence, head) = (row / q_heads, row % q_heads);
+                        out.extend(
+                            interpreter
+                                .attend(view, sequence, head / group, query)?
+                                .output,
+                        );
+                    }
+                    Ok(out)
+                })
+            })
+            .collect();
+        workers
+            .into_iter()
+            .map(|w| w.join().expect("interpreter thread"))
+            .collect()
+    });
+    let mut out = Vec::with_capacity(queries.len());
+    for part in parts {
+        out.extend(part?);
+    }
+    Ok(out)
+}
+
+/// A small cache and queries with the interpreter's outputs: what every
+/// kernel configuration is checked against before it is timed.
+pub struct Reference {
+    pub cache: PagedCache,
+    pub queries: Vec<f32>,
+    pub q_heads: usize,
+    want: Vec<f32>,
+}
+
+impl Reference {
+    /// Two sequences of `tokens` tokens replicated from `source`.
+    pub fn new(
+        source: &PagedCache,
+        q_heads: usize,
+        tokens: usize,
+        seed: u64,
+    ) -> Result<Reference, Box<dyn std::error::Error>> {
+        let cache = source.replicate(2, tokens)?;
+        let d = source.format().head_dim() as usize;
+        let queries = random_queries(2 * q_heads * d, seed);
+        let want = interpret_rows(source.format(), &cache, &queries, q_heads)?;
+        Ok(Reference {
+            cache,
+            queries,
+            q_heads,
+            want,
+        })
+    }
+
+    /// Runs one poisoned decode step with `kernels` (and `splits` per tier, or
+    /// the kernels' own) and returns the largest relative error.
+    pub fn check(
+        &self,
+        gpu: &Gpu,
+        kernels: &FormatKernels,
+        splits: Option<Vec<u32>>,
+    ) -> Result<f64, CudaError> {
+        let device = DeviceCache::upload(gpu, kernels, &self.cache)?;
+        let mut step = DeviceDecode::new(gpu, kernels, &device, self.q_heads, splits)?;
+        step.set_queries(gpu, kernels, &device, &self.queries)?;
+        step.poison(gpu)?;
+        step.launch(gpu, kernels, &device)?;
+        let d = kernels.format.head_dim() as usize;
+        Ok(max_rel_error(&step.output(gpu, &device, d)?, &self.want, d))
+    }
+}
+
+/// Copies of `host` on the device, at least `rotate_bytes` in all (at most 8).
+pub fn upload_copies(
+    gpu: &Gpu,
+    kernels: &FormatKernels,
+    host: &PagedCache,
+    rotate_bytes: u64,
+) -> Result<Vec<DeviceCache>, CudaError> {
+    let first = DeviceCache::upload(gpu, kernels, host)?;
+    let copies = rotate_bytes
+        .div_ceil(first.bytes_per_step.max(1))
+        .clamp(1, 8) as usize;
+    let mut caches = vec![first];
+    for _ in 1..copies {
+        caches.push(DeviceCache::upload(gpu, kernels, host)?);
+    }
+    Ok(caches)
+}
+
+/// One decode step per cache copy, with `kernels`' splits and its own random queries.
+pub fn decode_steps(
+    gpu: &Gpu,
+    kernels: &FormatKernels,
+    caches: &[DeviceCache],
+    q_heads: usize,
+    seed: u64,
+) -> Result<Vec<DeviceDecode>, CudaError> {
+    let d = kernels.format.head_dim() as usize;
+    let mut steps = Vec::new();
+    for (r, cache) in caches.iter().enumerate() {
+        let mut step = DeviceDecode::new(gpu, kernels, cache, q_heads, None)?;
+        let queries = random_queries(cache.sequences * q_heads * d, seed + r as u64);
+        step.set_queries(gpu, kernels, cache, &queries)?;
+        steps.push(step);
+    }
+    Ok(steps)
+}
+
+/// Median, fastest and slowest of the timed steps (milliseconds).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Timing {
+    pub ms: f64,
+    pub min_ms: f64,
+    pub max_ms: f64,
+}
+
+/// `warmup` untimed steps, then `iters` steps each between two CUDA events,
+/// rotating over the copies.
+pub fn time_steps(
+    gpu: &Gpu,
+    kernels: &FormatKernels,
+    caches: &[DeviceCache],
+    steps: &mut [DeviceDecode],
+    warmup: usize,
+    iters: usize,
+) -> Result<Timing, CudaError> {
+    let copies = caches.len();
+    for i in 0..warmup {
+        let r = i % copies;
+        steps[r].launch(gpu, kernels, &caches[r])?;
+    }
+    let event = || {
+        gpu.context
+            .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+            .during(|| "creating an event".into())
+    };
+    // One pair of events serves every step: each step is waited for before the next.
+    let (start, end) = (event()?, event()?);
+    let mut times = Vec::with_capacity(iters.max(1));
+    for i in 0..iters.max(1) {
+        let r = i % copies;
+        start
+            .record(&gpu.stream)
+            .during(|| "recording an event".into())?;
+        steps[r].launch(gpu, kernels, &caches[r])?;
+        end.record(&gpu.stream)
+            .during(|| "recording an event".into())?;
+        end.synchronize()
+            .during(|| "waiting for a decode step".into())?;
+        times.push(f64::from(
+            start
+                .elapsed_ms(&end)
+                .during(|| "reading an event".into())?,
+        ));
+    }
+    times.sort_by(f64::total_cmp);
+    Ok(Timing {
+        ms: times[times.len() / 2],
+        min_ms: times[0],
+        max_ms: times[times.len() - 1],
+    })
+}

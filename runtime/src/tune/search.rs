@@ -1,0 +1,324 @@
+//! The tuning space and the search over it. A search only sees a `measure`
+//! function (milliseconds, or why a candidate could not run), so the strategy
+//! is tested on the CPU with synthetic costs.
+
+use std::collections::HashMap;
+
+use serde::{Deserialize, Serialize};
+
+use super::KernelConfig;
+
+/// Values to try on each axis (each includes the default's value).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Space {
+    pub page_items: Vec<u32>,
+    pub warps: Vec<u32>,
+    pub splits: Vec<Option<u32>>,
+    pub tile_items: Vec<Option<u32>>,
+    pub head_block: Vec<u32>,
+    pub max_accumulators: Vec<u32>,
+}
+
+/// Axes in the order coordinate descent visits them: page size and warps
+/// first (they change occupancy the most), then splits, which depend on it.
+const AXES: usize = 6;
+
+impl Space {
+    /// The standard space around `default`, with the page sizes to try.
+    pub fn around(default: &KernelConfig, page_items: &[u32]) -> Space {
+        let with = |mut values: Vec<u32>, v: u32| {
+            values.push(v);
+            values.sort_unstable();
+            values.dedup();
+            values
+        };
+        let mut splits = vec![None, Some(2), Some(4), Some(8), Some(16)];
+        if !splits.contains(&default.splits) {
+            splits.insert(0, default.splits);
+        }
+        let mut tile_items = vec![None, Some(32)];
+        if !tile_items.contains(&default.tile_items) {
+            tile_items.insert(0, default.tile_items);
+        }
+        Space {
+            page_items: with(page_items.to_vec(), default.page_items),
+            warps: with(vec![2, 4, 8], default.warps),
+            splits,
+            tile_items,
+            head_block: with(vec![4, 8], default.head_block),
+            max_accumulators: with(vec![16, 32], default.max_accumulators),
+        }
+    }
+
+    fn len(&self, axis: usize) -> usize {
+        match axis {
+            0 => self.page_items.len(),
+            1 => self.warps.len(),
+            2 => self.splits.len(),
+            3 => self.tile_items.len(),
+            4 => self.head_block.len(),
+            _ => self.max_accumulators.len(),
+        }
+    }
+
+    /// `config` with axis `axis` set to its `i`-th value.
+    fn set(&self, config: KernelConfig, axis: usize, i: usize) -> KernelConfig {
+        let mut c = config;
+        match axis {
+            0 => c.page_items = self.page_items[i],
+            1 => c.warps = self.warps[i],
+            2 => c.splits = self.splits[i],
+            3 => c.tile_items = self.tile_items[i],
+            4 => c.head_block = self.head_block[i],
+            _ => c.max_accumulators = self.max_accumulators[i],
+        }
+        c.normalized()
+    }
+
+    /// Points in the space (before merging equivalent ones).
+    pub fn size(&self) -> usize {
+        (0..AXES).map(|a| self.len(a)).product()
+    }
+
+    /// Every point, deduplicated after normalization.
+    pub fn all(&self, default: KernelConfig) -> Vec<KernelConfig> {
+        let mut points = vec![default.normalized()];
+        for axis in 0..AXES {
+            let mut next = Vec::new();
+            for &p in &points {
+                for i in 0..self.len(axis) {
+                    let c = self.set(p, axis, i);
+                    if !next.contains(&c) {
+                        next.push(c);
+                    }
+                }
+            }
+            points = next;
+        }
+        // The default first: it is measured before anything else.
+        let d = default.normalized();
+        points.retain(|&c| c != d);
+        points.insert(0, d);
+        points
+    }
+}
+
+impl KernelConfig {
+    /// Equivalent configurations made equal: a tile of at least a page is the
+    /// whole page.
+    pub fn normalized(self) -> KernelConfig {
+        KernelConfig {
+            tile_items: self.tile_items.filter(|&t| t < self.page_items),
+            ..self
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Strategy {
+    /// Exhaustive when the space has at most `exhaustive_limit` points, else descent.
+    Auto,
+    Exhaustive,
+    /// Coordinate descent from the default: sweep one axis at a time with the
+    /// others at the best so far; repeat until a pass changes nothing.
+    Descent,
+}
+
+impl std::str::FromStr for Strategy {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Strategy, String> {
+        match s {
+            "auto" => Ok(Strategy::Auto),
+            "exhaustive" => Ok(Strategy::Exhaustive),
+            "descent" => Ok(Strategy::Descent),
+            _ => Err(format!(
+                "unknown search `{s}`; use auto, exhaustive or descent"
+            )),
+        }
+    }
+}
+
+/// A candidate's measurement: its median time, or why it did not count.
+pub type Measured = Result<f64, String>;
+
+#[derive(Debug, Clone)]
+pub struct SearchReport {
+    /// The strategy that ran (`Auto` resolved).
+    pub strategy: Strategy,
+    /// Points in the space.
+    pub space_size: usize,
+    /// Every candidate measured, in order (the default first).
+    pub trials: Vec<(KernelConfig, Measured)>,
+    /// Index into `trials` of the fastest candidate that ran.
+    pub best: Option<usize>,
+}
+
+/// Most descent passes: each pass can only lower the best time, so this only
+/// bounds pathological plateaus.
+const MAX_PASSES: usize = 4;
+
+pub fn search(
+    space: &Space,
+    default: KernelConfig,
+    strategy: Strategy,
+    exhaustive_limit: usize,
+    mut measure: impl FnMut(&KernelConfig) -> Measured,
+) -> SearchReport {
+    let strategy = match strategy {
+        Strategy::Auto if space.size() <= exhaustive_limit => Strategy::Exhaustive,
+        Strategy::Auto => Strategy::Descent,
+        s => s,
+    };
+    let mut trials: Vec<(KernelConfig, Measured)> = Vec::new();
+    let mut seen: HashMap<KernelConfig, usize> = HashMap::new();
+    let mut trial = |config: KernelConfig, trials: &mut Vec<(KernelConfig, Measured)>| -> usize {
+        *seen.entry(config).or_insert_with(|| {
+            trials.push((config, measure(&config)));
+            trials.len() - 1
+        })
+    };
+    let ms = |trials: &[(KernelConfig, Measured)], i: usize| trials[i].1.clone().ok();
+    let faster = |a: Option<f64>, b: Option<f64>| match (a, b) {
+        (Some(a), Some(b)) => a < b,
+        (Some(_), None) => true,
+        _ => false,
+    };
+    match strategy {
+        Strategy::Exhaustive | Strategy::Auto => {
+            for config in space.all(default) {
+                trial(config, &mut trials);
+            }
+        }
+        Strategy::Descent => {
+            let mut current = trial(default.normalized(), &mut trials);
+            for _ in 0..MAX_PASSES {
+                let start = current;
+                for axis in 0..AXES {
+                    let base = trials[current].0;
+                    for i in 0..space.len(axis) {
+                        let t = trial(space.set(base, axis, i), &mut trials);
+                        if faster(ms(&trials, t), ms(&trials, current)) {
+                            current = t;
+                        }
+                    }
+                }
+                if current == start {
+                    break;
+                }
+            }
+        }
+    }
+    let best = (0..trials.len())
+        .filter(|&i| trials[i].1.is_ok())
+        .min_by(|&a, &b| ms(&trials, a).unwrap().total_cmp(&ms(&trials, b).unwrap()));
+    SearchReport {
+        strategy,
+        space_size: space.size(),
+        trials,
+        best,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn default() -> KernelConfig {
+        KernelConfig {
+            page_items: 64,
+            warps: 4,
+            tile_items: None,
+            head_block: 8,
+            max_accumulators: 32,
+            splits: None,
+        }
+    }
+
+    /// A separable cost with its minimum at p128 w8 splits 8, hb 4.
+    fn cost(c: &KernelConfig) -> Measured {
+        let axis = |v: f64, best: f64| (v.log2() - best.log2()).abs();
+        Ok(1.0
+            + axis(c.page_items as f64, 128.0)
+            + axis(c.warps as f64, 8.0)
+            + axis(c.splits.unwrap_or(6) as f64, 8.0)
+            + axis(c.head_block as f64, 4.0)
+            + if c.tile_items.is_some() { 0.5 } else { 0.0 }
+            + if c.max_accumulators == 16 { 0.25 } else { 0.0 })
+    }
+
+    fn space() -> Space {
+        Space::around(&default(), &[32, 64, 128, 256])
+    }
+
+    #[test]
+    fn the_space_holds_the_default_and_merges_equivalent_tiles() {
+        let s = space();
+        assert_eq!(s.size(), 4 * 3 * 5 * 2 * 2 * 2);
+        let all = s.all(default());
+        assert_eq!(all[0], default());
+        // tile 32 on 32-item pages is the whole page: one point, not two.
+        let p32_whole = all
+            .iter()
+            .filter(|c| c.page_items == 32 && c.tile_items.is_none())
+            .count();
+        let p32_tiled = all
+            .iter()
+            .filter(|c| c.page_items == 32 && c.tile_items.is_some())
+            .count();
+        assert_eq!(p32_tiled, 0);
+        assert_eq!(p32_whole, 3 * 5 * 2 * 2);
+        assert_eq!(all.len(), s.size() - p32_whole);
+    }
+
+    #[test]
+    fn exhaustive_search_finds_the_minimum() {
+        let report = search(&space(), default(), Strategy::Exhaustive, 0, cost);
+        let (best, ms) = &report.trials[report.best.unwrap()];
+        assert_eq!(report.trials[0].0, default());
+        assert_eq!(report.trials.len(), space().all(default()).len());
+        assert_eq!(best.page_items, 128);
+        assert_eq!(best.warps, 8);
+        assert_eq!(best.splits, Some(8));
+        assert_eq!(*ms.as_ref().unwrap(), 1.0);
+    }
+
+    #[test]
+    fn descent_finds_a_separable_minimum_with_few_candidates() {
+        let report = search(&space(), default(), Strategy::Auto, 64, cost);
+        assert_eq!(report.strategy, Strategy::Descent);
+        let (best, ms) = &report.trials[report.best.unwrap()];
+        assert_eq!(*ms.as_ref().unwrap(), 1.0, "{best}");
+        assert!(
+            report.trials.len() < 40,
+            "{} candidates",
+            report.trials.len()
+        );
+        assert_eq!(report.trials[0].0, default());
+    }
+
+    #[test]
+    fn candidates_that_fail_never_win() {
+        // The fastest point fails to run; the search keeps going around it.
+        let failing = |c: &KernelConfig| {
+            if c.warps == 8 {
+                Err("too many registers".to_string())
+            } else {
+                cost(c)
+            }
+        };
+        for strategy in [Strategy::Exhaustive, Strategy::Descent] {
+            let report = search(&space(), default(), strategy, 0, failing);
+            let (best, _) = report.trials[report.best.unwrap()];
+            assert_ne!(best.warps, 8);
+            assert!(report
+                .trials
+                .iter()
+                .any(|(c, m)| c.warps == 8 && m.is_err()));
+        }
+        let none = search(&space(), default(), Strategy::Descent, 0, |_| {
+            Err("no".into())
+        });
+        assert_eq!(none.best, None);
+    }
+}

@@ -1,0 +1,414 @@
+//! `kvcc tune` on the GPU: per tier and context, search the space around the
+//! default configuration, timing each candidate the way `kvcc bench` does, after
+//! checking its output against the interpreter (a fast wrong kernel never
+//! counts). Pages are re-encoded per page size. Results go to the tune cache.
+
+use std::collections::HashMap;
+use std::time::Instant;
+
+use kvcc_compiler::Format;
+
+use super::config::with_page_items;
+use super::search::{search, Measured, Space, Strategy};
+use super::store::{Candidate, Confirmation, Entry, Found, TuneCache};
+use super::{KernelConfig, ShapeBucket, TuneKey};
+use crate::cache::PagedCache;
+use crate::cuda::measure::{
+    decode_steps, source_cache, time_steps, upload_copies, Reference, Timing, TOLERANCE,
+};
+use crate::cuda::{DeviceCache, FormatKernels, Gpu};
+
+#[derive(Debug, Clone)]
+pub struct TuneOptions {
+    pub batch: usize,
+    pub q_heads: usize,
+    pub kv_heads: usize,
+    pub contexts: Vec<usize>,
+    /// Only this tier (by name); `None`: every tier.
+    pub tier: Option<String>,
+    /// Page sizes to try besides the spec's.
+    pub page_items: Vec<u32>,
+    pub strategy: Strategy,
+    /// Largest space searched exhaustively under `Strategy::Auto`.
+    pub exhaustive_limit: usize,
+    pub warmup: usize,
+    pub iters: usize,
+    /// Alternating default/winner timings after the search.
+    pub confirm_rounds: usize,
+    /// L2-defeating rotation: at least this many bytes of distinct cache copies.
+    pub rotate_bytes: u64,
+    pub seed: u64,
+    /// Sweep even when the cache already has a result.
+    pub force: bool,
+}
+
+impl Default for TuneOptions {
+    fn default() -> Self {
+        TuneOptions {
+            batch: 8,
+            q_heads: 32,
+            kv_heads: 8,
+            contexts: vec![8192, 32768],
+            tier: None,
+            page_items: vec![32, 64, 128, 256, 512],
+            strategy: Strategy::Auto,
+            exhaustive_limit: 48,
+            warmup: 5,
+            iters: 30,
+            confirm_rounds: 3,
+            rotate_bytes: 512 << 20,
+            seed: 11,
+            force: false,
+        }
+    }
+}
+
+/// One tier at one shape: the cache entry, and whether it came from the cache.
+#[derive(Debug, Clone)]
+pub struct Tuned {
+    pub entry: Entry,
+    pub cached: bool,
+}
+
+/// Where a sweep is, for a progress bar.
+pub struct Progress<'a> {
+    pub what: &'a str,
+    pub tried: usize,
+    pub estimate: usize,
+}
+
+/// Pages of the tier at one page size: the format, source pages to replicate
+/// and the interpreter reference every candidate is checked against.
+struct PageSetup {
+    format: Format,
+    source: PagedCache,
+    reference: Reference,
+}
+
+/// Splits up to this many are checked at the count that is timed; the
+/// reference's rows hold this many pages and a third.
+const CHECKED_SPLITS: usize = 16;
+
+pub fn tune(
+    gpu: &Gpu,
+    format: &Format,
+    options: &TuneOptions,
+    cache: &mut TuneCache,
+    progress: &mut dyn FnMut(Progress),
+) -> Result<Vec<Tuned>, Box<dyn std::error::Error>> {
+    let kv_heads = options.kv_heads;
+    if kv_heads == 0 || options.q_heads == 0 || !options.q_heads.is_multiple_of(kv_heads) {
+        return Err(format!(
+            "{} query heads is not a positive multiple of {kv_heads} kv heads",
+            options.q_heads
+        )
+        .into());
+    }
+    if options.batch == 0 || options.contexts.contains(&0) || options.contexts.is_empty() {
+        return Err("batch and every context must be at least 1".into());
+    }
+    let tiers: Vec<usize> = match &options.tier {
+        Some(name) => vec![format.tier_index(name).ok_or_else(|| {
+            let names: Vec<_> = format
+                .spec()
+                .tiers
+                .iter()
+                .map(|t| t.name.as_str())
+                .collect();
+            format!(
+                "format {} has no tier `{name}`; its tiers: {}",
+                format.name(),
+                names.join(", ")
+            )
+        })?],
+        None => (0..format.tiers().len()).collect(),
+    };
+    let id = gpu.id();
+    let mut results = Vec::new();
+    for tier in tiers {
+        let mut pages: HashMap<u32, Result<PageSetup, String>> = HashMap::new();
+        for &context in &options.contexts {
+            let shape = ShapeBucket::of(options.batch, options.q_heads, kv_heads, context);
+            let key = TuneKey::new(&id, format, tier, shape);
+            if !options.force {
+                if let Found::Hit(entry) = cache.find(&key) {
+                    results.push(Tuned {
+                        entry: entry.clone(),
+                        cached: true,
+                    });
+                    continue;
+                }
+            }
+            let mut sweep = Sweep {
+                gpu,
+                format,
+                tier,
+                context,
+                options,
+                pages: &mut pages,
+                copies: HashMap::new(),
+                kernels: HashMap::new(),
+            };
+            let entry = sweep.run(key, progress)?;
+            cache.insert(entry.clone());
+            cache.save()?;
+            results.push(Tuned {
+                entry,
+                cached: false,
+            });
+        }
+    }
+    Ok(results)
+}
+
+struct Sweep<'a> {
+    gpu: &'a Gpu,
+    format: &'a Format,
+    tier: usize,
+    context: usize,
+    options: &'a TuneOptions,
+    pages: &'a mut HashMap<u32, Result<PageSetup, String>>,
+    /// Device copies of the timed cache, per page size.
+    copies: HashMap<u32, Vec<DeviceCache>>,
+    /// Loaded kernels per configuration (splits aside: they are a launch parameter).
+    kernels: HashMap<KernelConfig, Result<FormatKernels, String>>,
+}
+
+impl Sweep<'_> {
+    fn run(
+        &mut self,
+        key: TuneKey,
+        progress: &mut dyn FnMut(Progress),
+    ) -> Result<Entry, Box<dyn std::error::Error>> {
+        let started = Instant::now();
+        let default = KernelConfig::default_for(self.format);
+        let space = Space::around(&default, &self.options.page_items);
+        let what = format!("{}/{} @{}", key.format, key.tier, self.context);
+        let estimate = match self.options.strategy {
+            Strategy::Exhaustive => space.all(default).len(),
+            Strategy::Auto if space.size() <= self.options.exhaustive_limit => {
+                space.all(default).len()
+            }
+            _ => {
+                2 * [
+                    space.page_items.len(),
+                    space.warps.len(),
+                    space.splits.len(),
+                    space.tile_items.len(),
+                    space.head_block.len(),
+                    space.max_accumulators.len(),
+                ]
+                .iter()
+                .sum::<usize>()
+            }
+        };
+        let mut candidates: Vec<Candidate> = Vec::new();
+        let report = search(
+            &space,
+            default,
+            self.options.strategy,
+            self.options.exhaustive_limit,
+            |config| {
+                progress(Progress {
+                    what: &what,
+                    tried: candidates.len(),
+                    estimate: estimate.max(candidates.len() + 1),
+                });
+                let candidate = self.measure(config);
+                let measured: Measured = candidate
+                    .ms
+                    .ok_or_else(|| candidate.skipped.clone().unwrap_or_default());
+                candidates.push(candidate);
+                measured
+            },
+        );
+        let mut winner = report.best.map_or(default, |b| report.trials[b].0);
+        let mut confirmation = None;
+        if winner != default && candidates[0].ms.is_some() {
+            let (default_ms, winner_ms) = self.confirm(default, winner)?;
+            confirmation = Some(Confirmation {
+                default_ms,
+                winner_ms,
+                rounds: self.options.confirm_rounds.max(1),
+            });
+            if winner_ms >= default_ms {
+                winner = default;
+            }
+        }
+        Ok(Entry {
+            key,
+            default,
+            winner,
+            confirmation,
+            candidates,
+            search: report.strategy,
+            space_size: report.space_size,
+            seconds: started.elapsed().as_secs_f64(),
+            created: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs()),
+            kvcc_version: env!("CARGO_PKG_VERSION").to_string(),
+        })
+    }
+
+    /// Generates, checks and times one candidate; any failure is the reason it
+    /// is skipped.
+    fn measure(&mut self, config: &KernelConfig) -> Candidate {
+        let mut candidate = Candidate {
+            config: *config,
+            ms: None,
+            min_ms: None,
+            max_ms: None,
+            max_rel_error: None,
+            skipped: None,
+        };
+        match self.check_and_time(config, &mut candidate.max_rel_error) {
+            Ok(t) => {
+                candidate.ms = Some(t.ms);
+                candidate.min_ms = Some(t.min_ms);
+                candidate.max_ms = Some(t.max_ms);
+            }
+            Err(reason) => candidate.skipped = Some(reason),
+        }
+        candidate
+    }
+
+    fn check_and_time(
+        &mut self,
+        config: &KernelConfig,
+        error: &mut Option<f64>,
+    ) -> Result<Timing, String> {
+        self.setup(config.page_items)?;
+        self.load(config)?;
+        let generated = KernelConfig {
+            splits: None,
+            ..*config
+        };
+        if !self.copies.contains_key(&config.page_items) {
+            let setup = self.pages[&config.page_items]
+                .as_ref()
+                .map_err(String::clone)?;
+            let kernels = self.kernels[&generated].as_ref().map_err(String::clone)?;
+            let host = setup
+                .source
+                .replicate(self.options.batch, self.context)
+                .map_err(|e| e.to_string())?;
+            let copies = upload_copies(self.gpu, kernels, &host, self.options.rotate_bytes)
+                .map_err(|e| format!("uploading pages: {e}"))?;
+            self.copies.insert(config.page_items, copies);
+        }
+        let setup = self.pages[&config.page_items]
+            .as_ref()
+            .map_err(String::clone)?;
+        let kernels = self.kernels[&generated].as_ref().map_err(String::clone)?;
+        let caches = &self.copies[&config.page_items];
+        let mut steps = decode_steps(
+            self.gpu,
+            kernels,
+            caches,
+            self.options.q_heads,
+            self.options.seed,
+        )
+        .map_err(|e| e.to_string())?;
+        // Checked at the split count that is timed (rows of the reference hold
+        // CHECKED_SPLITS pages and a third, so larger counts are checked at that).
+        let timed_splits = steps[0].splits.clone();
+        let e = setup
+            .reference
+            .check(self.gpu, kernels, Some(timed_splits))
+            .map_err(|e| format!("launch: {e}"))?;
+        *error = Some(e);
+        if e > TOLERANCE {
+            return Err(format!(
+                "output differs from the interpreter (max relative error {e:.2e})"
+            ));
+        }
+        time_steps(
+            self.gpu,
+            kernels,
+            caches,
+            &mut steps,
+            self.options.warmup,
+            self.options.iters,
+        )
+        .map_err(|e| format!("launch: {e}"))
+    }
+
+    /// Encodes the tier's pages at `items` per page and computes the reference.
+    fn setup(&mut self, items: u32) -> Result<(), String> {
+        if !self.pages.contains_key(&items) {
+            let setup = (|| -> Result<PageSetup, Box<dyn std::error::Error>> {
+                let format = with_page_items(self.format, items)?;
+                let source =
+                    source_cache(&format, self.tier, self.options.kv_heads, self.options.seed)?;
+                let tokens = (CHECKED_SPLITS * items as usize + items as usize / 3).max(1);
+                let reference = Reference::new(
+                    &source,
+                    self.options.q_heads,
+                    tokens,
+                    self.options.seed ^ 0x51,
+                )?;
+                Ok(PageSetup {
+                    format,
+                    source,
+                    reference,
+                })
+            })()
+            .map_err(|e| format!("pages of {items} items: {e}"));
+            self.pages.insert(items, setup);
+        }
+        self.pages[&items]
+            .as_ref()
+            .map(|_| ())
+            .map_err(String::clone)
+    }
+
+    /// Kernels for `config` (every tier at it; only the tuned tier has pages),
+    /// launching `config.splits`.
+    fn load(&mut self, config: &KernelConfig) -> Result<(), String> {
+        let generated = KernelConfig {
+            splits: None,
+            ..*config
+        };
+        if !self.kernels.contains_key(&generated) {
+            let setup = self.pages[&config.page_items]
+                .as_ref()
+                .map_err(String::clone)?;
+            let configs = vec![generated; setup.format.tiers().len()];
+            let group = (self.options.q_heads / self.options.kv_heads) as u32;
+            let kernels = FormatKernels::load_configs(self.gpu, &setup.format, &configs, group)
+                .map_err(|e| format!("codegen/load: {e}"));
+            self.kernels.insert(generated, kernels);
+        }
+        let kernels = self
+            .kernels
+            .get_mut(&generated)
+            .expect("inserted above")
+            .as_mut()
+            .map_err(|e| e.clone())?;
+        kernels.splits[self.tier] = config.splits;
+        Ok(())
+    }
+
+    /// Default and winner timed alternately; the median of each one's medians.
+    fn confirm(
+        &mut self,
+        default: KernelConfig,
+        winner: KernelConfig,
+    ) -> Result<(f64, f64), Box<dyn std::error::Error>> {
+        let rounds = self.options.confirm_rounds.max(1);
+        let mut times = [Vec::new(), Vec::new()];
+        for _ in 0..rounds {
+            for (slot, config) in [default, winner].iter().enumerate() {
+                let mut error = None;
+                let t = self.check_and_time(config, &mut error)?;
+                times[slot].push(t.ms);
+            }
+        }
+        let median = |v: &mut Vec<f64>| {
+            v.sort_by(f64::total_cmp);
+            v[v.len() / 2]
+        };
+        Ok((median(&mut times[0]), median(&mut times[1])))
+    }
+}
