@@ -36,7 +36,7 @@ impl Space {
         if !splits.contains(&default.splits) {
             splits.insert(0, default.splits);
         }
-        let mut tile_items = vec![None, Some(32)];
+        let mut tile_items = vec![None, Some(16), Some(32), Some(64), Some(128)];
         if !tile_items.contains(&default.tile_items) {
             tile_items.insert(0, default.tile_items);
         }
@@ -254,21 +254,18 @@ mod tests {
     #[test]
     fn the_space_holds_the_default_and_merges_equivalent_tiles() {
         let s = space();
-        assert_eq!(s.size(), 4 * 3 * 5 * 2 * 2 * 2);
+        assert_eq!(s.size(), 4 * 3 * 5 * 5 * 2 * 2);
         let all = s.all(default());
         assert_eq!(all[0], default());
-        // tile 32 on 32-item pages is the whole page: one point, not two.
-        let p32_whole = all
-            .iter()
-            .filter(|c| c.page_items == 32 && c.tile_items.is_none())
-            .count();
-        let p32_tiled = all
-            .iter()
-            .filter(|c| c.page_items == 32 && c.tile_items.is_some())
-            .count();
-        assert_eq!(p32_tiled, 0);
-        assert_eq!(p32_whole, 3 * 5 * 2 * 2);
-        assert_eq!(all.len(), s.size() - p32_whole);
+        // Tiles of at least a page are the whole page: on 32-item pages, tiles
+        // 32, 64 and 128 merge with the whole page (16 stays).
+        let on = |items: u32| all.iter().filter(move |c| c.page_items == items).count();
+        let others = 3 * 5 * 2 * 2;
+        assert_eq!(on(32), 2 * others);
+        assert_eq!(on(64), 3 * others);
+        assert_eq!(on(128), 4 * others);
+        assert_eq!(on(256), 5 * others);
+        assert_eq!(all.len(), 14 * others);
     }
 
     #[test]
