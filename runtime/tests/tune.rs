@@ -127,6 +127,28 @@ fn entries_round_trip_and_are_found_by_key() {
 }
 
 #[test]
+fn a_winner_that_loses_the_confirmation_leaves_the_default() {
+    let f = spec(8, 64);
+    let mut e = entry(&f, 0, &h200(), 64);
+    // The search's fastest candidate was slower than the default when both
+    // were timed alternately: the sweep keeps the default.
+    e.confirmation = Some(kvcc_runtime::tune::store::Confirmation {
+        default_ms: 0.40,
+        winner_ms: 0.41,
+        rounds: 3,
+    });
+    e.winner = e.default;
+    assert_eq!(e.winner_ms(), Some(0.40));
+    assert_eq!(e.default_ms(), Some(0.40));
+    let dir = tempfile::tempdir().unwrap();
+    let mut cache = TuneCache::open(&dir.path().join("t.json"));
+    cache.insert(e);
+    let r = resolve(&cache, &h200(), &f, shape());
+    assert_eq!(r.configs[0], KernelConfig::default_for(&f));
+    assert!(matches!(r.sources[0], Source::Tuned { ms, default_ms: Some(d) } if ms == d));
+}
+
+#[test]
 fn a_spec_change_invalidates_the_entry() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("tune.json");

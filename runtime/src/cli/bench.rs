@@ -9,14 +9,19 @@
 
 use std::path::Path;
 
+use std::collections::HashMap;
+
 use kvcc_compiler::Format;
 use serde::{Deserialize, Serialize};
+
+use crate::cache::PagedCache;
 
 use crate::cuda::measure::{
     decode_steps, source_cache, time_steps, upload_copies, Reference, TOLERANCE,
 };
 use crate::cuda::{FormatKernels, Gpu};
 use crate::table::Table;
+use crate::tune::config::with_page_items;
 use crate::tune::lookup::{self, Source};
 use crate::tune::{KernelConfig, ShapeBucket};
 
@@ -125,38 +130,55 @@ pub fn run(
     let mut rows = Vec::new();
     for format in formats {
         let d = format.head_dim() as usize;
-        let items = format.spec().page.items as usize;
         let group = (options.q_heads / options.kv_heads.max(1)) as u32;
-        // Kernels per distinct configuration (contexts in one bucket share them).
-        let mut loaded: Vec<(Vec<KernelConfig>, FormatKernels)> = Vec::new();
+        // Kernels per page size and configuration (contexts in one bucket share them).
+        let mut loaded: Vec<(u32, Vec<KernelConfig>, FormatKernels)> = Vec::new();
         for tier in 0..format.tiers().len() {
             let name = format.layout(tier).name.clone();
-            let source = source_cache(format, tier, options.kv_heads, options.seed)?;
-            let reference = Reference::new(
-                &source,
-                options.q_heads,
-                5 * items + items / 3,
-                options.seed ^ 0x51,
-            )?;
+            // Per page size: the format, its pages and the interpreter's reference.
+            let mut pages: HashMap<u32, (Format, PagedCache, Reference)> = HashMap::new();
             for &context in &options.contexts {
                 progress(&format!("{}/{name} @{context}", format.name()));
                 let shape =
                     ShapeBucket::of(options.batch, options.q_heads, options.kv_heads, context);
+                // Tuned: pages encoded at the page size the tuner chose, as a
+                // user re-encoding on its advice would have them.
+                let items = options
+                    .tuned
+                    .then(|| lookup::tuned_page_items(&gpu.id(), format, tier, shape))
+                    .flatten()
+                    .unwrap_or(format.spec().page.items);
+                if !pages.contains_key(&items) {
+                    let paged = with_page_items(format, items)?;
+                    let source = source_cache(&paged, tier, options.kv_heads, options.seed)?;
+                    let n = items as usize;
+                    let reference = Reference::new(
+                        &source,
+                        options.q_heads,
+                        5 * n + n / 3,
+                        options.seed ^ 0x51,
+                    )?;
+                    pages.insert(items, (paged, source, reference));
+                }
+                let (paged, source, reference) = &pages[&items];
                 let resolution = if options.tuned {
-                    lookup::resolve_default(&gpu.id(), format, shape)
+                    lookup::resolve_default(&gpu.id(), paged, shape)
                 } else {
-                    lookup::defaults(format, "--no-tune")
+                    lookup::defaults(paged, "--no-tune")
                 };
-                let at = match loaded.iter().position(|(c, _)| *c == resolution.configs) {
+                let at = match loaded
+                    .iter()
+                    .position(|(p, c, _)| *p == items && *c == resolution.configs)
+                {
                     Some(at) => at,
                     None => {
                         let kernels =
-                            FormatKernels::load_configs(&gpu, format, &resolution.configs, group)?;
-                        loaded.push((resolution.configs.clone(), kernels));
+                            FormatKernels::load_configs(&gpu, paged, &resolution.configs, group)?;
+                        loaded.push((items, resolution.configs.clone(), kernels));
                         loaded.len() - 1
                     }
                 };
-                let kernels = &loaded[at].1;
+                let kernels = &loaded[at].2;
                 let error = reference.check(&gpu, kernels, None)?;
                 if error > TOLERANCE {
                     return Err(format!("{}/{name}: GPU output differs from the interpreter (max relative error {error:.2e}); not timing a wrong kernel", format.name()).into());

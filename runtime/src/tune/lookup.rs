@@ -130,6 +130,36 @@ pub fn report_once(message: &str) {
     }
 }
 
+/// The cache at the default location, read once per process (its problems
+/// reported once).
+fn default_cache() -> &'static TuneCache {
+    static CACHE: OnceLock<TuneCache> = OnceLock::new();
+    CACHE.get_or_init(|| {
+        let cache = TuneCache::open_default();
+        for problem in cache.problems() {
+            report_once(problem);
+        }
+        cache
+    })
+}
+
+/// The page size the default cache's winner for `tier` at `shape` uses, if
+/// there is a (fresh) entry: what to encode pages with to get the tuned speed.
+pub fn tuned_page_items(
+    gpu: &GpuId,
+    format: &Format,
+    tier: usize,
+    shape: ShapeBucket,
+) -> Option<u32> {
+    if lookups_disabled() {
+        return None;
+    }
+    match default_cache().find(&TuneKey::new(gpu, format, tier, shape)) {
+        Found::Hit(entry) => Some(entry.winner.page_items),
+        _ => None,
+    }
+}
+
 /// Whether `KVCC_TUNE=off` turned lookups off.
 pub fn lookups_disabled() -> bool {
     std::env::var(SWITCH_VARIABLE).is_ok_and(|v| v == "off" || v == "0")
@@ -138,14 +168,10 @@ pub fn lookups_disabled() -> bool {
 /// The runtime's lookup: the default cache file (read once per process, its
 /// problems reported once), or defaults when lookups are off.
 pub fn resolve_default(gpu: &GpuId, format: &Format, shape: ShapeBucket) -> Resolution {
-    static CACHE: OnceLock<TuneCache> = OnceLock::new();
     if lookups_disabled() {
         return defaults(format, &format!("{SWITCH_VARIABLE}=off"));
     }
-    let cache = CACHE.get_or_init(TuneCache::open_default);
-    for problem in cache.problems() {
-        report_once(problem);
-    }
+    let cache = default_cache();
     let resolution = resolve(cache, gpu, format, shape);
     for source in &resolution.sources {
         if let Source::Default { reason } = source {

@@ -74,6 +74,10 @@ impl Entry {
     }
 
     pub fn winner_ms(&self) -> Option<f64> {
+        // The default kept after the confirmation was its winner's equal or better.
+        if self.winner == self.default {
+            return self.default_ms();
+        }
         match self.confirmation {
             Some(c) => Some(c.winner_ms),
             None => self.ms_of(&self.winner),
