@@ -183,6 +183,35 @@ fn bar(total: u64, message: &str) -> ProgressBar {
     bar
 }
 
+/// Writes `report` as JSON to `save` if given, and prints it as JSON or as
+/// `render`'s table.
+fn emit<T: serde::Serialize>(
+    report: &T,
+    save: Option<PathBuf>,
+    json: bool,
+    render: impl FnOnce() -> String,
+) -> Result<(), Box<dyn std::error::Error>> {
+    if let Some(path) = save {
+        std::fs::write(&path, serde_json::to_string_pretty(report)?)
+            .map_err(|e| format!("{}: {e}", path.display()))?;
+    }
+    if json {
+        println!("{}", serde_json::to_string_pretty(report)?);
+    } else {
+        println!("{}", render());
+    }
+    Ok(())
+}
+
+/// The tune cache at its default location; what is wrong with it is a warning.
+fn open_tune_cache() -> TuneCache {
+    let cache = TuneCache::open_default();
+    for problem in cache.problems() {
+        eprintln!("warning: {problem}");
+    }
+    cache
+}
+
 fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
     match cli.command {
         Command::Check {
@@ -192,11 +221,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
         } => {
             let format = Format::load(&spec)?;
             let report = check::report(&format, context);
-            if json {
-                println!("{}", serde_json::to_string_pretty(&report)?);
-            } else {
-                println!("{}", check::render(&report));
-            }
+            emit(&report, None, json, || check::render(&report))?;
         }
         Command::Demo {
             specs,
@@ -220,11 +245,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                 progress.inc(1);
             })?;
             progress.finish_and_clear();
-            if json {
-                println!("{}", serde_json::to_string_pretty(&rows)?);
-            } else {
-                println!("{}", demo::render(&rows, &options));
-            }
+            emit(&rows, None, json, || demo::render(&rows, &options))?;
         }
         Command::Bench {
             specs,
@@ -262,15 +283,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                 progress.inc(1);
             })?;
             progress.finish_and_clear();
-            if let Some(path) = save {
-                std::fs::write(&path, serde_json::to_string_pretty(&report)?)
-                    .map_err(|e| format!("{}: {e}", path.display()))?;
-            }
-            if json {
-                println!("{}", serde_json::to_string_pretty(&report)?);
-            } else {
-                println!("{}", bench::render(&report));
-            }
+            emit(&report, save, json, || bench::render(&report))?;
         }
         Command::Tune {
             spec,
@@ -307,10 +320,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                 ..Default::default()
             };
             let gpu = Gpu::open()?;
-            let mut cache = TuneCache::open_default();
-            for problem in cache.problems() {
-                eprintln!("warning: {problem}");
-            }
+            let mut cache = open_tune_cache();
             let progress = bar(1, "tune");
             let mut results = Vec::new();
             for format in &formats {
@@ -322,21 +332,10 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             }
             progress.finish_and_clear();
             let report = cli::tune::report(&cache, &results);
-            if let Some(path) = save {
-                std::fs::write(&path, serde_json::to_string_pretty(&report)?)
-                    .map_err(|e| format!("{}: {e}", path.display()))?;
-            }
-            if json {
-                println!("{}", serde_json::to_string_pretty(&report)?);
-            } else {
-                println!("{}", cli::tune::render(&cache, &results));
-            }
+            emit(&report, save, json, || cli::tune::render(&cache, &results))?;
         }
         Command::TuneCache { action } => {
-            let mut cache = TuneCache::open_default();
-            for problem in cache.problems() {
-                eprintln!("warning: {problem}");
-            }
+            let mut cache = open_tune_cache();
             match action {
                 CacheAction::Path => println!("{}", cache.path().display()),
                 CacheAction::Show { json } => {
@@ -399,11 +398,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                 |done, _| progress.set_position(done as u64),
             )?;
             progress.finish_and_clear();
-            if json {
-                println!("{}", serde_json::to_string_pretty(&report)?);
-            } else {
-                println!("{}", eval::render(&report));
-            }
+            emit(&report, None, json, || eval::render(&report))?;
         }
     }
     Ok(())
