@@ -127,6 +127,20 @@ pub struct Plan {
     pub max: u32,
     pub sum: u32,
     pub decay: u32,
+    /// Per score head slot (`head_stride` of them): the tile's largest logit
+    /// as an order-preserving u32 key (`red.shared.max`), read only by tiles
+    /// that move the softmax reference (see [`Plan::fused_softmax`]).
+    pub tile_max: u32,
+    /// Score units (item, score head block) per thread when each thread owns
+    /// a static set of them: `ceil(tile_items · score_head_blocks / threads)`.
+    pub score_units: u32,
+    /// Whether the softmax is folded into the score phase (the score threads
+    /// keep their logits, softmax reference and partial sums in registers):
+    /// when `score_units · score_head_block` registers per kind stay few.
+    pub fused_softmax: bool,
+    /// Whether the accumulators stay in registers across tiles (one round of
+    /// channels per head block, one head block).
+    pub register_accumulators: bool,
     /// Two tile buffers, then the tile's logits (softmax weights after the
     /// softmax phase): item `i`, head `h` at float `i * head_stride + h`, so
     /// the accumulate phase loads a head block's weights as vectors.
@@ -284,11 +298,12 @@ impl Plan {
         let max = bump.take(state_bytes);
         let sum = bump.take(state_bytes);
         let decay = bump.take(state_bytes);
+        // Every head of every score block has a slot (the last block may pass group_max).
+        let head_stride = (head_blocks * head_block).div_ceil(4) * 4;
+        let tile_max = bump.take(4 * head_stride);
 
         let stream_start = bump.0;
         let buffers = bump.take(2 * buffer_bytes);
-        // Every head of every block has a slot (the last block may pass group_max).
-        let head_stride = (head_blocks * head_block).div_ceil(4) * 4;
         let logits = bump.take(head_stride * 4 * tile_items);
         let stream_end = bump.0;
         let mut epilogue_bump = Bump(stream_start);
@@ -328,6 +343,9 @@ impl Plan {
                 target: options.target.name(),
             });
         }
+        let score_units = (tile_items * score_head_blocks).div_ceil(threads);
+        let fused_softmax = score_units * score_head_block <= FUSED_SCORE_REGISTERS;
+        let register_accumulators = head_blocks * accumulate.channel_rounds == 1;
         Ok(Plan {
             threads,
             warps: options.warps,
@@ -352,6 +370,10 @@ impl Plan {
             max,
             sum,
             decay,
+            tile_max,
+            score_units,
+            fused_softmax,
+            register_accumulators,
             buffers,
             logits,
             head_stride,
@@ -392,6 +414,11 @@ fn tile_items(
     let tiles = items.div_ceil(wanted.max(quantum));
     round_up(items.div_ceil(tiles), quantum).min(items)
 }
+
+/// Most (unit, head) logits a thread keeps in registers for the fused softmax
+/// (each also has a reference and a partial sum); beyond, the separate
+/// softmax phase.
+const FUSED_SCORE_REGISTERS: u32 = 8;
 
 /// Adjacent channels per accumulate unit, where the channels split evenly
 /// and the head block leaves room for that many times the accumulators.
