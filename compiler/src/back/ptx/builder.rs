@@ -777,6 +777,17 @@ impl Kernel {
         self.line(format_args!("ld.shared.u{bits} {d}, {at}"));
         d
     }
+    /// 8 bytes; `at` must be 8-byte aligned.
+    pub fn ld_shared_v2<T: Bits32>(&mut self, at: Shared) -> [Reg<T>; 2] {
+        let d = [self.reg(), self.reg()];
+        self.line(format_args!(
+            "ld.shared.v2.{} {{{}, {}}}, {at}",
+            T::SUFFIX,
+            d[0],
+            d[1]
+        ));
+        d
+    }
     /// 16 bytes; `at` must be 16-byte aligned.
     pub fn ld_shared_v4<T: Bits32>(&mut self, at: Shared) -> [Reg<T>; 4] {
         let d = [self.reg(), self.reg(), self.reg(), self.reg()];
