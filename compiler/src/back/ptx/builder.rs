@@ -388,6 +388,13 @@ impl Kernel {
     pub fn bar_sync(&mut self) {
         self.line(format_args!("bar.sync 0"));
     }
+    /// `bar.sync` that also returns, to every thread, whether `p` held in any
+    /// thread of the CTA (`__syncthreads_or`); it orders memory as `bar.sync`.
+    pub fn bar_red_or(&mut self, p: Reg<Pred>) -> Reg<Pred> {
+        let d = self.reg();
+        self.line(format_args!("bar.red.or.pred {d}, 0, {p}"));
+        d
+    }
     /// Orders the shared-memory accesses of all 32 lanes of the warp: lanes
     /// are scheduled independently (sm_70+), so a value lanes read and one
     /// lane then overwrites needs this between the reads and the write.
@@ -464,6 +471,11 @@ impl Kernel {
         let (a, b) = (a.into(), b.into());
         self.line(format_args!("mul.{} {d}, {a}, {b}", T::MUL));
         d
+    }
+    /// `dst = a * b` into an existing register.
+    pub fn mul_to<T: Arith>(&mut self, dst: Reg<T>, a: impl Into<Op<T>>, b: impl Into<Op<T>>) {
+        let (a, b) = (a.into(), b.into());
+        self.line(format_args!("mul.{} {dst}, {a}, {b}", T::MUL));
     }
     pub fn min<T: Arith>(&mut self, a: impl Into<Op<T>>, b: impl Into<Op<T>>) -> Reg<T> {
         let d = self.reg();
@@ -574,6 +586,12 @@ impl Kernel {
         let d = self.reg();
         let (a, b) = (a.into(), b.into());
         self.line(format_args!("or.b32 {d}, {a}, {b}"));
+        d
+    }
+    pub fn xor(&mut self, a: impl Into<Op<U32>>, b: impl Into<Op<U32>>) -> Reg<U32> {
+        let d = self.reg();
+        let (a, b) = (a.into(), b.into());
+        self.line(format_args!("xor.b32 {d}, {a}, {b}"));
         d
     }
     /// `a << b`; amounts of 32 or more give 0.
@@ -759,6 +777,17 @@ impl Kernel {
         self.line(format_args!("ld.shared.u{bits} {d}, {at}"));
         d
     }
+    /// 8 bytes; `at` must be 8-byte aligned.
+    pub fn ld_shared_v2<T: Bits32>(&mut self, at: Shared) -> [Reg<T>; 2] {
+        let d = [self.reg(), self.reg()];
+        self.line(format_args!(
+            "ld.shared.v2.{} {{{}, {}}}, {at}",
+            T::SUFFIX,
+            d[0],
+            d[1]
+        ));
+        d
+    }
     /// 16 bytes; `at` must be 16-byte aligned.
     pub fn ld_shared_v4<T: Bits32>(&mut self, at: Shared) -> [Reg<T>; 4] {
         let d = [self.reg(), self.reg(), self.reg(), self.reg()];
@@ -786,6 +815,10 @@ impl Kernel {
             values[2],
             values[3]
         ));
+    }
+    /// Atomic `*at = max(*at, value)` in shared memory, no result.
+    pub fn red_shared_max(&mut self, at: Shared, value: Reg<U32>) {
+        self.line(format_args!("red.shared.max.u32 {at}, {value}"));
     }
     /// Read-only, non-coherent global load (tables, page lists, queries).
     pub fn ld_global_nc<T: Bits32>(&mut self, at: Global) -> Reg<T> {

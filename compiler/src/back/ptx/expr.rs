@@ -300,7 +300,7 @@ fn global_element(k: &mut Kernel, base: Reg<U64>, index: Op<U32>) -> Global {
     }
 }
 
-fn operands(expr: &Expr) -> Vec<Handle<Expr>> {
+pub(super) fn operands(expr: &Expr) -> Vec<Handle<Expr>> {
     match *expr {
         Expr::Literal(_) | Expr::Input(_) => vec![],
         Expr::ItemBits { bit_offset, .. } => vec![bit_offset],
@@ -997,7 +997,8 @@ impl ItemReader {
     /// trailing zeros: when every pack's fields lie in one naturally aligned
     /// byte, halfword or word (the item's alignment permitting), one load
     /// per pack and a constant shift per channel (kivi int8 pairs: one
-    /// `ld.shared.u16` instead of an address and a byte load each). `None`
+    /// `ld.shared.u16` instead of an address and a byte load each; f16
+    /// quads: one `ld.shared.v2.u32`). `None`
     /// when they may not.
     fn read_pack(
         &mut self,
@@ -1009,26 +1010,34 @@ impl ItemReader {
         zeros: u32,
     ) -> Option<Vec<Reg<U32>>> {
         let span = step.checked_mul(pack as u32 - 1)?.checked_add(width)?;
-        let unit = [8, 16, 32].into_iter().find(|&unit| {
-            span <= unit && zeros >= unit.trailing_zeros() && self.align >= unit / 8
+        // Two words (quads of f16 channels) when no field straddles them.
+        let in_words = (0..pack as u32).all(|e| (step * e) % 32 + width <= 32);
+        let unit = [8, 16, 32, 64].into_iter().find(|&unit| {
+            span <= unit
+                && zeros >= unit.trailing_zeros()
+                && self.align >= unit / 8
+                && (unit < 64 || in_words)
         })?;
         let mut fields = Vec::with_capacity(offsets.len());
         for first in offsets.iter().step_by(pack) {
-            let bits = match first.u32() {
+            let words = match first.u32() {
                 Op::Reg(offset) => {
                     let byte = k.shr(offset, 3u32);
                     let at = Shared::at(k.add(self.base, byte));
                     match unit {
-                        32 => k.ld_shared(at),
-                        _ => k.ld_shared_narrow(at, unit),
+                        64 => k.ld_shared_v2(at).to_vec(),
+                        32 => vec![k.ld_shared(at)],
+                        _ => vec![k.ld_shared_narrow(at, unit)],
                     }
                 }
                 Op::Imm(_) => unreachable!("a varying offset is a register"),
             };
+            let top = unit.min(32);
             for e in 0..pack as u32 {
-                let shift = step * e;
+                let bits = words[(step * e / 32) as usize];
+                let shift = step * e % 32;
                 // The load zero-extends, so the top field needs no mask.
-                fields.push(match (shift, shift + width == unit) {
+                fields.push(match (shift, shift + width == top) {
                     (0, true) => bits,
                     (_, true) => k.shr(bits, shift),
                     _ => Self::mask(k, bits, Op::Imm(shift), width),

@@ -127,6 +127,20 @@ pub struct Plan {
     pub max: u32,
     pub sum: u32,
     pub decay: u32,
+    /// Per score head slot (`head_stride` of them): the tile's largest logit
+    /// as an order-preserving u32 key (`red.shared.max`), read only by tiles
+    /// that move the softmax reference (see [`Plan::fused_softmax`]).
+    pub tile_max: u32,
+    /// Score units (item, score head block) per thread when each thread owns
+    /// a static set of them: `ceil(tile_items · score_head_blocks / threads)`.
+    pub score_units: u32,
+    /// Whether the softmax is folded into the score phase (the score threads
+    /// keep their logits, softmax reference and partial sums in registers):
+    /// when `score_units · score_head_block` registers per kind stay few.
+    pub fused_softmax: bool,
+    /// Whether the accumulators stay in registers across tiles (one round of
+    /// channels per head block, one head block).
+    pub register_accumulators: bool,
     /// Two tile buffers, then the tile's logits (softmax weights after the
     /// softmax phase): item `i`, head `h` at float `i * head_stride + h`, so
     /// the accumulate phase loads a head block's weights as vectors.
@@ -233,7 +247,14 @@ impl Plan {
         // measured 1% slower on shard/pca64_vq, so such programs stay single.
         let reads_table =
             (module.value.accumulate.exprs.iter()).any(|(_, e)| matches!(e, Expr::Table { .. }));
-        let pack = if reads_table { 1 } else { PACK };
+        let pack = match (
+            reads_table,
+            quads_pay(&module.value.accumulate.exprs, value.align()),
+        ) {
+            (true, _) => 1,
+            (false, true) => PACK,
+            (false, false) => 2,
+        };
         let accumulate = partition(threads, dims, head_block, pack, options.max_accumulators);
 
         // Shared memory: staged tables and the arrays score/accumulate keep for
@@ -284,11 +305,12 @@ impl Plan {
         let max = bump.take(state_bytes);
         let sum = bump.take(state_bytes);
         let decay = bump.take(state_bytes);
+        // Every head of every score block has a slot (the last block may pass group_max).
+        let head_stride = (head_blocks * head_block).div_ceil(4) * 4;
+        let tile_max = bump.take(4 * head_stride);
 
         let stream_start = bump.0;
         let buffers = bump.take(2 * buffer_bytes);
-        // Every head of every block has a slot (the last block may pass group_max).
-        let head_stride = (head_blocks * head_block).div_ceil(4) * 4;
         let logits = bump.take(head_stride * 4 * tile_items);
         let stream_end = bump.0;
         let mut epilogue_bump = Bump(stream_start);
@@ -328,6 +350,9 @@ impl Plan {
                 target: options.target.name(),
             });
         }
+        let score_units = (tile_items * score_head_blocks).div_ceil(threads);
+        let fused_softmax = score_units * score_head_block <= FUSED_SCORE_REGISTERS;
+        let register_accumulators = head_blocks * accumulate.channel_rounds == 1;
         Ok(Plan {
             threads,
             warps: options.warps,
@@ -352,6 +377,10 @@ impl Plan {
             max,
             sum,
             decay,
+            tile_max,
+            score_units,
+            fused_softmax,
+            register_accumulators,
             buffers,
             logits,
             head_stride,
@@ -393,9 +422,51 @@ fn tile_items(
     round_up(items.div_ceil(tiles), quantum).min(items)
 }
 
-/// Adjacent channels per accumulate unit, where the channels split evenly
-/// and the head block leaves room for that many times the accumulators.
-const PACK: u32 = 2;
+/// Most (unit, head) logits a thread keeps in registers for the fused softmax
+/// (each also has a reference and a partial sum); beyond, the separate
+/// softmax phase.
+const FUSED_SCORE_REGISTERS: u32 = 8;
+
+/// Whether quads of channels beat pairs for an accumulate program: every
+/// item field whose offset depends on the channel gives a quad one naturally
+/// aligned load of 32 or 64 bits (f16 or 8-bit fields; the item's alignment
+/// permitting), and no division, remainder or right shift of a channel value
+/// (mosaic's `channel / 2`: uniform over a pair, not over a quad, so its whole
+/// bitmap chain would run per channel). Measured on an H200 (32K context):
+/// quads 3-7% faster on dense f16, spherical and subspace; pairs kept on kivi
+/// int8 (130-byte items: no aligned word, +7% with quads), kivi int4 (4-bit
+/// fields, one halfword per quad, +0.6%) and mosaic (+19%).
+fn quads_pay(exprs: &crate::ir::Arena<Expr>, align: u32) -> bool {
+    use crate::ir::{BinaryOp, Input};
+    let mut varies: Vec<bool> = Vec::with_capacity(exprs.len());
+    for (_, expr) in exprs.iter() {
+        let operand_varies = super::expr::operands(expr)
+            .iter()
+            .any(|h| varies[h.index()]);
+        match *expr {
+            Expr::Binary {
+                op: BinaryOp::Divide | BinaryOp::Modulo | BinaryOp::ShiftRight,
+                ..
+            } if operand_varies => return false,
+            Expr::ItemBits { width, .. } if operand_varies => {
+                let quad = 4 * u32::from(width);
+                if !(32..=64).contains(&quad) || align < quad / 8 {
+                    return false;
+                }
+            }
+            _ => {}
+        }
+        varies.push(operand_varies || matches!(expr, Expr::Input(Input::Channel)));
+    }
+    true
+}
+
+/// Adjacent channels per accumulate unit (at most; fewer where the channels
+/// do not split evenly or the head block leaves no room for that many times
+/// the accumulators). Quads: with the accumulators in registers across tiles
+/// the item lanes' final shuffles are once per CTA, and a quad halves the
+/// weight loads per channel of a pair.
+const PACK: u32 = 4;
 
 /// Splits `dims` channels × `head_block` heads over `threads` (see [`Accumulate`]).
 fn partition(
@@ -405,11 +476,13 @@ fn partition(
     pack: u32,
     max_accumulators: u32,
 ) -> Accumulate {
-    let pack = if dims.is_multiple_of(pack) && pack * head_block <= max_accumulators {
-        pack
-    } else {
-        1
-    };
+    // The largest power of two up to `pack` that divides the channels and
+    // leaves room for the accumulators.
+    let pack = (0..=pack.trailing_zeros())
+        .rev()
+        .map(|z| 1 << z)
+        .find(|&p| dims.is_multiple_of(p) && p * head_block <= max_accumulators)
+        .unwrap_or(1);
     let units = dims / pack;
     if units >= threads {
         let channels = units

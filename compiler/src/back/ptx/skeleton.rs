@@ -360,6 +360,18 @@ impl<'a> Skeleton<'a> {
                 k.st_shared(Shared::at(at).plus(plan.sum.into()), zero);
             },
         );
+        if plan.fused_softmax {
+            self.strided(
+                k,
+                self.tid,
+                Op::Imm(plan.head_stride),
+                plan.threads,
+                |k, h| {
+                    let at = k.mad_lo(h, 4u32, self.smem);
+                    k.st_shared(Shared::at(at).plus(plan.tile_max.into()), ORDER_KEY_NEG_INF);
+                },
+            );
+        }
         let acc = self.m.value.accumulator.index();
         let words = plan.group_max * plan.array_stride[acc] / 4;
         self.strided(k, self.tid, Op::Imm(words), plan.threads, |k, w| {
@@ -586,21 +598,30 @@ impl<'a> Skeleton<'a> {
     }
 
     /// The page loop: double-buffered tiles, score, softmax, accumulate.
+    ///
+    /// Tile `t + 1` is issued right after the barrier that makes tile `t`
+    /// visible: every thread has then finished tile `t - 1`, whose buffer the
+    /// copy overwrites, so no barrier closes a tile.
     fn stream(&self, k: &mut Kernel) {
         let plan = self.plan;
         k.comment("stream the split's tiles, the next one loading during this one");
+        let fused = plan.fused_softmax.then(|| self.score_setup(k));
+        let registers = plan
+            .register_accumulators
+            .then(|| self.accumulate_setup(k, None, None));
         let t = k.mov(0u32);
         let top = k.label();
         k.place(top);
+        k.comment("tile t is in, and every thread is done with tile t - 1");
+        k.cp_async_wait(0);
+        k.bar_sync();
         let next = k.add(t, 1u32);
         let more = k.setp(Cmp::Lt, next, self.tiles);
         let issued = k.label();
         k.bra_if(more, false, issued);
         self.issue_tile(k, next);
-        k.place(issued);
         k.cp_async_commit();
-        k.cp_async_wait(1);
-        k.bar_sync();
+        k.place(issued);
         let buf = self.buffer(k, t);
         let (first, len) = self.tile_span(k, t);
         let stored = k.ld_shared::<U32>(Shared::at(buf).plus(4));
@@ -619,16 +640,304 @@ impl<'a> Skeleton<'a> {
         k.bra_if(nothing, true, done);
         let header = k.add(buf, 16u32);
         let tile = Tile { buf, header, items };
-        self.score(k, &tile);
-        k.bar_sync();
-        self.softmax(k, items);
-        k.bar_sync();
-        self.accumulate(k, &tile);
+        let rescale = match &fused {
+            Some(fused) => Rescale::When(self.score_fused(k, &tile, fused)),
+            None => {
+                self.score(k, &tile);
+                k.bar_sync();
+                self.softmax(k, items);
+                k.bar_sync();
+                Rescale::Always
+            }
+        };
+        match &registers {
+            Some(acc) => self.accumulate_items(k, &tile, acc, Some(rescale)),
+            None => self.accumulate(k, &tile, rescale),
+        }
         k.place(done);
-        k.bar_sync();
         k.add_to(t, t, 1u32);
         let again = k.setp(Cmp::Lt, t, self.tiles);
         k.bra_if(again, true, top);
+        k.comment("every thread is done with the last tile");
+        k.bar_sync();
+        if let Some(acc) = &registers {
+            self.accumulate_store(k, acc, None);
+        }
+        match &fused {
+            Some(fused) => self.score_finish(k, fused),
+            None if registers.is_some() => k.bar_sync(),
+            None => {}
+        }
+    }
+
+    /// Per-thread state of the fused softmax: each thread owns the score units
+    /// `tid + u·threads` (`u < score_units`), unit `idx` being item
+    /// `idx % tile_items` of score head block `idx / tile_items`, for the
+    /// whole stream. Computed once before the page loop.
+    fn score_setup(&self, k: &mut Kernel) -> FusedScore {
+        let plan = self.plan;
+        let hb = plan.score_head_block;
+        k.comment(&format!(
+            "fused softmax: {} score unit(s) of {hb} head(s) per thread",
+            plan.score_units
+        ));
+        let mut reads = HashSet::new();
+        for (_, e) in self.m.key.score.exprs.iter() {
+            if let Expr::Shared { array, .. } = *e {
+                reads.insert(array.index());
+            }
+        }
+        let bases: Vec<Option<Reg<U32>>> = (0..self.m.arrays.len())
+            .map(|a| reads.contains(&a).then(|| self.array_base(k, a)))
+            .collect();
+        let logits = k.add(self.smem, plan.logits);
+        let tile_max = k.add(self.smem, plan.tile_max);
+        let row_bytes = 4 * plan.head_stride;
+        let neg_inf = k.mov(f32::NEG_INFINITY);
+        let zero = k.mov(0.0f32);
+        let units = (0..plan.score_units)
+            .map(|u| {
+                let idx = match u {
+                    0 => self.tid,
+                    _ => k.add(self.tid, u * plan.threads),
+                };
+                let (block, item) = divide(k, idx, plan.tile_items);
+                let block_ok = k.setp(Cmp::Lt, block, self.score_blocks);
+                let at_zero = k.setp(Cmp::Eq, item, 0u32);
+                let first = k.and_pred(at_zero, block_ok);
+                let arrays = bases
+                    .iter()
+                    .enumerate()
+                    .map(|(a, base)| {
+                        base.map(|base| {
+                            let stride = plan.array_stride[a];
+                            ArrayAccess {
+                                base: k.mad_lo(block, hb * stride, base),
+                                replica_stride: stride,
+                            }
+                        })
+                    })
+                    .collect();
+                let row = k.mad_lo(item, row_bytes, logits);
+                let row = k.mad_lo(block, hb * 4, row);
+                let max_at = k.mad_lo(block, hb * 4, tile_max);
+                let state = match plan.score_head_blocks {
+                    1 => self.smem,
+                    _ => k.mad_lo(block, hb * 4, self.smem),
+                };
+                ScoreUnit {
+                    // With one score block, a valid unit's block is 0.
+                    block: (plan.score_head_blocks > 1).then_some(block),
+                    item,
+                    block_ok,
+                    first,
+                    arrays,
+                    row,
+                    max_at,
+                    state,
+                    refs: (0..hb).map(|_| k.mov(neg_inf)).collect(),
+                    sums: (0..hb).map(|_| k.mov(zero)).collect(),
+                }
+            })
+            .collect();
+        FusedScore { units }
+    }
+
+    /// Score and softmax of a tile without a separate softmax phase. Each
+    /// thread computes its units' logits `s` and, against its copy of the
+    /// head's reference `m` (the same in every thread), writes the weights
+    /// `exp(s − m)`. One `bar.red.or` both ends the phase and tells every
+    /// thread whether some logit exceeded its reference by more than
+    /// [`RESCALE_SLACK`]; only then (the first tile, and when the scores
+    /// grow) the tile's maximum is reduced in shared memory, the reference
+    /// moves to max(m, tile max), sums and weights are redone against it and
+    /// the accumulate rescales by the decay. Otherwise the weights stay below
+    /// e^slack = 256 and nothing is rescaled: the math is that of the
+    /// interpreter's softmax with a different (valid) reference, since the
+    /// partial's (out, m, l) are all relative to the same `m`.
+    /// Returns whether the tile rescaled (the same in every thread).
+    fn score_fused(&self, k: &mut Kernel, tile: &Tile, fused: &FusedScore) -> Reg<Pred> {
+        let plan = self.plan;
+        let hb = plan.score_head_block;
+        k.comment("score and softmax weights, against the running reference");
+        let tables = self.staged_tables(k);
+        let items_base = k.add(tile.buf, plan.key.buffer_offset);
+        let scale = k.ld_param(&self.p.softmax_scale);
+        let zero = k.mov(0.0f32);
+        let flag = k.mov(0u32);
+        let mut logits = Vec::new();
+        let mut weights = Vec::new();
+        let mut valid = Vec::new();
+        for unit in &fused.units {
+            let s: Vec<Reg<F32>> = (0..hb).map(|_| k.mov(zero)).collect();
+            let w: Vec<Reg<F32>> = (0..hb).map(|_| k.mov(zero)).collect();
+            let in_tile = k.setp(Cmp::Lt, unit.item, tile.items);
+            let ok = k.and_pred(in_tile, unit.block_ok);
+            let skip = k.label();
+            k.bra_if(ok, false, skip);
+            let item = k.mad_lo(unit.item, plan.key.shared_stride, items_base);
+            let env = Env {
+                replicas: Replicas::Heads(hb),
+                arrays: &unit.arrays,
+                tables: &tables,
+                header: Some(tile.header),
+                item: Some(ItemSource {
+                    base: item,
+                    align: plan.key.align(),
+                }),
+                iteration: None,
+                denominator: None,
+            };
+            let values = expr::emit(k, &self.m.key.score.exprs, &env);
+            let result = self.m.key.score.result.expect("validated functions return");
+            for j in 0..hb {
+                let logit = expr::materialize_f32(k, values.get(result, j as usize).f32());
+                k.mul_to(s[j as usize], logit, scale);
+            }
+            for j in 0..hb {
+                let (s, w, m) = (s[j as usize], w[j as usize], unit.refs[j as usize]);
+                let weight = k.exp_diff(s, m);
+                k.assign(w, weight);
+                let at = Shared::at(unit.row).plus(i64::from(4 * j));
+                let limit = k.add(m, RESCALE_SLACK);
+                let over = k.setp(Cmp::Gt, s, limit);
+                match self.head_ok(k, unit.block, hb, j) {
+                    None => {
+                        k.st_shared(at, w);
+                        k.guarded(over, true, |k| k.assign(flag, 1u32));
+                    }
+                    Some(head) => {
+                        k.guarded(head, true, |k| k.st_shared(at, w));
+                        let over = k.and_pred(over, head);
+                        k.guarded(over, true, |k| k.assign(flag, 1u32));
+                    }
+                }
+            }
+            k.place(skip);
+            logits.push(s);
+            weights.push(w);
+            valid.push(ok);
+        }
+        let need = k.setp(Cmp::Ne, flag, 0u32);
+        let rescale = k.bar_red_or(need);
+        let settled = k.label();
+        k.bra_if(rescale, false, settled);
+        k.comment("rare: move the reference to max(m, tile max), redo the weights");
+        for (u, unit) in fused.units.iter().enumerate() {
+            for j in 0..hb {
+                let ok = match self.head_ok(k, unit.block, hb, j) {
+                    None => valid[u],
+                    Some(head) => k.and_pred(head, valid[u]),
+                };
+                let key = order_key(k, logits[u][j as usize]);
+                let at = Shared::at(unit.max_at).plus(i64::from(4 * j));
+                k.guarded(ok, true, |k| k.red_shared_max(at, key));
+            }
+        }
+        k.bar_sync();
+        let mut owners = Vec::new();
+        for (u, unit) in fused.units.iter().enumerate() {
+            for j in 0..hb {
+                let ju = j as usize;
+                let at = Shared::at(unit.max_at).plus(i64::from(4 * j));
+                // Units past the group's blocks have no slot to read.
+                let key = k.mov(ORDER_KEY_NEG_INF);
+                k.guarded(unit.block_ok, true, |k| {
+                    let stored = k.ld_shared::<U32>(at);
+                    k.assign(key, stored);
+                });
+                let tile_max = from_order_key(k, key);
+                let old = unit.refs[ju];
+                let new = k.max(old, tile_max);
+                let same = k.setp(Cmp::Eq, new, old);
+                let decay = k.exp_diff(old, new);
+                // Also keeps exp(-inf + inf) out of heads with no logits yet.
+                let decay = k.selp(1.0f32, decay, same);
+                k.mul_to(unit.sums[ju], unit.sums[ju], decay);
+                k.assign(old, new);
+                let weight = k.exp_diff(logits[u][ju], new);
+                let weight = k.selp(weight, 0.0f32, valid[u]);
+                k.assign(weights[u][ju], weight);
+                let head = self.head_ok(k, unit.block, hb, j);
+                let store = match head {
+                    None => valid[u],
+                    Some(head) => k.and_pred(head, valid[u]),
+                };
+                let w_at = Shared::at(unit.row).plus(i64::from(4 * j));
+                k.guarded(store, true, |k| k.st_shared(w_at, weight));
+                // One thread per head (its unit at item 0) publishes the new
+                // reference and the accumulators' decay.
+                let owner = match head {
+                    None => unit.first,
+                    Some(head) => k.and_pred(head, unit.first),
+                };
+                let state = Shared::at(unit.state).plus(i64::from(4 * j));
+                k.guarded(owner, true, |k| {
+                    k.st_shared(state.plus(plan.max.into()), new);
+                    k.st_shared(state.plus(plan.decay.into()), decay);
+                });
+                owners.push((owner, at));
+            }
+        }
+        k.bar_sync();
+        k.comment("every thread has read the tile maxima: reset them");
+        for (owner, at) in owners {
+            k.guarded(owner, true, |k| k.st_shared(at, ORDER_KEY_NEG_INF));
+        }
+        k.place(settled);
+        for (unit, w) in fused.units.iter().zip(&weights) {
+            for (&sum, &w) in unit.sums.iter().zip(w) {
+                k.add_to(sum, sum, w);
+            }
+        }
+        rescale
+    }
+
+    /// After the page loop (all threads past its last barrier): each head's
+    /// sum l from the threads' partial sums, through the logits rows, one
+    /// warp per head.
+    fn score_finish(&self, k: &mut Kernel, fused: &FusedScore) {
+        let plan = self.plan;
+        let hb = plan.score_head_block;
+        k.comment("the softmax sums: partial sums by (item, head), then one warp per head");
+        for unit in &fused.units {
+            for j in 0..hb {
+                let at = Shared::at(unit.row).plus(i64::from(4 * j));
+                let sum = unit.sums[j as usize];
+                let store = match self.head_ok(k, unit.block, hb, j) {
+                    None => unit.block_ok,
+                    Some(head) => k.and_pred(head, unit.block_ok),
+                };
+                k.guarded(store, true, |k| k.st_shared(at, sum));
+            }
+        }
+        k.bar_sync();
+        let warp = k.shr(self.tid, 5u32);
+        let lane = k.and(self.tid, 31u32);
+        let logits = k.add(self.smem, plan.logits);
+        let row_bytes = 4 * plan.head_stride;
+        let h = k.mov(warp);
+        let (top, end) = (k.label(), k.label());
+        k.place(top);
+        let done = k.setp(Cmp::Ge, h, self.group);
+        k.bra_if(done, true, end);
+        let column = k.mad_lo(h, 4u32, logits);
+        let total = k.mov(0.0f32);
+        self.strided(k, lane, Op::Imm(plan.tile_items), 32, |k, i| {
+            let at = k.mad_lo(i, row_bytes, column);
+            let s = k.ld_shared::<F32>(Shared::at(at));
+            k.add_to(total, total, s);
+        });
+        self.warp_reduce(k, total, |k, a, b| k.add(a, b));
+        let leader = k.setp(Cmp::Eq, lane, 0u32);
+        let state = k.mad_lo(h, 4u32, self.smem);
+        k.guarded(leader, true, |k| {
+            k.st_shared(Shared::at(state).plus(plan.sum.into()), total)
+        });
+        k.add_to(h, h, plan.warps);
+        k.bra(top);
+        k.place(end);
+        k.bar_sync();
     }
 
     /// Tables as the per-item programs see them: staged in shared memory.
@@ -808,38 +1117,13 @@ impl<'a> Skeleton<'a> {
         }
     }
 
-    /// acc[h][c] = acc[h][c] * decay[h] + Σ_i p[h][i] · v_i[c] for the tile.
-    fn accumulate(&self, k: &mut Kernel, tile: &Tile) {
+    /// acc[h][c] = acc[h][c] * decay[h] + Σ_i p[h][i] · v_i[c] for the tile,
+    /// with the accumulators in shared memory between tiles (several rounds
+    /// of channels or head blocks).
+    fn accumulate(&self, k: &mut Kernel, tile: &Tile, rescale: Rescale) {
         let plan = self.plan;
         let a = plan.accumulate;
-        let hb = plan.head_block;
-        let dims = plan.dims;
-        k.comment(&format!(
-            "accumulate: {} x {} adjacent channel(s) x {} head(s) per thread, {} item lane(s)",
-            a.channels, a.pack, hb, a.item_lanes
-        ));
-        let tables = self.staged_tables(k);
-        let (slot, lane, leader) = if a.item_lanes == 1 {
-            (self.tid, None, None)
-        } else {
-            let slot = k.shr(self.tid, a.item_lanes.trailing_zeros());
-            let lane = k.and(self.tid, a.item_lanes - 1);
-            let leader = k.setp(Cmp::Eq, lane, 0u32);
-            (slot, Some(lane), Some(leader))
-        };
-        let acc_index = self.m.value.accumulator.index();
-        let acc_stride = plan.array_stride[acc_index];
-        let acc0 = self.array_base(k, acc_index);
-        let decay0 = k.add(self.smem, plan.decay);
-        let logits0 = k.add(self.smem, plan.logits);
-        let items_base = k.add(tile.buf, plan.value.buffer_offset);
-        let row_bytes = 4 * plan.head_stride;
         let rounds = plan.head_blocks * a.channel_rounds;
-        let units = dims / a.pack;
-        let span = a.channels * a.slots;
-        let may_overrun = span * a.channel_rounds > units;
-        let zero = k.mov(0.0f32);
-
         let r = k.mov(0u32);
         let (top, end) = (k.label(), k.label());
         k.place(top);
@@ -854,10 +1138,91 @@ impl<'a> Skeleton<'a> {
         };
         if let Some(b) = block {
             // Rounds go block by block: past the group's last head, stop.
-            let first_head = k.mul(b, hb);
+            let first_head = k.mul(b, plan.head_block);
             let past = k.setp(Cmp::Ge, first_head, self.group);
             k.bra_if(past, true, end);
         }
+        let acc = self.accumulate_setup(k, block, round);
+        // This round's accumulators, rescaled by the tile's decay.
+        let one = k.mov(1.0f32);
+        let decays: Vec<Reg<F32>> = (0..plan.head_block)
+            .map(|j| {
+                let decay = k.ld_shared(Shared::at(acc.decay_block).plus(i64::from(4 * j)));
+                match rescale {
+                    Rescale::Always => decay,
+                    Rescale::When(p) => k.selp(decay, one, p),
+                }
+            })
+            .collect();
+        let acc_stride = plan.array_stride[self.m.value.accumulator.index()];
+        for (at, row) in &acc.acc {
+            for (j, (&sum, &decay)) in row.iter().zip(&decays).enumerate() {
+                let at = Shared::at(*at).plus(i64::from(j as u32 * acc_stride));
+                match acc.leader {
+                    None => {
+                        let old = k.ld_shared::<F32>(at);
+                        k.mul_to(sum, old, decay);
+                    }
+                    // Only the leader reads (and later writes) the
+                    // accumulator: a read by the other item lanes would
+                    // race with the leader's write at the end of the tile.
+                    Some(leader) => k.guarded(leader, true, |k| {
+                        let old = k.ld_shared::<F32>(at);
+                        k.mul_to(sum, old, decay);
+                    }),
+                }
+            }
+        }
+        self.accumulate_items(k, tile, &acc, None);
+        self.accumulate_store(k, &acc, block);
+        if rounds > 1 {
+            k.add_to(r, r, 1u32);
+            let again = k.setp(Cmp::Lt, r, rounds);
+            k.bra_if(again, true, top);
+        }
+        k.place(end);
+    }
+
+    /// A thread's channels of one accumulate round and their accumulator
+    /// registers (zero): of round `round` of head block `block` (`None`: the
+    /// only one).
+    fn accumulate_setup(
+        &self,
+        k: &mut Kernel,
+        block: Option<Reg<U32>>,
+        round: Option<Reg<U32>>,
+    ) -> AccThread {
+        let plan = self.plan;
+        let a = plan.accumulate;
+        let hb = plan.head_block;
+        k.comment(&format!(
+            "accumulate: {} x {} adjacent channel(s) x {} head(s) per thread, {} item lane(s){}",
+            a.channels,
+            a.pack,
+            hb,
+            a.item_lanes,
+            if plan.register_accumulators {
+                ", accumulators in registers across tiles"
+            } else {
+                ""
+            }
+        ));
+        let (slot, lane, leader) = if a.item_lanes == 1 {
+            (self.tid, None, None)
+        } else {
+            let slot = k.shr(self.tid, a.item_lanes.trailing_zeros());
+            let lane = k.and(self.tid, a.item_lanes - 1);
+            let leader = k.setp(Cmp::Eq, lane, 0u32);
+            (slot, Some(lane), Some(leader))
+        };
+        let acc_index = self.m.value.accumulator.index();
+        let acc0 = self.array_base(k, acc_index);
+        let acc_stride = plan.array_stride[acc_index];
+        let decay0 = k.add(self.smem, plan.decay);
+        let logits0 = k.add(self.smem, plan.logits);
+        let units = plan.dims / a.pack;
+        let span = a.channels * a.slots;
+        let may_overrun = span * a.channel_rounds > units;
         let first_unit = match round {
             None => slot,
             Some(cr) => k.mad_lo(cr, span, slot),
@@ -897,49 +1262,66 @@ impl<'a> Skeleton<'a> {
         let acc_block = scaled(k, acc0, hb * acc_stride);
         let decay_block = scaled(k, decay0, hb * 4);
         let logits_block = scaled(k, logits0, hb * 4);
-
-        // Registers: this round's accumulators, rescaled by the tile's decay.
-        let decays: Vec<Reg<F32>> = (0..hb)
-            .map(|j| k.ld_shared(Shared::at(decay_block).plus(i64::from(4 * j))))
+        let zero = k.mov(0.0f32);
+        let acc = channels
+            .iter()
+            .map(|&channel| {
+                let at = k.mad_lo(channel, 4u32, acc_block);
+                (at, (0..hb).map(|_| k.mov(zero)).collect())
+            })
             .collect();
-        let mut acc = Vec::new();
-        for &channel in &channels {
-            let at = k.mad_lo(channel, 4u32, acc_block);
-            let row: Vec<Reg<F32>> = decays
-                .iter()
-                .enumerate()
-                .map(|(j, &decay)| {
-                    let at = Shared::at(at).plus(i64::from(j as u32 * acc_stride));
-                    match leader {
-                        None => {
-                            let old = k.ld_shared::<F32>(at);
-                            k.mul(old, decay)
-                        }
-                        // Only the leader reads (and later writes) the
-                        // accumulator: a read by the other item lanes would
-                        // race with the leader's write at the end of the tile.
-                        Some(leader) => {
-                            let sum = k.mov(zero);
-                            k.guarded(leader, true, |k| {
-                                let old = k.ld_shared::<F32>(at);
-                                let rescaled = k.mul(old, decay);
-                                k.assign(sum, rescaled);
-                            });
-                            sum
-                        }
-                    }
-                })
-                .collect();
-            acc.push((at, row));
+        AccThread {
+            lane,
+            leader,
+            channels,
+            valid,
+            acc,
+            decay_block,
+            logits_block,
         }
+    }
 
-        let start = lane.unwrap_or_else(|| k.mov(0u32));
+    /// The tile's items into the accumulator registers; first, with
+    /// `rescale`, the registers times the tile's decay.
+    fn accumulate_items(
+        &self,
+        k: &mut Kernel,
+        tile: &Tile,
+        acc: &AccThread,
+        rescale: Option<Rescale>,
+    ) {
+        let plan = self.plan;
+        let a = plan.accumulate;
+        let hb = plan.head_block;
+        let rescale_registers = |k: &mut Kernel| {
+            for j in 0..hb {
+                let decay: Reg<F32> =
+                    k.ld_shared(Shared::at(acc.decay_block).plus(i64::from(4 * j)));
+                for (_, row) in &acc.acc {
+                    k.mul_to(row[j as usize], row[j as usize], decay);
+                }
+            }
+        };
+        match rescale {
+            None => {}
+            Some(Rescale::Always) => rescale_registers(k),
+            Some(Rescale::When(p)) => {
+                let kept = k.label();
+                k.bra_if(p, false, kept);
+                rescale_registers(k);
+                k.place(kept);
+            }
+        }
+        let tables = self.staged_tables(k);
+        let items_base = k.add(tile.buf, plan.value.buffer_offset);
+        let row_bytes = 4 * plan.head_stride;
+        let start = acc.lane.unwrap_or_else(|| k.mov(0u32));
         let items = Op::Reg(tile.items);
         self.strided_unrolled(k, start, items, a.item_lanes, a.item_unroll, |k, i| {
             let item = k.mad_lo(i, plan.value.shared_stride, items_base);
             let env = Env {
                 replicas: Replicas::Channels {
-                    channels: &channels,
+                    channels: &acc.channels,
                     pack: a.pack,
                     ranges: &self.info.accumulate.ranges,
                 },
@@ -960,7 +1342,7 @@ impl<'a> Skeleton<'a> {
                 .accumulate
                 .result
                 .expect("validated functions return");
-            let weights_at = Shared::at(k.mad_lo(i, row_bytes, logits_block));
+            let weights_at = Shared::at(k.mad_lo(i, row_bytes, acc.logits_block));
             // A block of a multiple of 4 heads starts 16-byte aligned.
             let weights: Vec<Reg<F32>> = if hb.is_multiple_of(4) {
                 (0..hb / 4)
@@ -971,15 +1353,22 @@ impl<'a> Skeleton<'a> {
                     .map(|j| k.ld_shared(weights_at.plus(i64::from(4 * j))))
                     .collect()
             };
-            for (c, (_, row)) in acc.iter().enumerate() {
+            for (c, (_, row)) in acc.acc.iter().enumerate() {
                 let v = expr::materialize_f32(k, values.get(result, c).f32());
                 for (&sum, &w) in row.iter().zip(&weights) {
                     k.fma_to(sum, w, v, sum);
                 }
             }
         });
+    }
 
-        for (c, (at, row)) in acc.iter().enumerate() {
+    /// Combines the item lanes' sums and stores the accumulators (leader lane,
+    /// channels and heads that exist).
+    fn accumulate_store(&self, k: &mut Kernel, acc: &AccThread, block: Option<Reg<U32>>) {
+        let plan = self.plan;
+        let a = plan.accumulate;
+        let acc_stride = plan.array_stride[self.m.value.accumulator.index()];
+        for (c, (at, row)) in acc.acc.iter().enumerate() {
             for (j, &sum) in row.iter().enumerate() {
                 let mut mask = a.item_lanes / 2;
                 while mask > 0 {
@@ -987,7 +1376,11 @@ impl<'a> Skeleton<'a> {
                     k.add_to(sum, sum, other);
                     mask /= 2;
                 }
-                let conditions = [leader, valid[c], self.head_ok(k, block, hb, j as u32)];
+                let conditions = [
+                    acc.leader,
+                    acc.valid[c],
+                    self.head_ok(k, block, plan.head_block, j as u32),
+                ];
                 let at = Shared::at(*at).plus(i64::from(j as u32 * acc_stride));
                 match all(k, &conditions) {
                     None => k.st_shared(at, sum),
@@ -995,12 +1388,6 @@ impl<'a> Skeleton<'a> {
                 }
             }
         }
-        if rounds > 1 {
-            k.add_to(r, r, 1u32);
-            let again = k.setp(Cmp::Lt, r, rounds);
-            k.bra_if(again, true, top);
-        }
-        k.place(end);
     }
 
     /// The group's partial records: the epilogue output, m and l (or, for a
@@ -1065,6 +1452,81 @@ struct Tile {
     header: Reg<U32>,
     /// Valid items of the tile.
     items: Reg<U32>,
+}
+
+/// How the accumulators take the tile's decay.
+#[derive(Clone, Copy)]
+enum Rescale {
+    /// The softmax phase wrote every head's decay.
+    Always,
+    /// Only when the predicate holds (the fused softmax moved its reference).
+    When(Reg<Pred>),
+}
+
+/// How far (in natural-log units) a logit may exceed the softmax reference
+/// before the reference moves: weights stay below 2^8.
+const RESCALE_SLACK: f32 = 8.0 * std::f32::consts::LN_2;
+
+/// [`order_key`] of −∞.
+const ORDER_KEY_NEG_INF: u32 = !0xFF80_0000;
+
+/// The fused softmax's per-thread state ([`Skeleton::score_setup`]).
+struct FusedScore {
+    units: Vec<ScoreUnit>,
+}
+
+/// One score unit a thread owns for the whole stream.
+struct ScoreUnit {
+    /// Score head block (`None`: there is one, and a valid unit is in it).
+    block: Option<Reg<U32>>,
+    /// Item of the tile.
+    item: Reg<U32>,
+    /// Whether the block holds one of the group's heads.
+    block_ok: Reg<Pred>,
+    /// The block's unit at item 0: it publishes the heads' reference and decay.
+    first: Reg<Pred>,
+    arrays: Vec<Option<ArrayAccess>>,
+    /// Address of the unit's weights (the block's first head) in the logits rows.
+    row: Reg<U32>,
+    /// Address of the block's first tile-maximum slot.
+    max_at: Reg<U32>,
+    /// `smem + 4 · first head of the block` (softmax state arrays at offsets).
+    state: Reg<U32>,
+    /// Per head of the block: the softmax reference and this thread's partial sum.
+    refs: Vec<Reg<F32>>,
+    sums: Vec<Reg<F32>>,
+}
+
+/// A thread's share of one accumulate round ([`Skeleton::accumulate_setup`]).
+struct AccThread {
+    lane: Option<Reg<U32>>,
+    leader: Option<Reg<Pred>>,
+    channels: Vec<Reg<U32>>,
+    valid: Vec<Option<Reg<Pred>>>,
+    /// Per channel: its accumulator's address (the block's first head) and
+    /// one register per head of the block.
+    acc: Vec<(Reg<U32>, Vec<Reg<F32>>)>,
+    decay_block: Reg<U32>,
+    logits_block: Reg<U32>,
+}
+
+/// An f32's bits as a u32 whose unsigned order is the floats' order (NaN
+/// aside): sign set → all bits flipped, else the sign bit set.
+fn order_key(k: &mut Kernel, x: Reg<F32>) -> Reg<U32> {
+    let bits = k.bitcast::<F32, U32>(x);
+    let negative = k.setp(Cmp::Ge, bits, 0x8000_0000u32);
+    let flipped = k.xor(bits, 0xFFFF_FFFFu32);
+    let signed = k.or(bits, 0x8000_0000u32);
+    k.selp(flipped, signed, negative)
+}
+
+/// The inverse of [`order_key`].
+fn from_order_key(k: &mut Kernel, key: Reg<U32>) -> Reg<F32> {
+    let positive = k.setp(Cmp::Ge, key, 0x8000_0000u32);
+    let cleared = k.xor(key, 0x8000_0000u32);
+    let flipped = k.xor(key, 0xFFFF_FFFFu32);
+    let bits = k.selp(cleared, flipped, positive);
+    k.bitcast::<U32, F32>(bits)
 }
 
 /// Arrays a stage reads or writes.
