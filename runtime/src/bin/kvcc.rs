@@ -136,6 +136,10 @@ enum Command {
         warmup: usize,
         #[arg(long, default_value_t = 30)]
         iters: usize,
+        /// Least time a winner must save over the default (in the alternating
+        /// confirmation) to replace it, as a fraction; below it is noise.
+        #[arg(long, default_value_t = 0.01)]
+        min_gain: f64,
         /// Sweep again even when the cache has a result.
         #[arg(long)]
         force: bool,
@@ -297,6 +301,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             exhaustive_limit,
             warmup,
             iters,
+            min_gain,
             force,
             save,
             json,
@@ -316,6 +321,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                 exhaustive_limit,
                 warmup,
                 iters,
+                min_gain,
                 force,
                 ..Default::default()
             };

@@ -35,6 +35,9 @@ pub struct TuneOptions {
     pub iters: usize,
     /// Alternating default/winner timings after the search.
     pub confirm_rounds: usize,
+    /// Fraction of the default's time a winner must save in the confirmation to
+    /// replace it: smaller differences are run-to-run noise.
+    pub min_gain: f64,
     /// L2-defeating rotation: at least this many bytes of distinct cache copies.
     pub rotate_bytes: u64,
     pub seed: u64,
@@ -56,6 +59,7 @@ impl Default for TuneOptions {
             warmup: 5,
             iters: 30,
             confirm_rounds: 3,
+            min_gain: 0.01,
             rotate_bytes: 512 << 20,
             seed: 11,
             force: false,
@@ -106,6 +110,9 @@ pub fn tune(
     }
     if options.batch == 0 || options.contexts.contains(&0) || options.contexts.is_empty() {
         return Err("batch and every context must be at least 1".into());
+    }
+    if !(0.0..1.0).contains(&options.min_gain) {
+        return Err(format!("min_gain {} is outside [0, 1)", options.min_gain).into());
     }
     let tiers: Vec<usize> = match &options.tier {
         Some(name) => vec![format.tier_index(name).ok_or_else(|| {
@@ -231,7 +238,7 @@ impl Sweep<'_> {
                 winner_ms,
                 rounds: self.options.confirm_rounds.max(1),
             });
-            if winner_ms >= default_ms {
+            if winner_ms > default_ms * (1.0 - self.options.min_gain) {
                 winner = default;
             }
         }
