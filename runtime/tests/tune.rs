@@ -96,6 +96,19 @@ fn entries_round_trip_and_are_found_by_key() {
     let f = spec(8, 64);
     let mut cache = TuneCache::open(&path);
     assert!(cache.entries().is_empty() && cache.problems().is_empty());
+    // Nothing tuned: defaults, with one reason for all tiers naming the command.
+    let r = resolve(&cache, &h200(), &f, shape());
+    assert_eq!(r.configs, vec![KernelConfig::default_for(&f); 2]);
+    assert_eq!(r.sources[0], r.sources[1]);
+    match &r.sources[0] {
+        Source::Default { reason } => assert!(
+            reason.contains("tier int, f16 not tuned")
+                && reason
+                    .contains("kvcc tune --spec q --batch 8 --q-heads 32 --kv-heads 8 --ctx 32768"),
+            "{reason}"
+        ),
+        other => panic!("{other:?}"),
+    }
     cache.insert(entry(&f, 0, &h200(), 64));
     cache.save().unwrap();
 

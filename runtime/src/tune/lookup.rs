@@ -86,18 +86,36 @@ pub fn resolve(cache: &TuneCache, gpu: &GpuId, format: &Format, shape: ShapeBuck
                     ),
                 },
             ),
-            Found::Miss => (
-                default,
-                Source::Default {
-                    reason: format!(
-                        "{what}: not tuned; using defaults — run `kvcc tune --spec <{}> --batch {} --q-heads {} --kv-heads {} --ctx {}`",
-                        key.format, shape.batch.0.max(1), shape.q_heads, shape.kv_heads, shape.context.0
-                    ),
-                },
-            ),
+            Found::Miss => (default, Source::Default { reason: String::new() }),
         };
         resolution.configs.push(config);
         resolution.sources.push(source);
+    }
+    // One message for all untuned tiers of the format at this shape.
+    let untuned: Vec<&str> = resolution
+        .sources
+        .iter()
+        .zip(&format.spec().tiers)
+        .filter(|(s, _)| matches!(s, Source::Default { reason } if reason.is_empty()))
+        .map(|(_, t)| t.name.as_str())
+        .collect();
+    let miss = format!(
+        "{} ({shape}) on {}: tier {} not tuned; using defaults — run `kvcc tune --spec {} --batch {} --q-heads {} --kv-heads {} --ctx {}`",
+        format.name(),
+        gpu.name,
+        untuned.join(", "),
+        format.name(),
+        shape.batch.0.max(1),
+        shape.q_heads,
+        shape.kv_heads,
+        shape.context.0
+    );
+    for source in &mut resolution.sources {
+        if let Source::Default { reason } = source {
+            if reason.is_empty() {
+                reason.clone_from(&miss);
+            }
+        }
     }
     resolution
 }
