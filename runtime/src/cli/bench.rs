@@ -9,6 +9,7 @@
 
 use std::path::Path;
 
+use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 
 use kvcc_compiler::Format;
@@ -148,19 +149,21 @@ pub fn run(
                     .then(|| lookup::tuned_page_items(&gpu.id(), format, tier, shape))
                     .flatten()
                     .unwrap_or(format.spec().page.items);
-                if !pages.contains_key(&items) {
-                    let paged = with_page_items(format, items)?;
-                    let source = source_cache(&paged, tier, options.kv_heads, options.seed)?;
-                    let n = items as usize;
-                    let reference = Reference::new(
-                        &source,
-                        options.q_heads,
-                        5 * n + n / 3,
-                        options.seed ^ 0x51,
-                    )?;
-                    pages.insert(items, (paged, source, reference));
-                }
-                let (paged, source, reference) = &pages[&items];
+                let (paged, source, reference) = match pages.entry(items) {
+                    Entry::Occupied(e) => e.into_mut(),
+                    Entry::Vacant(e) => {
+                        let paged = with_page_items(format, items)?;
+                        let source = source_cache(&paged, tier, options.kv_heads, options.seed)?;
+                        let n = items as usize;
+                        let reference = Reference::new(
+                            &source,
+                            options.q_heads,
+                            5 * n + n / 3,
+                            options.seed ^ 0x51,
+                        )?;
+                        e.insert((paged, source, reference))
+                    }
+                };
                 let resolution = if options.tuned {
                     lookup::resolve_default(&gpu.id(), paged, shape)
                 } else {
