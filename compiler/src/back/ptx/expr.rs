@@ -1335,9 +1335,10 @@ impl ItemReader {
         zeros: u32,
     ) -> Option<Vec<Reg<U32>>> {
         let span = step.checked_mul(pack as u32 - 1)?.checked_add(width)?;
-        // Two words (quads of f16 channels) when no field straddles them.
+        // Two or four words (quads or octets of f16 channels) when no field
+        // straddles them.
         let in_words = (0..pack as u32).all(|e| (step * e) % 32 + width <= 32);
-        let unit = [8, 16, 32, 64].into_iter().find(|&unit| {
+        let unit = [8, 16, 32, 64, 128].into_iter().find(|&unit| {
             span <= unit
                 && zeros >= unit.trailing_zeros()
                 && self.align >= unit / 8
@@ -1350,6 +1351,7 @@ impl ItemReader {
                     let byte = k.shr(offset, 3u32);
                     let at = Shared::at(k.add(self.base, byte));
                     match unit {
+                        128 => k.ld_shared_v4(at).to_vec(),
                         64 => k.ld_shared_v2(at).to_vec(),
                         32 => vec![k.ld_shared(at)],
                         _ => vec![k.ld_shared_narrow(at, unit)],

@@ -255,6 +255,7 @@ impl Plan {
             quads_pay(&module.value.accumulate.exprs, value.align()),
         ) {
             (true, _) => 1,
+            (false, true) if octets_pay(&module.value.accumulate.exprs, value.align()) => OCTET,
             (false, true) => PACK,
             (false, false) => 2,
         };
@@ -560,6 +561,31 @@ fn quads_pay(exprs: &crate::ir::Arena<Expr>, align: u32) -> bool {
     }
     true
 }
+
+/// Whether octets of channels (where quads pay) are one 128-bit load: every
+/// channel-dependent item field is an f16 (or 16-bit) field and items are
+/// 16-byte aligned. Half the weight loads per channel of a quad and one
+/// `ld.shared.v4` for 8 values (fifth round).
+fn octets_pay(exprs: &crate::ir::Arena<Expr>, align: u32) -> bool {
+    use crate::ir::Input;
+    let mut varies: Vec<bool> = Vec::with_capacity(exprs.len());
+    for (_, expr) in exprs.iter() {
+        let operand_varies = super::expr::operands(expr)
+            .iter()
+            .any(|h| varies[h.index()]);
+        if let Expr::ItemBits { width, .. } = *expr {
+            if operand_varies && (width != 16 || align < 16) {
+                return false;
+            }
+        }
+        varies.push(operand_varies || matches!(expr, Expr::Input(Input::Channel)));
+    }
+    true
+}
+
+/// Octets: see [`octets_pay`]; the partition falls back to quads where the
+/// head block leaves no room for 8 × its accumulators.
+const OCTET: u32 = 8;
 
 /// Adjacent channels per accumulate unit (at most; fewer where the channels
 /// do not split evenly or the head block leaves no room for that many times
