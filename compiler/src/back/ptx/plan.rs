@@ -138,6 +138,9 @@ pub struct Plan {
     /// keep their logits, softmax reference and partial sums in registers):
     /// when `score_units · score_head_block` registers per kind stay few.
     pub fused_softmax: bool,
+    /// The score's dot product split over adjacent lanes, each keeping its
+    /// slice of the block's queries in registers (see [`ScoreSplit`]).
+    pub score_split: Option<ScoreSplit>,
     /// Whether the accumulators stay in registers across tiles (one round of
     /// channels per head block, one head block).
     pub register_accumulators: bool,
@@ -252,6 +255,7 @@ impl Plan {
             quads_pay(&module.value.accumulate.exprs, value.align()),
         ) {
             (true, _) => 1,
+            (false, true) if octets_pay(&module.value.accumulate.exprs, value.align()) => OCTET,
             (false, true) => PACK,
             (false, false) => 2,
         };
@@ -350,8 +354,16 @@ impl Plan {
                 target: options.target.name(),
             });
         }
-        let score_units = (tile_items * score_head_blocks).div_ceil(threads);
-        let fused_softmax = score_units * score_head_block <= FUSED_SCORE_REGISTERS;
+        let mut score_units = (tile_items * score_head_blocks).div_ceil(threads);
+        let mut fused_softmax = score_units * score_head_block <= FUSED_SCORE_REGISTERS;
+        let (mut score_head_block, mut score_head_blocks) = (score_head_block, score_head_blocks);
+        let score_split = score_split(module, threads, group_max, head_block, tile_items);
+        if let Some(split) = &score_split {
+            score_head_block = split.head_block;
+            score_head_blocks = group_max / split.head_block;
+            score_units = split.units;
+            fused_softmax = true;
+        }
         let register_accumulators = head_blocks * accumulate.channel_rounds == 1;
         Ok(Plan {
             threads,
@@ -380,6 +392,7 @@ impl Plan {
             tile_max,
             score_units,
             fused_softmax,
+            score_split,
             register_accumulators,
             buffers,
             logits,
@@ -427,6 +440,94 @@ fn tile_items(
 /// softmax phase.
 const FUSED_SCORE_REGISTERS: u32 = 8;
 
+/// Query elements per thread a split score keeps in registers.
+const SPLIT_QUERY_REGISTERS: u32 = 64;
+/// Logits a split score's thread keeps per tile (units × heads).
+const SPLIT_LOGITS: u32 = 16;
+
+/// The score split over lanes (fifth round): `lanes` adjacent threads share
+/// an item, each computing the dot product's terms of its slice of the
+/// dimensions for `head_block` heads with that slice of the queries held in
+/// registers for the whole stream (loaded once, not per item), then a
+/// butterfly sums the lanes' partials and lane `j < head_block` owns head
+/// `j`'s logit for the fused softmax. A thread's units share one head block
+/// (so one query slice): lane group `g = tid / lanes` serves block
+/// `g / per_block` and items `g % per_block + u · per_block`.
+#[derive(Debug, Clone)]
+pub struct ScoreSplit {
+    pub lanes: u32,
+    pub head_block: u32,
+    /// Lane groups per head block, and units (items) per thread.
+    pub per_block: u32,
+    pub units: u32,
+    pub part: super::expr::LaneSplit,
+}
+
+/// A split when the score is a dot product whose lanes' slices of shared
+/// reads are all at constant indices (the query of a dense key) and fit
+/// [`SPLIT_QUERY_REGISTERS`]; among the shapes that tile the items evenly,
+/// the one with the fewest estimated instructions per thread and tile.
+fn score_split(
+    module: &Module,
+    threads: u32,
+    group_max: u32,
+    head_block: u32,
+    tile_items: u32,
+) -> Option<ScoreSplit> {
+    let score = &module.key.score;
+    let mut best: Option<(u32, ScoreSplit)> = None;
+    for hb in (1..=head_block).filter(|h| head_block.is_multiple_of(*h)) {
+        if !group_max.is_multiple_of(hb) || !hb.is_power_of_two() {
+            continue;
+        }
+        let blocks = group_max / hb;
+        for lanes in [2u32, 4, 8, 16, 32] {
+            if hb > lanes || !threads.is_multiple_of(lanes) {
+                continue;
+            }
+            let groups = threads / lanes;
+            if !groups.is_multiple_of(blocks) {
+                continue;
+            }
+            let per_block = groups / blocks;
+            if !tile_items.is_multiple_of(per_block) {
+                continue;
+            }
+            let units = tile_items / per_block;
+            // The lanes' logits spread evenly over the lanes.
+            if units * hb > SPLIT_LOGITS || !(units * hb).is_multiple_of(lanes) {
+                continue;
+            }
+            let Some(part) = super::expr::lane_split(score, lanes) else {
+                continue;
+            };
+            if !part.constant_reads
+                || hb * super::expr::preloaded_elements(&part.program.exprs) > SPLIT_QUERY_REGISTERS
+            {
+                continue;
+            }
+            // Per unit: the part's key decoding once, its terms per head,
+            // a butterfly per head; per owned logit a selection and the softmax.
+            let terms = part.terms / lanes;
+            let cost = units * (terms + terms * hb + 2 * hb * lanes.trailing_zeros())
+                + units * hb / lanes * (lanes + 20);
+            if best.as_ref().is_none_or(|(c, _)| cost < *c) {
+                best = Some((
+                    cost,
+                    ScoreSplit {
+                        lanes,
+                        head_block: hb,
+                        per_block,
+                        units,
+                        part,
+                    },
+                ));
+            }
+        }
+    }
+    best.map(|(_, s)| s)
+}
+
 /// Whether quads of channels beat pairs for an accumulate program: every
 /// item field whose offset depends on the channel gives a quad one naturally
 /// aligned load of 32 or 64 bits (f16 or 8-bit fields; the item's alignment
@@ -460,6 +561,31 @@ fn quads_pay(exprs: &crate::ir::Arena<Expr>, align: u32) -> bool {
     }
     true
 }
+
+/// Whether octets of channels (where quads pay) are one 128-bit load: every
+/// channel-dependent item field is an f16 (or 16-bit) field and items are
+/// 16-byte aligned. Half the weight loads per channel of a quad and one
+/// `ld.shared.v4` for 8 values (fifth round).
+fn octets_pay(exprs: &crate::ir::Arena<Expr>, align: u32) -> bool {
+    use crate::ir::Input;
+    let mut varies: Vec<bool> = Vec::with_capacity(exprs.len());
+    for (_, expr) in exprs.iter() {
+        let operand_varies = super::expr::operands(expr)
+            .iter()
+            .any(|h| varies[h.index()]);
+        if let Expr::ItemBits { width, .. } = *expr {
+            if operand_varies && (width != 16 || align < 16) {
+                return false;
+            }
+        }
+        varies.push(operand_varies || matches!(expr, Expr::Input(Input::Channel)));
+    }
+    true
+}
+
+/// Octets: see [`octets_pay`]; the partition falls back to quads where the
+/// head block leaves no room for 8 × its accumulators.
+const OCTET: u32 = 8;
 
 /// Adjacent channels per accumulate unit (at most; fewer where the channels
 /// do not split evenly or the head block leaves no room for that many times

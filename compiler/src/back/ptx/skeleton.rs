@@ -15,7 +15,8 @@ use super::abi::{ParamType, TableBuffer, DECODE_PARAMS};
 use super::builder::{
     Axis, Cmp, Global, Kernel, Op, Param, Pred, Reg, Shared, Type, F32, U32, U64,
 };
-use super::expr::{self, ArrayAccess, Env, ItemSource, Replicas, TableAccess};
+use super::expr::{self, ArrayAccess, Env, ItemSource, Preloaded, Replicas, TableAccess};
+use super::plan::ScoreSplit;
 use super::plan::{Plan, Stream, CHUNK};
 use crate::ir::{Expr, Module, Stage};
 use crate::layout::Side;
@@ -451,6 +452,7 @@ impl<'a> Skeleton<'a> {
                     item: None,
                     iteration: Some(iteration),
                     denominator,
+                    preloaded: None,
                 };
                 let values = expr::emit(k, &stage.exprs, &env);
                 for store in &stage.stores {
@@ -676,6 +678,9 @@ impl<'a> Skeleton<'a> {
     /// whole stream. Computed once before the page loop.
     fn score_setup(&self, k: &mut Kernel) -> FusedScore {
         let plan = self.plan;
+        if let Some(split) = &plan.score_split {
+            return self.split_setup(k, split);
+        }
         let hb = plan.score_head_block;
         k.comment(&format!(
             "fused softmax: {} score unit(s) of {hb} head(s) per thread",
@@ -740,7 +745,180 @@ impl<'a> Skeleton<'a> {
                 }
             })
             .collect();
-        FusedScore { units }
+        FusedScore { units, split: None }
+    }
+
+    /// [`Self::score_setup`] for a score split over lanes ([`ScoreSplit`]):
+    /// each thread's units are items of one head block, and after the lanes'
+    /// butterfly the `lanes` logits (units × heads) of each run of
+    /// `lanes / head_block` units are spread over the lanes, lane
+    /// `a · head_block + j` owning head `block · head_block + j` of the run's
+    /// unit `a`: the thread's softmax slots are one-head units of that head. The thread's slice of the
+    /// block's queries is loaded into registers here, once.
+    fn split_setup(&self, k: &mut Kernel, split: &ScoreSplit) -> FusedScore {
+        let plan = self.plan;
+        let (lanes, hb) = (split.lanes, split.head_block);
+        k.comment(&format!(
+            "fused softmax, score split over {lanes} lanes: {} unit(s) of {hb} head(s) per thread, queries in registers",
+            split.units
+        ));
+        let lane = k.and(self.tid, lanes - 1);
+        let g = k.shr(self.tid, lanes.trailing_zeros());
+        let (block, first_item) = divide(k, g, split.per_block);
+        // Lane `a · hb + j` owns head j of the units `v · (lanes / hb) + a`.
+        let owners = lanes / hb;
+        let j = k.and(lane, hb - 1);
+        let a = k.shr(lane, hb.trailing_zeros());
+        let head = k.mad_lo(block, hb, j);
+        let block_ok = k.setp(Cmp::Lt, head, self.group);
+        let program = &split.part.program;
+        let mut reads = HashSet::new();
+        for (_, e) in program.exprs.iter() {
+            if let Expr::Shared { array, .. } = *e {
+                reads.insert(array.index());
+            }
+        }
+        let arrays: Vec<Option<ArrayAccess>> = (0..self.m.arrays.len())
+            .map(|a| {
+                reads.contains(&a).then(|| {
+                    let base = self.array_base(k, a);
+                    let stride = plan.array_stride[a];
+                    let base = k.mad_lo(block, hb * stride, base);
+                    ArrayAccess {
+                        base: k.mad_lo(lane, 4 * split.part.index_step, base),
+                        replica_stride: stride,
+                    }
+                })
+            })
+            .collect();
+        let env = Env {
+            replicas: Replicas::Heads(hb),
+            arrays: &arrays,
+            tables: &[],
+            header: None,
+            item: None,
+            iteration: None,
+            denominator: None,
+            preloaded: None,
+        };
+        let preloaded = expr::preload(k, &program.exprs, &env);
+        let lane_offset = k.mul(lane, split.part.item_step);
+        let is_lane = (0..lanes).map(|l| k.setp(Cmp::Eq, lane, l)).collect();
+        let logits = k.add(self.smem, plan.logits);
+        let tile_max = k.add(self.smem, plan.tile_max);
+        let row_bytes = 4 * plan.head_stride;
+        let neg_inf = k.mov(f32::NEG_INFINITY);
+        let zero = k.mov(0.0f32);
+        let column = k.mad_lo(head, 4u32, logits);
+        let max_at = k.mad_lo(head, 4u32, tile_max);
+        let state = k.mad_lo(head, 4u32, self.smem);
+        let part_items = (0..split.units)
+            .map(|u| match u {
+                0 => first_item,
+                _ => k.add(first_item, u * split.per_block),
+            })
+            .collect();
+        let own_item = k.mad_lo(a, split.per_block, first_item);
+        let units = (0..split.units * hb / lanes)
+            .map(|v| {
+                let item = match v {
+                    0 => own_item,
+                    _ => k.add(own_item, v * owners * split.per_block),
+                };
+                let at_zero = k.setp(Cmp::Eq, item, 0u32);
+                let first = k.and_pred(at_zero, block_ok);
+                ScoreUnit {
+                    block: Some(head),
+                    item,
+                    block_ok,
+                    first,
+                    arrays: Vec::new(),
+                    row: k.mad_lo(item, row_bytes, column),
+                    max_at,
+                    state,
+                    refs: vec![k.mov(neg_inf)],
+                    sums: vec![k.mov(zero)],
+                }
+            })
+            .collect();
+        FusedScore {
+            units,
+            split: Some(SplitScore {
+                arrays,
+                preloaded,
+                lane_offset,
+                is_lane,
+                part_items,
+            }),
+        }
+    }
+
+    /// The split score's logits of a tile, one per unit (of the head the
+    /// thread's lane owns; unscaled). Every unit is computed whether or not
+    /// its item is in the tile (items past the tile's end read stale bytes of
+    /// the buffer, and their logits are never used), so the units have no
+    /// branches between them and their loads and chains interleave; the
+    /// lanes of an item then sum their partials with a butterfly.
+    fn split_logits(
+        &self,
+        k: &mut Kernel,
+        tile: &Tile,
+        sp: &SplitScore,
+        tables: &[Option<TableAccess>],
+    ) -> Vec<Reg<F32>> {
+        let plan = self.plan;
+        let split = plan.score_split.as_ref().expect("split plan");
+        let hb = split.head_block as usize;
+        let program = &split.part.program;
+        let result = program.result.expect("lane split has a result");
+        let items_base = k.add(tile.buf, plan.key.buffer_offset);
+        let lane_items = k.add(items_base, sp.lane_offset);
+        let step_align = match split.part.item_step {
+            0 => 16,
+            step => 1 << step.trailing_zeros().min(4),
+        };
+        let align = plan.key.align().min(step_align);
+        let mut parts: Vec<Vec<Reg<F32>>> = Vec::new();
+        for &part_item in &sp.part_items {
+            let item = k.mad_lo(part_item, plan.key.shared_stride, lane_items);
+            let env = Env {
+                replicas: Replicas::Heads(split.head_block),
+                arrays: &sp.arrays,
+                tables,
+                header: Some(tile.header),
+                item: Some(ItemSource { base: item, align }),
+                iteration: None,
+                denominator: None,
+                preloaded: Some(&sp.preloaded),
+            };
+            let values = expr::emit(k, &program.exprs, &env);
+            parts.push(
+                (0..hb)
+                    .map(|j| expr::materialize_f32(k, values.get(result, j).f32()))
+                    .collect(),
+            );
+        }
+        let mut mask = split.lanes / 2;
+        while mask > 0 {
+            for part in parts.iter_mut() {
+                for p in part.iter_mut() {
+                    let other = k.shfl_bfly(*p, mask);
+                    *p = k.add(*p, other);
+                }
+            }
+            mask /= 2;
+        }
+        // Slot v of lane `a · hb + j`: head j of unit `v · (lanes / hb) + a`.
+        parts
+            .chunks(split.lanes as usize / hb)
+            .map(|units| {
+                let mut own = units[0][0];
+                for (l, &is) in sp.is_lane.iter().enumerate().skip(1) {
+                    own = k.selp(units[l / hb][l % hb], own, is);
+                }
+                own
+            })
+            .collect()
     }
 
     /// Score and softmax of a tile without a separate softmax phase. Each
@@ -758,9 +936,17 @@ impl<'a> Skeleton<'a> {
     /// Returns whether the tile rescaled (the same in every thread).
     fn score_fused(&self, k: &mut Kernel, tile: &Tile, fused: &FusedScore) -> Reg<Pred> {
         let plan = self.plan;
-        let hb = plan.score_head_block;
+        // A split score's units are one-head units of the lane's head.
+        let hb = match &fused.split {
+            Some(_) => 1,
+            None => plan.score_head_block,
+        };
         k.comment("score and softmax weights, against the running reference");
         let tables = self.staged_tables(k);
+        let split_logits = fused
+            .split
+            .as_ref()
+            .map(|sp| self.split_logits(k, tile, sp, &tables));
         let items_base = k.add(tile.buf, plan.key.buffer_offset);
         let scale = k.ld_param(&self.p.softmax_scale);
         let zero = k.mov(0.0f32);
@@ -768,31 +954,36 @@ impl<'a> Skeleton<'a> {
         let mut logits = Vec::new();
         let mut weights = Vec::new();
         let mut valid = Vec::new();
-        for unit in &fused.units {
+        for (u, unit) in fused.units.iter().enumerate() {
             let s: Vec<Reg<F32>> = (0..hb).map(|_| k.mov(zero)).collect();
             let w: Vec<Reg<F32>> = (0..hb).map(|_| k.mov(zero)).collect();
             let in_tile = k.setp(Cmp::Lt, unit.item, tile.items);
             let ok = k.and_pred(in_tile, unit.block_ok);
             let skip = k.label();
             k.bra_if(ok, false, skip);
-            let item = k.mad_lo(unit.item, plan.key.shared_stride, items_base);
-            let env = Env {
-                replicas: Replicas::Heads(hb),
-                arrays: &unit.arrays,
-                tables: &tables,
-                header: Some(tile.header),
-                item: Some(ItemSource {
-                    base: item,
-                    align: plan.key.align(),
-                }),
-                iteration: None,
-                denominator: None,
-            };
-            let values = expr::emit(k, &self.m.key.score.exprs, &env);
-            let result = self.m.key.score.result.expect("validated functions return");
-            for j in 0..hb {
-                let logit = expr::materialize_f32(k, values.get(result, j as usize).f32());
-                k.mul_to(s[j as usize], logit, scale);
+            if let Some(split) = &split_logits {
+                k.mul_to(s[0], split[u], scale);
+            } else {
+                let item = k.mad_lo(unit.item, plan.key.shared_stride, items_base);
+                let env = Env {
+                    replicas: Replicas::Heads(hb),
+                    arrays: &unit.arrays,
+                    tables: &tables,
+                    header: Some(tile.header),
+                    item: Some(ItemSource {
+                        base: item,
+                        align: plan.key.align(),
+                    }),
+                    iteration: None,
+                    denominator: None,
+                    preloaded: None,
+                };
+                let values = expr::emit(k, &self.m.key.score.exprs, &env);
+                let result = self.m.key.score.result.expect("validated functions return");
+                for j in 0..hb {
+                    let logit = expr::materialize_f32(k, values.get(result, j as usize).f32());
+                    k.mul_to(s[j as usize], logit, scale);
+                }
             }
             for j in 0..hb {
                 let (s, w, m) = (s[j as usize], w[j as usize], unit.refs[j as usize]);
@@ -898,7 +1089,10 @@ impl<'a> Skeleton<'a> {
     /// warp per head.
     fn score_finish(&self, k: &mut Kernel, fused: &FusedScore) {
         let plan = self.plan;
-        let hb = plan.score_head_block;
+        let hb = match &fused.split {
+            Some(_) => 1,
+            None => plan.score_head_block,
+        };
         k.comment("the softmax sums: partial sums by (item, head), then one warp per head");
         for unit in &fused.units {
             for j in 0..hb {
@@ -1010,6 +1204,7 @@ impl<'a> Skeleton<'a> {
                 }),
                 iteration: None,
                 denominator: None,
+                preloaded: None,
             };
             let values = expr::emit(k, &self.m.key.score.exprs, &env);
             let result = self.m.key.score.result.expect("validated functions return");
@@ -1334,6 +1529,7 @@ impl<'a> Skeleton<'a> {
                 }),
                 iteration: None,
                 denominator: None,
+                preloaded: None,
             };
             let values = expr::emit(k, &self.m.value.accumulate.exprs, &env);
             let result = self
@@ -1473,6 +1669,22 @@ const ORDER_KEY_NEG_INF: u32 = !0xFF80_0000;
 /// The fused softmax's per-thread state ([`Skeleton::score_setup`]).
 struct FusedScore {
     units: Vec<ScoreUnit>,
+    /// With a split score ([`ScoreSplit`]): its per-thread state.
+    split: Option<SplitScore>,
+}
+
+/// A split score's per-thread state ([`Skeleton::split_setup`]).
+struct SplitScore {
+    /// The part program's arrays at the lane's slice of its block.
+    arrays: Vec<Option<ArrayAccess>>,
+    /// The lane's query slice, in registers for the whole stream.
+    preloaded: Preloaded,
+    /// Bytes from an item to the lane's slice of it.
+    lane_offset: Reg<U32>,
+    /// `lane == l` per lane `l` of an item (index 0 unused).
+    is_lane: Vec<Reg<Pred>>,
+    /// The item of each unit the lanes compute together.
+    part_items: Vec<Reg<U32>>,
 }
 
 /// One score unit a thread owns for the whole stream.
