@@ -3,7 +3,10 @@
 # Binaries are built on a CPU machine and carried in .gpu/ (see build.sh):
 #   .gpu/kvcc, .gpu/gpu-tests (the tests/gpu.rs test binary); wheels in .whl/.
 # Usage: benches/gpu/run.sh STEP...
-#   STEP: env | test | sanitize | ncu | baseline | bench | tune | tuned-bench
+#   STEP: env | test | sanitize | ncu | baseline | bench | tune | tuned-bench | shipped
+# shipped: imports the tune cache exported by an earlier call on another machine
+# ($KVCC_SHIPPED, default .gpu/tune-export-h200.json) into a fresh cache, then
+# tunes: entries for unchanged kernels are hits, entries for changed ones stale.
 # KVCC_BENCH_CTX: contexts of bench/tune (bench default 8192,32768,131072; tune 8192,32768).
 # KVCC_TUNE_SPECS: specs tune sweeps (default: every bundled spec).
 # Logs and JSON go to $OUT (or ./gpu-out when OUT is unset).
@@ -59,7 +62,7 @@ for s in "$@"; do
         || { status=1; tail -5 "$out/tune.err"; }
       start=$(date +%s%N)
       .gpu/kvcc tune --spec "$specs" --ctx "${KVCC_BENCH_CTX:-8192,32768}" --json > "$out/tune-again.json" 2> "$out/tune-again.err" || status=1
-      python3 -c 'import json,sys,time; r=json.load(open(sys.argv[1]))["results"]; c=sum(x["cached"] for x in r); print(f"second tune run: {c} of {len(r)} tier/context results from the cache, {len(r)-c} sweeps, {(time.time_ns()-int(sys.argv[2]))/1e9:.1f} s wall"); sys.exit(c != len(r))' \
+      python3 -c 'import json,sys,time; r=json.load(open(sys.argv[1]))["results"]; c=sum(x["origin"]=="cached" for x in r); print(f"second tune run: {c} of {len(r)} tier/context results from the cache, {len(r)-c} sweeps, {(time.time_ns()-int(sys.argv[2]))/1e9:.1f} s wall"); sys.exit(c != len(r))' \
         "$out/tune-again.json" "$start" || status=1
       .gpu/kvcc tune-cache export "$out/tune-export.json"
       unset KVCC_TUNE_CACHE
@@ -76,6 +79,16 @@ for s in "$@"; do
       "${base[@]}" --save "$out/bench-tuned.json" > "$out/bench-tuned.txt" 2> "$out/bench-tuned.err" || status=1
       cat "$out/bench-default.txt" "$out/bench-tuned.txt"
       python3 benches/gpu/tuned_vs_default.py "$out/bench-default.json" "$out/bench-tuned.json" | tee "$out/tuned-vs-default.txt" || status=1
+      unset KVCC_TUNE_CACHE
+      ;;
+    shipped)
+      step "a tune cache exported on another machine, imported here"
+      export KVCC_TUNE_CACHE=/tmp/shipped-tune-cache.json
+      rm -f "$KVCC_TUNE_CACHE"
+      .gpu/kvcc tune-cache import "${KVCC_SHIPPED:-.gpu/tune-export-h200.json}" || status=1
+      .gpu/kvcc tune --spec "${KVCC_TUNE_SPECS:-dense_f16,spherical,kivi,subspace,shard,mosaic}" --ctx "${KVCC_BENCH_CTX:-8192,32768}" \
+        --save "$out/shipped-tune.json" > "$out/shipped-tune.txt" 2> "$out/shipped-tune.err" || status=1
+      python3 -c 'import json,sys; r=json.load(open(sys.argv[1]))["results"]; c=[x for x in r if x["origin"]=="cached"]; s=[x for x in r if x["origin"]=="replaced_stale"]; print(f"after import: {len(c)} of {len(r)} tier/context results served from the shipped cache, {len(s)} swept again because their entry was stale (codegen changed), {len(r)-len(c)-len(s)} swept without an entry")' "$out/shipped-tune.json"
       unset KVCC_TUNE_CACHE
       ;;
   esac

@@ -8,7 +8,7 @@ use serde::Serialize;
 
 use crate::builtin::SPECS;
 use crate::table::Table;
-use crate::tune::sweep::Tuned;
+use crate::tune::sweep::{Origin, Tuned};
 use crate::tune::{Entry, TuneCache};
 
 /// A spec file, or a bundled spec by name (`dense_f16`, `spherical`, …).
@@ -42,8 +42,7 @@ pub struct TuneReport {
 
 #[derive(Debug, Serialize)]
 pub struct TunedJson {
-    /// Found in the cache: no sweep ran.
-    pub cached: bool,
+    pub origin: Origin,
     pub speedup: Option<f64>,
     pub entry: Entry,
 }
@@ -54,7 +53,7 @@ pub fn report(cache: &TuneCache, results: &[Tuned]) -> TuneReport {
         results: results
             .iter()
             .map(|t| TunedJson {
-                cached: t.cached,
+                origin: t.origin,
                 speedup: speedup(&t.entry),
                 entry: t.entry.clone(),
             })
@@ -127,7 +126,9 @@ pub fn render_candidates(entry: &Entry) -> String {
 }
 
 /// One line per entry: default vs winner, and the spread of the candidates.
-pub fn render_summary<'a>(entries: impl IntoIterator<Item = (&'a Entry, Option<bool>)>) -> String {
+pub fn render_summary<'a>(
+    entries: impl IntoIterator<Item = (&'a Entry, Option<Origin>)>,
+) -> String {
     let mut table = Table::new(&[
         "format",
         "tier",
@@ -146,7 +147,7 @@ pub fn render_summary<'a>(entries: impl IntoIterator<Item = (&'a Entry, Option<b
     for c in [2, 3, 5, 6, 7, 8, 9, 10] {
         table.right_align(c);
     }
-    for (e, cached) in entries {
+    for (e, origin) in entries {
         let shape = &e.key.shape;
         table.row(vec![
             e.key.format.clone(),
@@ -162,9 +163,10 @@ pub fn render_summary<'a>(entries: impl IntoIterator<Item = (&'a Entry, Option<b
             e.spread()
                 .map_or("-".into(), |(lo, hi)| format!("{lo:.4}..{hi:.4}")),
             e.winner.to_string(),
-            match cached {
-                Some(true) => "cache hit, no sweep".into(),
-                Some(false) => "swept".into(),
+            match origin {
+                Some(Origin::Cached) => "cache hit, no sweep".into(),
+                Some(Origin::Swept) => "swept".into(),
+                Some(Origin::ReplacedStale) => "swept, replaced a stale entry".into(),
                 None => format!("codegen {}", e.key.codegen),
             },
         ]);
@@ -174,11 +176,12 @@ pub fn render_summary<'a>(entries: impl IntoIterator<Item = (&'a Entry, Option<b
 
 pub fn render(cache: &TuneCache, results: &[Tuned]) -> String {
     let mut out = String::new();
-    for t in results.iter().filter(|t| !t.cached) {
+    let swept = |t: &&Tuned| t.origin != Origin::Cached;
+    for t in results.iter().filter(swept) {
         out.push_str(&render_candidates(&t.entry));
         out.push_str("\n\n");
     }
-    let swept = results.iter().filter(|t| !t.cached).count();
+    let swept = results.iter().filter(swept).count();
     out.push_str(&format!(
         "tune cache {}: {} swept, {} found in the cache\nspeedup = default / tuned time, both timed alternately after the search\n",
         cache.path().display(),
@@ -186,7 +189,7 @@ pub fn render(cache: &TuneCache, results: &[Tuned]) -> String {
         results.len() - swept
     ));
     out.push_str(&render_summary(
-        results.iter().map(|t| (&t.entry, Some(t.cached))),
+        results.iter().map(|t| (&t.entry, Some(t.origin))),
     ));
     out
 }

@@ -67,11 +67,21 @@ impl Default for TuneOptions {
     }
 }
 
-/// One tier at one shape: the cache entry, and whether it came from the cache.
+/// One tier at one shape: the cache entry, and where it came from.
 #[derive(Debug, Clone)]
 pub struct Tuned {
     pub entry: Entry,
-    pub cached: bool,
+    pub origin: Origin,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Origin {
+    /// Found in the cache: no sweep ran.
+    Cached,
+    Swept,
+    /// Swept because the cache's entry was for other generated code.
+    ReplacedStale,
 }
 
 /// Where a sweep is, for a progress bar.
@@ -137,15 +147,17 @@ pub fn tune(
         for &context in &options.contexts {
             let shape = ShapeBucket::of(options.batch, options.q_heads, kv_heads, context);
             let key = TuneKey::new(&id, format, tier, shape);
-            if !options.force {
-                if let Found::Hit(entry) = cache.find(&key) {
+            let origin = match cache.find(&key) {
+                Found::Hit(entry) if !options.force => {
                     results.push(Tuned {
                         entry: entry.clone(),
-                        cached: true,
+                        origin: Origin::Cached,
                     });
                     continue;
                 }
-            }
+                Found::Stale(_) => Origin::ReplacedStale,
+                _ => Origin::Swept,
+            };
             let mut sweep = Sweep {
                 gpu,
                 format,
@@ -159,10 +171,7 @@ pub fn tune(
             let entry = sweep.run(key, progress)?;
             cache.insert(entry.clone());
             cache.save()?;
-            results.push(Tuned {
-                entry,
-                cached: false,
-            });
+            results.push(Tuned { entry, origin });
         }
     }
     Ok(results)
