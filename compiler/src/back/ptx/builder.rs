@@ -826,6 +826,11 @@ impl Kernel {
         self.line(format_args!("ld.global.nc.{} {d}, {at}", T::SUFFIX));
         d
     }
+    /// [`Self::ld_global_nc`] into `dst`, a register updated in a loop: the
+    /// load's latency is hidden until `dst` is next read.
+    pub fn ld_global_nc_to<T: Bits32>(&mut self, dst: Reg<T>, at: Global) {
+        self.line(format_args!("ld.global.nc.{} {dst}, {at}", T::SUFFIX));
+    }
     /// 16 bytes, read-only; `at` must be 16-byte aligned.
     pub fn ld_global_nc_v4<T: Bits32>(&mut self, at: Global) -> [Reg<T>; 4] {
         let d = [self.reg(), self.reg(), self.reg(), self.reg()];

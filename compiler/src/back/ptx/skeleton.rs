@@ -487,17 +487,27 @@ impl<'a> Skeleton<'a> {
         (Some(first), Op::Reg(len))
     }
 
-    /// Issues the copies of tile `t` (header, key items, value items) into its buffer.
-    fn issue_tile(&self, k: &mut Kernel, t: Reg<U32>) {
-        let plan = self.plan;
-        let page_index = if plan.tiles_per_page == 1 {
+    /// The address of tile `t`'s entry in the split's page list.
+    fn page_entry(&self, k: &mut Kernel, t: Reg<U32>) -> Global {
+        let page_index = if self.plan.tiles_per_page == 1 {
             t
         } else {
-            k.div_u32(t, plan.tiles_per_page)
+            k.div_u32(t, self.plan.tiles_per_page)
         };
         let entry = k.add(self.first, page_index);
-        let entry_at = k.global_index(self.page_ids, entry, 4);
-        let page_id = k.ld_global_nc::<U32>(Global::at(entry_at));
+        Global::at(k.global_index(self.page_ids, entry, 4))
+    }
+
+    /// Issues the copies of tile `t` (header, key items, value items) into its buffer.
+    fn issue_tile(&self, k: &mut Kernel, t: Reg<U32>) {
+        let at = self.page_entry(k, t);
+        let page_id = k.ld_global_nc::<U32>(at);
+        self.issue_tile_of(k, t, page_id);
+    }
+
+    /// [`Self::issue_tile`] with the id of the tile's page already loaded.
+    fn issue_tile_of(&self, k: &mut Kernel, t: Reg<U32>, page_id: Reg<U32>) {
+        let plan = self.plan;
         let page = k.global_index(self.pool, page_id, plan.page_bytes);
         let buf = self.buffer(k, t);
         let (first, len) = self.tile_span(k, t);
@@ -603,7 +613,10 @@ impl<'a> Skeleton<'a> {
     ///
     /// Tile `t + 1` is issued right after the barrier that makes tile `t`
     /// visible: every thread has then finished tile `t - 1`, whose buffer the
-    /// copy overwrites, so no barrier closes a tile.
+    /// copy overwrites, so no barrier closes a tile. The page id of tile
+    /// `t + 1` was read from the page list one tile earlier (sixth round: the
+    /// dependent global load no longer stalls the CTA right after the barrier;
+    /// the index is clamped to the last tile, so the read stays in the list).
     fn stream(&self, k: &mut Kernel) {
         let plan = self.plan;
         k.comment("stream the split's tiles, the next one loading during this one");
@@ -612,6 +625,11 @@ impl<'a> Skeleton<'a> {
             .register_accumulators
             .then(|| self.accumulate_setup(k, None, None));
         let t = k.mov(0u32);
+        let last = k.sub(self.tiles, 1u32);
+        let ahead = k.min(last, 1u32);
+        let at = self.page_entry(k, ahead);
+        k.comment("the page id of tile t + 1, read a tile ahead");
+        let next_page = k.ld_global_nc::<U32>(at);
         let top = k.label();
         k.place(top);
         k.comment("tile t is in, and every thread is done with tile t - 1");
@@ -621,8 +639,12 @@ impl<'a> Skeleton<'a> {
         let more = k.setp(Cmp::Lt, next, self.tiles);
         let issued = k.label();
         k.bra_if(more, false, issued);
-        self.issue_tile(k, next);
+        self.issue_tile_of(k, next, next_page);
         k.cp_async_commit();
+        let after = k.add(t, 2u32);
+        let after = k.min(after, last);
+        let at = self.page_entry(k, after);
+        k.ld_global_nc_to(next_page, at);
         k.place(issued);
         let buf = self.buffer(k, t);
         let (first, len) = self.tile_span(k, t);
