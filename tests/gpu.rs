@@ -5,10 +5,9 @@
 
 mod common;
 
-use common::{assert_rows_close, bundled, data, fresh_seed, trained_cache};
+use common::{assert_rows_close, bundled, cache_and_queries, fresh_seed};
 use kvcc::compiler::back::interp::{Interpreter, Options};
 use kvcc::compiler::Format;
-use kvcc::runtime::cache::PagedCache;
 use kvcc::runtime::exec::{CudaExecutor, Executor};
 
 fn gpu(test: &str) -> Option<CudaExecutor> {
@@ -26,32 +25,8 @@ fn gpu(test: &str) -> Option<CudaExecutor> {
     }
 }
 
-/// Sequences of several lengths (not page multiples), pages placed by `plan`.
-fn cache_and_queries(
-    format: &Format,
-    seed: u64,
-    kv_heads: usize,
-    group: usize,
-    plan: &dyn Fn(usize, usize) -> usize,
-) -> (PagedCache, Vec<f32>) {
-    let lengths = [1usize, 150, 333, 1000];
-    let sets: Vec<_> = lengths
-        .iter()
-        .enumerate()
-        .map(|(i, &t)| data(format, seed + i as u64, kv_heads, kv_heads * group, t))
-        .collect();
-    let mut cache = trained_cache(format, &sets[3], seed);
-    for (s, set) in sets.iter().enumerate() {
-        cache
-            .append_sequence(&set.keys, &set.values, |p| plan(s, p))
-            .expect("append");
-    }
-    let queries = sets
-        .iter()
-        .flat_map(|s| s.queries.iter().copied())
-        .collect();
-    (cache, queries)
-}
+/// Sequences of several lengths, none a multiple of the page size.
+const LENGTHS: [usize; 4] = [1, 150, 333, 1000];
 
 fn check(
     executor: &CudaExecutor,
@@ -62,7 +37,8 @@ fn check(
     plan: &dyn Fn(usize, usize) -> usize,
     what: &str,
 ) {
-    let (cache, queries) = cache_and_queries(format, seed, kv_heads, group, plan);
+    let (cache, queries) =
+        cache_and_queries(format, seed, kv_heads, kv_heads * group, &LENGTHS, plan);
     let q_heads = kv_heads * group;
     let want = Interpreter::new(format.tiers(), Options::default())
         .decode(&cache.view(), &queries, q_heads)
@@ -149,8 +125,9 @@ fn gpu_tuning_space_matches_interpreter_and_page_size_is_enforced() {
     let gpu = executor.gpu();
     let seed = fresh_seed("gpu_tuning_space_matches_interpreter_and_page_size_is_enforced");
     for format in bundled() {
-        let (cache, queries) =
-            cache_and_queries(&format, seed, 2, 4, &|s, p| (s + p) % format.tiers().len());
+        let (cache, queries) = cache_and_queries(&format, seed, 2, 8, &LENGTHS, &|s, p| {
+            (s + p) % format.tiers().len()
+        });
         let want = Interpreter::new(format.tiers(), Options::default())
             .decode(&cache.view(), &queries, 8)
             .expect("interpreter");

@@ -14,7 +14,8 @@ mod common;
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 
 use common::{
-    assert_rows_close, bundled, data, fresh_seed, random_specs, trained_cache, SplitMix64,
+    assert_rows_close, bundled, cache_and_queries, data, fresh_seed, random_specs, trained_cache,
+    SplitMix64,
 };
 use kvcc::compiler::back::clif;
 use kvcc::compiler::Format;
@@ -35,37 +36,6 @@ fn shapes() -> [clif::Options; 2] {
             ..Default::default()
         },
     ]
-}
-
-/// A cache holding sequences of `lengths` tokens, sequence `s` with its pages
-/// placed by `plan(s, page)`, tables trained on the longest; and the queries.
-fn cache_and_queries(
-    format: &Format,
-    seed: u64,
-    kv_heads: usize,
-    q_heads: usize,
-    lengths: &[usize],
-    plan: &dyn Fn(usize, usize) -> usize,
-) -> (PagedCache, Vec<f32>) {
-    let sets: Vec<_> = lengths
-        .iter()
-        .enumerate()
-        .map(|(i, &t)| data(format, seed.wrapping_add(i as u64), kv_heads, q_heads, t))
-        .collect();
-    let longest = (0..sets.len())
-        .max_by_key(|&i| sets[i].tokens)
-        .expect("sequences");
-    let mut cache = trained_cache(format, &sets[longest], seed);
-    for (s, set) in sets.iter().enumerate() {
-        cache
-            .append_sequence(&set.keys, &set.values, |p| plan(s, p))
-            .expect("append");
-    }
-    let queries = sets
-        .iter()
-        .flat_map(|s| s.queries.iter().copied())
-        .collect();
-    (cache, queries)
 }
 
 /// The JIT in every shape against the interpreter, outputs and logits.

@@ -51,6 +51,37 @@ pub fn trained_cache(format: &Format, data: &SynthKv, seed: u64) -> PagedCache {
     PagedCache::new(format, data.kv_heads, tables).expect("cache")
 }
 
+/// A cache holding sequences of `lengths` tokens, sequence `s` with its pages
+/// placed by `plan(s, page)`, tables trained on the longest; and the queries.
+pub fn cache_and_queries(
+    format: &Format,
+    seed: u64,
+    kv_heads: usize,
+    q_heads: usize,
+    lengths: &[usize],
+    plan: &dyn Fn(usize, usize) -> usize,
+) -> (PagedCache, Vec<f32>) {
+    let sets: Vec<_> = lengths
+        .iter()
+        .enumerate()
+        .map(|(i, &t)| data(format, seed.wrapping_add(i as u64), kv_heads, q_heads, t))
+        .collect();
+    let longest = (0..sets.len())
+        .max_by_key(|&i| sets[i].tokens)
+        .expect("sequences");
+    let mut cache = trained_cache(format, &sets[longest], seed);
+    for (s, set) in sets.iter().enumerate() {
+        cache
+            .append_sequence(&set.keys, &set.values, |p| plan(s, p))
+            .expect("append");
+    }
+    let queries = sets
+        .iter()
+        .flat_map(|s| s.queries.iter().copied())
+        .collect();
+    (cache, queries)
+}
+
 /// Asserts every element of `got` is within `tolerance` relative to the largest
 /// magnitude of `want`'s row (outputs are vectors; per-element relative error
 /// is meaningless near zero).

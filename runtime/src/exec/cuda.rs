@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 use super::{Decoded, ExecError, Executor, JitExecutor};
 use crate::cache::PagedCache;
 use crate::cuda::{CudaError, DeviceCache, DeviceDecode, FormatKernels, Gpu};
-use crate::tune::{lookup, ShapeBucket};
+use crate::tune::{lookup, KernelConfig, ShapeBucket};
 
 /// Each `decode` uploads the cache and its tables; for repeated steps over one
 /// cache keep it on the device with `cuda::DeviceCache` and `cuda::DeviceDecode`,
@@ -14,8 +14,18 @@ use crate::tune::{lookup, ShapeBucket};
 /// the call's shape (see `tune::lookup`), else the defaults.
 pub struct CudaExecutor {
     gpu: Gpu,
-    /// Loaded kernels per spec, query group and configurations.
-    kernels: Mutex<HashMap<String, Arc<FormatKernels>>>,
+    loaded: Mutex<Loaded>,
+}
+
+/// What earlier calls resolved and loaded, so a decode only generates or
+/// hashes code for a spec and shape bucket it has not seen.
+#[derive(Default)]
+struct Loaded {
+    /// Per spec and shape bucket: each tier's configuration (a tune-cache
+    /// lookup hashes every tier's generated code).
+    configs: HashMap<(String, ShapeBucket), Vec<KernelConfig>>,
+    /// Per spec, query group and configurations: the loaded kernels.
+    kernels: HashMap<(String, u32, Vec<KernelConfig>), Arc<FormatKernels>>,
 }
 
 impl CudaExecutor {
@@ -23,7 +33,7 @@ impl CudaExecutor {
     pub fn open() -> Result<CudaExecutor, CudaError> {
         Ok(CudaExecutor {
             gpu: Gpu::open()?,
-            kernels: Mutex::new(HashMap::new()),
+            loaded: Mutex::new(Loaded::default()),
         })
     }
 
@@ -42,19 +52,26 @@ impl CudaExecutor {
             kv_heads,
             cache.longest_sequence(),
         );
-        let configs = lookup::resolve_default(&self.gpu.id(), cache.format(), shape).configs;
-        let key = format!("{group}:{configs:?}:{:?}", cache.format().spec());
-        let mut loaded = self.kernels.lock().expect("kernel cache lock");
-        if let Some(k) = loaded.get(&key) {
+        let spec = format!("{:?}", cache.format().spec());
+        let mut loaded = self.loaded.lock().expect("kernel cache lock");
+        let configs = loaded
+            .configs
+            .entry((spec.clone(), shape))
+            .or_insert_with(|| {
+                lookup::resolve_default(&self.gpu.id(), cache.format(), shape).configs
+            })
+            .clone();
+        let key = (spec, group, configs);
+        if let Some(k) = loaded.kernels.get(&key) {
             return Ok(k.clone());
         }
         let k = Arc::new(FormatKernels::load_configs(
             &self.gpu,
             cache.format(),
-            &configs,
+            &key.2,
             group,
         )?);
-        loaded.insert(key, k.clone());
+        loaded.kernels.insert(key, k.clone());
         Ok(k)
     }
 

@@ -47,6 +47,7 @@ pub fn resolve(cache: &TuneCache, gpu: &GpuId, format: &Format, shape: ShapeBuck
         sources: Vec::new(),
         notes: Vec::new(),
     };
+    let mut untuned = Vec::new();
     for tier in 0..format.tiers().len() {
         let key = TuneKey::new(gpu, format, tier, shape);
         let what = format!("{}/{} ({shape}) on {}", key.format, key.tier, gpu.name);
@@ -86,36 +87,34 @@ pub fn resolve(cache: &TuneCache, gpu: &GpuId, format: &Format, shape: ShapeBuck
                     ),
                 },
             ),
-            Found::Miss => (default, Source::Default { reason: String::new() }),
+            Found::Miss => {
+                untuned.push(tier);
+                (default, Source::Default { reason: String::new() })
+            }
         };
         resolution.configs.push(config);
         resolution.sources.push(source);
     }
     // One message for all untuned tiers of the format at this shape.
-    let untuned: Vec<&str> = resolution
-        .sources
+    let names: Vec<&str> = untuned
         .iter()
-        .zip(&format.spec().tiers)
-        .filter(|(s, _)| matches!(s, Source::Default { reason } if reason.is_empty()))
-        .map(|(_, t)| t.name.as_str())
+        .map(|&t| format.spec().tiers[t].name.as_str())
         .collect();
     let miss = format!(
         "{} ({shape}) on {}: tier {} not tuned; using defaults — run `kvcc tune --spec {} --batch {} --q-heads {} --kv-heads {} --ctx {}`",
         format.name(),
         gpu.name,
-        untuned.join(", "),
+        names.join(", "),
         format.name(),
         shape.batch.0.max(1),
         shape.q_heads,
         shape.kv_heads,
         shape.context.0
     );
-    for source in &mut resolution.sources {
-        if let Source::Default { reason } = source {
-            if reason.is_empty() {
-                reason.clone_from(&miss);
-            }
-        }
+    for &t in &untuned {
+        resolution.sources[t] = Source::Default {
+            reason: miss.clone(),
+        };
     }
     resolution
 }

@@ -80,6 +80,20 @@ impl Space {
         (0..AXES).map(|a| self.len(a)).product()
     }
 
+    /// Candidates a search is expected to measure (for a progress bar): every
+    /// point when exhaustive, two passes over the axes for descent.
+    pub fn expected_trials(
+        &self,
+        default: KernelConfig,
+        strategy: Strategy,
+        exhaustive_limit: usize,
+    ) -> usize {
+        match strategy.resolve(self, exhaustive_limit) {
+            Strategy::Descent => 2 * (0..AXES).map(|a| self.len(a)).sum::<usize>(),
+            _ => self.all(default).len(),
+        }
+    }
+
     /// Every point, deduplicated after normalization.
     pub fn all(&self, default: KernelConfig) -> Vec<KernelConfig> {
         let mut points = vec![default.normalized()];
@@ -125,6 +139,17 @@ pub enum Strategy {
     Descent,
 }
 
+impl Strategy {
+    /// `Auto` made concrete for `space`.
+    fn resolve(self, space: &Space, exhaustive_limit: usize) -> Strategy {
+        match self {
+            Strategy::Auto if space.size() <= exhaustive_limit => Strategy::Exhaustive,
+            Strategy::Auto => Strategy::Descent,
+            s => s,
+        }
+    }
+}
+
 impl std::str::FromStr for Strategy {
     type Err = String;
     fn from_str(s: &str) -> Result<Strategy, String> {
@@ -165,11 +190,7 @@ pub fn search(
     exhaustive_limit: usize,
     mut measure: impl FnMut(&KernelConfig) -> Measured,
 ) -> SearchReport {
-    let strategy = match strategy {
-        Strategy::Auto if space.size() <= exhaustive_limit => Strategy::Exhaustive,
-        Strategy::Auto => Strategy::Descent,
-        s => s,
-    };
+    let strategy = strategy.resolve(space, exhaustive_limit);
     let mut trials: Vec<(KernelConfig, Measured)> = Vec::new();
     let mut seen: HashMap<KernelConfig, usize> = HashMap::new();
     let mut trial = |config: KernelConfig, trials: &mut Vec<(KernelConfig, Measured)>| -> usize {

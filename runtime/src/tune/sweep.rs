@@ -200,24 +200,11 @@ impl Sweep<'_> {
         let default = KernelConfig::default_for(self.format);
         let space = Space::around(&default, &self.options.page_items);
         let what = format!("{}/{} @{}", key.format, key.tier, self.context);
-        let estimate = match self.options.strategy {
-            Strategy::Exhaustive => space.all(default).len(),
-            Strategy::Auto if space.size() <= self.options.exhaustive_limit => {
-                space.all(default).len()
-            }
-            _ => {
-                2 * [
-                    space.page_items.len(),
-                    space.warps.len(),
-                    space.splits.len(),
-                    space.tile_items.len(),
-                    space.head_block.len(),
-                    space.max_accumulators.len(),
-                ]
-                .iter()
-                .sum::<usize>()
-            }
-        };
+        let estimate = space.expected_trials(
+            default,
+            self.options.strategy,
+            self.options.exhaustive_limit,
+        );
         let mut candidates: Vec<Candidate> = Vec::new();
         let report = search(
             &space,
@@ -295,11 +282,7 @@ impl Sweep<'_> {
         error: &mut Option<f64>,
     ) -> Result<Timing, String> {
         self.setup(config.page_items)?;
-        self.load(config)?;
-        let generated = KernelConfig {
-            splits: None,
-            ..*config
-        };
+        let generated = self.load(config)?;
         if !self.copies.contains_key(&config.page_items) {
             let setup = self.pages[&config.page_items]
                 .as_ref()
@@ -380,8 +363,9 @@ impl Sweep<'_> {
     }
 
     /// Kernels for `config` (every tier at it; only the tuned tier has pages),
-    /// launching `config.splits`.
-    fn load(&mut self, config: &KernelConfig) -> Result<(), String> {
+    /// set to launch `config.splits`; returns their key in `self.kernels`
+    /// (the configuration without splits, which do not change the code).
+    fn load(&mut self, config: &KernelConfig) -> Result<KernelConfig, String> {
         let generated = KernelConfig {
             splits: None,
             ..*config
@@ -403,7 +387,7 @@ impl Sweep<'_> {
             .as_mut()
             .map_err(|e| e.clone())?;
         kernels.splits[self.tier] = config.splits;
-        Ok(())
+        Ok(generated)
     }
 
     /// Default and winner timed alternately; the median of each one's medians.

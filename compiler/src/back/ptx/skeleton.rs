@@ -987,24 +987,9 @@ impl<'a> Skeleton<'a> {
                 k.mul_to(s[0], split[u], scale);
             } else {
                 let item = k.mad_lo(unit.item, plan.key.shared_stride, items_base);
-                let env = Env {
-                    replicas: Replicas::Heads(hb),
-                    arrays: &unit.arrays,
-                    tables: &tables,
-                    header: Some(tile.header),
-                    item: Some(ItemSource {
-                        base: item,
-                        align: plan.key.align(),
-                    }),
-                    iteration: None,
-                    denominator: None,
-                    preloaded: None,
-                };
-                let values = expr::emit(k, &self.m.key.score.exprs, &env);
-                let result = self.m.key.score.result.expect("validated functions return");
-                for j in 0..hb {
-                    let logit = expr::materialize_f32(k, values.get(result, j as usize).f32());
-                    k.mul_to(s[j as usize], logit, scale);
+                let scores = self.item_scores(k, item, &unit.arrays, &tables, tile.header, hb);
+                for (j, logit) in scores.into_iter().enumerate() {
+                    k.mul_to(s[j], logit, scale);
                 }
             }
             for j in 0..hb {
@@ -1157,6 +1142,37 @@ impl<'a> Skeleton<'a> {
     }
 
     /// Tables as the per-item programs see them: staged in shared memory.
+    /// The score program on the key item at shared address `item`: one
+    /// unscaled logit per head of the `hb`-head block.
+    fn item_scores(
+        &self,
+        k: &mut Kernel,
+        item: Reg<U32>,
+        arrays: &[Option<ArrayAccess>],
+        tables: &[Option<TableAccess>],
+        header: Reg<U32>,
+        hb: u32,
+    ) -> Vec<Reg<F32>> {
+        let env = Env {
+            replicas: Replicas::Heads(hb),
+            arrays,
+            tables,
+            header: Some(header),
+            item: Some(ItemSource {
+                base: item,
+                align: self.plan.key.align(),
+            }),
+            iteration: None,
+            denominator: None,
+            preloaded: None,
+        };
+        let values = expr::emit(k, &self.m.key.score.exprs, &env);
+        let result = self.m.key.score.result.expect("validated functions return");
+        (0..hb as usize)
+            .map(|j| expr::materialize_f32(k, values.get(result, j).f32()))
+            .collect()
+    }
+
     fn staged_tables(&self, k: &mut Kernel) -> Vec<Option<TableAccess>> {
         self.plan
             .tables
@@ -1215,28 +1231,13 @@ impl<'a> Skeleton<'a> {
                 })
                 .collect();
             let item = k.mad_lo(i, plan.key.shared_stride, items_base);
-            let env = Env {
-                replicas: Replicas::Heads(hb),
-                arrays: &arrays,
-                tables: &tables,
-                header: Some(tile.header),
-                item: Some(ItemSource {
-                    base: item,
-                    align: plan.key.align(),
-                }),
-                iteration: None,
-                denominator: None,
-                preloaded: None,
-            };
-            let values = expr::emit(k, &self.m.key.score.exprs, &env);
-            let result = self.m.key.score.result.expect("validated functions return");
+            let scores = self.item_scores(k, item, &arrays, &tables, tile.header, hb);
             let row = k.mad_lo(i, row_bytes, logits);
             let row = match block {
                 None => row,
                 Some(b) => k.mad_lo(b, hb * 4, row),
             };
-            for j in 0..hb {
-                let logit = expr::materialize_f32(k, values.get(result, j as usize).f32());
+            for (j, logit) in (0..hb).zip(scores) {
                 let logit = k.mul(logit, scale);
                 let at = Shared::at(row).plus(i64::from(4 * j));
                 match self.head_ok(k, block, hb, j) {
