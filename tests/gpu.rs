@@ -136,17 +136,24 @@ fn gpu_tuning_space_matches_interpreter_and_page_size_is_enforced() {
             KernelConfig {
                 warps: 2,
                 splits: Some(3),
+                stages: 3,
                 ..default
             },
             KernelConfig {
                 warps: 8,
                 head_block: 4,
                 max_accumulators: 16,
+                stages: 4,
                 ..default
             },
             KernelConfig {
                 tile_items: Some(32),
                 splits: Some(1),
+                ..default
+            },
+            KernelConfig {
+                tile_items: Some(16),
+                stages: 4,
                 ..default
             },
         ] {

@@ -342,8 +342,10 @@ fn random_options(rng: &mut Rng, index: usize) -> Options {
             Some(1 + rng.below(64))
         },
         tile_bytes: rng.pick(&[4096, 16 * 1024, 40 * 1024]),
+        stages: rng.pick(&[2, 3, 4]),
         head_block: 1 + rng.below(8),
         max_accumulators: rng.pick(&[4, 16, 32]),
         query_group: None,
+        tensor_cores: rng.coin(),
     }
 }

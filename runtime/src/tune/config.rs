@@ -18,6 +18,9 @@ pub struct KernelConfig {
     /// Items per tile; `None`: as many as the default tile budget holds, at
     /// most a page.
     pub tile_items: Option<u32>,
+    /// Tile buffers: tiles in flight while one is computed, plus one.
+    #[serde(default = "two_stages")]
+    pub stages: u32,
     /// Query heads per score / accumulate work unit.
     pub head_block: u32,
     /// Accumulator registers per thread in the accumulate phase.
@@ -35,6 +38,7 @@ impl KernelConfig {
             page_items: format.spec().page.items,
             warps: options.warps,
             tile_items: options.tile_items,
+            stages: options.stages,
             head_block: options.head_block,
             max_accumulators: options.max_accumulators,
             splits: None,
@@ -47,6 +51,7 @@ impl KernelConfig {
             target,
             warps: self.warps,
             tile_items: self.tile_items,
+            stages: self.stages,
             head_block: self.head_block,
             max_accumulators: self.max_accumulators,
             query_group: Some(query_group),
@@ -73,6 +78,11 @@ impl KernelConfig {
     }
 }
 
+/// Entries written before tile buffers were a knob had two.
+fn two_stages() -> u32 {
+    2
+}
+
 /// `format` recompiled with `items` items per page.
 pub fn with_page_items(format: &Format, items: u32) -> Result<Format, TuneError> {
     if format.spec().page.items == items {
@@ -87,17 +97,18 @@ pub fn with_page_items(format: &Format, items: u32) -> Result<Format, TuneError>
     })
 }
 
-/// A short label for tables: `p64 w4 tile:page hb8 acc32 splits:auto`.
+/// A short label for tables: `p64 w4 tile:page x2 hb8 acc32 splits:auto`.
 impl fmt::Display for KernelConfig {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let opt =
             |v: Option<u32>, none: &'static str| v.map_or(none.to_string(), |v| v.to_string());
         write!(
             f,
-            "p{} w{} tile:{} hb{} acc{} splits:{}",
+            "p{} w{} tile:{} x{} hb{} acc{} splits:{}",
             self.page_items,
             self.warps,
             opt(self.tile_items, "page"),
+            self.stages,
             self.head_block,
             self.max_accumulators,
             opt(self.splits, "auto")

@@ -15,13 +15,15 @@ pub struct Space {
     pub warps: Vec<u32>,
     pub splits: Vec<Option<u32>>,
     pub tile_items: Vec<Option<u32>>,
+    #[serde(default)]
+    pub stages: Vec<u32>,
     pub head_block: Vec<u32>,
     pub max_accumulators: Vec<u32>,
 }
 
 /// Axes in the order coordinate descent visits them: page size and warps
 /// first (they change occupancy the most), then splits, which depend on it.
-const AXES: usize = 6;
+const AXES: usize = 7;
 
 impl Space {
     /// The standard space around `default`, with the page sizes to try.
@@ -45,6 +47,7 @@ impl Space {
             warps: with(vec![2, 4, 8], default.warps),
             splits,
             tile_items,
+            stages: with(vec![2, 3, 4], default.stages),
             head_block: with(vec![4, 8], default.head_block),
             max_accumulators: with(vec![16, 32], default.max_accumulators),
         }
@@ -56,7 +59,8 @@ impl Space {
             1 => self.warps.len(),
             2 => self.splits.len(),
             3 => self.tile_items.len(),
-            4 => self.head_block.len(),
+            4 => self.stages.len(),
+            5 => self.head_block.len(),
             _ => self.max_accumulators.len(),
         }
     }
@@ -69,7 +73,8 @@ impl Space {
             1 => c.warps = self.warps[i],
             2 => c.splits = self.splits[i],
             3 => c.tile_items = self.tile_items[i],
-            4 => c.head_block = self.head_block[i],
+            4 => c.stages = self.stages[i],
+            5 => c.head_block = self.head_block[i],
             _ => c.max_accumulators = self.max_accumulators[i],
         }
         c.normalized()
@@ -250,13 +255,14 @@ mod tests {
             page_items: 64,
             warps: 4,
             tile_items: None,
+            stages: 2,
             head_block: 8,
             max_accumulators: 32,
             splits: None,
         }
     }
 
-    /// A separable cost with its minimum at p128 w8 splits 8, hb 4.
+    /// A separable cost with its minimum at p128 w8 splits 8, 3 stages, hb 4.
     fn cost(c: &KernelConfig) -> Measured {
         let axis = |v: f64, best: f64| (v.log2() - best.log2()).abs();
         Ok(1.0
@@ -265,6 +271,7 @@ mod tests {
             + axis(c.splits.unwrap_or(6) as f64, 8.0)
             + axis(c.head_block as f64, 4.0)
             + if c.tile_items.is_some() { 0.5 } else { 0.0 }
+            + axis(c.stages as f64, 3.0)
             + if c.max_accumulators == 16 { 0.25 } else { 0.0 })
     }
 
@@ -275,13 +282,13 @@ mod tests {
     #[test]
     fn the_space_holds_the_default_and_merges_equivalent_tiles() {
         let s = space();
-        assert_eq!(s.size(), 4 * 3 * 5 * 5 * 2 * 2);
+        assert_eq!(s.size(), 4 * 3 * 5 * 5 * 3 * 2 * 2);
         let all = s.all(default());
         assert_eq!(all[0], default());
         // Tiles of at least a page are the whole page: on 32-item pages, tiles
         // 32, 64 and 128 merge with the whole page (16 stays).
         let on = |items: u32| all.iter().filter(move |c| c.page_items == items).count();
-        let others = 3 * 5 * 2 * 2;
+        let others = 3 * 5 * 3 * 2 * 2;
         assert_eq!(on(32), 2 * others);
         assert_eq!(on(64), 3 * others);
         assert_eq!(on(128), 4 * others);

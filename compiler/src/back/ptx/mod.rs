@@ -15,6 +15,7 @@ pub mod abi;
 pub mod builder;
 mod expr;
 mod merge;
+mod mma;
 mod plan;
 mod skeleton;
 
@@ -64,9 +65,11 @@ pub struct Options {
     /// Items per tile (one `cp.async` batch); `None`: as many as fit
     /// `tile_bytes`, at most a page.
     pub tile_items: Option<u32>,
-    /// Shared-memory budget of one tile buffer when `tile_items` is `None`
-    /// (two buffers are allocated).
+    /// Shared-memory budget of one tile buffer when `tile_items` is `None`.
     pub tile_bytes: u32,
+    /// Tile buffers (2..=8): while one tile is computed on, the next
+    /// `stages - 1` load.
+    pub stages: u32,
     /// Query heads per score / accumulate work unit: each value code is decoded
     /// once per block of this many heads.
     pub head_block: u32,
@@ -77,6 +80,10 @@ pub struct Options {
     /// `page.max_query_group`. A model's actual group (at most the spec's)
     /// avoids computing for heads it does not have.
     pub query_group: Option<u32>,
+    /// Score and accumulate on the tensor cores (`mma.sync`) when the tier
+    /// qualifies (`mma.rs`: f16 keys and values read as stored); otherwise,
+    /// and when off, per-thread fma chains.
+    pub tensor_cores: bool,
 }
 
 impl Default for Options {
@@ -86,9 +93,11 @@ impl Default for Options {
             warps: 4,
             tile_items: None,
             tile_bytes: 40 * 1024,
+            stages: 2,
             head_block: 8,
             max_accumulators: 32,
             query_group: None,
+            tensor_cores: true,
         }
     }
 }
@@ -105,6 +114,9 @@ impl Options {
         let bad = |what: String| Err(Error::Options(what));
         if !(1..=32).contains(&self.warps) {
             return bad(format!("warps {} is outside 1..=32", self.warps));
+        }
+        if !(2..=8).contains(&self.stages) {
+            return bad(format!("stages {} is outside 2..=8", self.stages));
         }
         if self.tile_items == Some(0) {
             return bad("tile_items must be at least 1".into());

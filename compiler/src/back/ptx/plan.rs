@@ -5,6 +5,7 @@
 
 use std::collections::HashSet;
 
+use super::mma::MmaPlan;
 use super::{Error, Options};
 use crate::ir::{ArrayDecl, Expr, Handle, Module, Stage};
 use crate::layout::{round_up, Side, TierLayout};
@@ -144,10 +145,15 @@ pub struct Plan {
     /// Whether the accumulators stay in registers across tiles (one round of
     /// channels per head block, one head block).
     pub register_accumulators: bool,
+    /// Score and accumulate on the tensor cores (then the softmax is fused,
+    /// and neither the split score nor the accumulate partition is used).
+    pub mma: Option<MmaPlan>,
     /// Two tile buffers, then the tile's logits (softmax weights after the
     /// softmax phase): item `i`, head `h` at float `i * head_stride + h`, so
     /// the accumulate phase loads a head block's weights as vectors.
     pub buffers: u32,
+    /// Tile buffers: tiles `t + 1 .. t + stages - 1` load while tile `t` is computed.
+    pub stages: u32,
     pub logits: u32,
     /// Floats per item row of the logits: the head blocks' heads, rounded up to 4.
     pub head_stride: u32,
@@ -314,7 +320,7 @@ impl Plan {
         let tile_max = bump.take(4 * head_stride);
 
         let stream_start = bump.0;
-        let buffers = bump.take(2 * buffer_bytes);
+        let buffers = bump.take(options.stages * buffer_bytes);
         let logits = bump.take(head_stride * 4 * tile_items);
         let stream_end = bump.0;
         let mut epilogue_bump = Bump(stream_start);
@@ -357,14 +363,22 @@ impl Plan {
         let mut score_units = (tile_items * score_head_blocks).div_ceil(threads);
         let mut fused_softmax = score_units * score_head_block <= FUSED_SCORE_REGISTERS;
         let (mut score_head_block, mut score_head_blocks) = (score_head_block, score_head_blocks);
-        let score_split = score_split(module, threads, group_max, head_block, tile_items);
+        let mma = options
+            .tensor_cores
+            .then(|| super::mma::plan(module, group_max, tile_items, &key, &value))
+            .flatten();
+        let score_split = match mma {
+            Some(_) => None,
+            None => score_split(module, threads, group_max, head_block, tile_items),
+        };
         if let Some(split) = &score_split {
             score_head_block = split.head_block;
             score_head_blocks = group_max / split.head_block;
             score_units = split.units;
             fused_softmax = true;
         }
-        let register_accumulators = head_blocks * accumulate.channel_rounds == 1;
+        fused_softmax |= mma.is_some();
+        let register_accumulators = mma.is_none() && head_blocks * accumulate.channel_rounds == 1;
         Ok(Plan {
             threads,
             warps: options.warps,
@@ -394,7 +408,9 @@ impl Plan {
             fused_softmax,
             score_split,
             register_accumulators,
+            mma,
             buffers,
+            stages: options.stages,
             logits,
             head_stride,
             prefetch,

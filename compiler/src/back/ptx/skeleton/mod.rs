@@ -22,6 +22,9 @@ use crate::ir::{Expr, Module, Stage};
 use crate::layout::Side;
 use crate::valid::{ModuleInfo, ValidModule};
 
+mod mma;
+use mma::MmaThread;
+
 /// The dynamic shared memory symbol of every kvcc module.
 pub const SHARED_SYMBOL: &str = "kvcc_smem";
 
@@ -206,20 +209,19 @@ impl<'a> Skeleton<'a> {
                 self.copy(k, Op::Imm(chunks), chunks, dst, src);
             }
         }
-        let zero = k.mov(0u32);
         if plan.prefetch {
-            k.comment("the first tile loads while the prologue runs");
-            self.issue_tile(k, zero);
+            k.comment("the first tiles load while the prologue runs");
+            self.issue_first_tiles(k);
+        } else {
+            k.cp_async_commit();
         }
-        k.cp_async_commit();
         self.init_state(k);
         self.load_queries(k);
         k.bar_sync();
         k.comment("key prologue, every head of the group");
         self.stages(k, &self.m.key.prologue.stages, false);
         if !plan.prefetch {
-            self.issue_tile(k, zero);
-            k.cp_async_commit();
+            self.issue_first_tiles(k);
         }
         self.stream(k);
         k.comment("value epilogue, every head of the group");
@@ -466,11 +468,34 @@ impl<'a> Skeleton<'a> {
         }
     }
 
-    /// Shared address of tile buffer `t % 2`.
+    /// Tiles `0 .. stages - 1`, one `cp.async` group each (the first also
+    /// holds the staged tables; groups past the split's tiles are empty, so
+    /// the stream's wait counts stay uniform).
+    fn issue_first_tiles(&self, k: &mut Kernel) {
+        let zero = k.mov(0u32);
+        self.issue_tile(k, zero);
+        k.cp_async_commit();
+        for s in 1..self.plan.stages - 1 {
+            let t = k.mov(s);
+            let past = k.setp(Cmp::Ge, t, self.tiles);
+            let skip = k.label();
+            k.bra_if(past, true, skip);
+            self.issue_tile(k, t);
+            k.place(skip);
+            k.cp_async_commit();
+        }
+    }
+
+    /// Shared address of tile buffer `t % stages`.
     fn buffer(&self, k: &mut Kernel, t: Reg<U32>) -> Reg<U32> {
-        let parity = k.and(t, 1u32);
+        let stages = self.plan.stages;
+        let slot = if stages.is_power_of_two() {
+            k.and(t, stages - 1)
+        } else {
+            k.rem_u32(t, stages)
+        };
         let base = k.add(self.smem, self.plan.buffers);
-        k.mad_lo(parity, self.plan.buffer_bytes, base)
+        k.mad_lo(slot, self.plan.buffer_bytes, base)
     }
 
     /// First item of tile `t` within its page (`None`: tiles are whole pages)
@@ -626,26 +651,30 @@ impl<'a> Skeleton<'a> {
             .then(|| self.accumulate_setup(k, None, None));
         let t = k.mov(0u32);
         let last = k.sub(self.tiles, 1u32);
-        let ahead = k.min(last, 1u32);
+        let lead = plan.stages - 1;
+        let ahead = k.min(last, lead);
         let at = self.page_entry(k, ahead);
-        k.comment("the page id of tile t + 1, read a tile ahead");
+        k.comment(&format!(
+            "{} tile buffers: tile t + {lead} loads during tile t; its page id was read a tile earlier",
+            plan.stages
+        ));
         let next_page = k.ld_global_nc::<U32>(at);
         let top = k.label();
         k.place(top);
         k.comment("tile t is in, and every thread is done with tile t - 1");
-        k.cp_async_wait(0);
+        k.cp_async_wait(plan.stages - 2);
         k.bar_sync();
-        let next = k.add(t, 1u32);
+        let next = k.add(t, lead);
         let more = k.setp(Cmp::Lt, next, self.tiles);
         let issued = k.label();
         k.bra_if(more, false, issued);
         self.issue_tile_of(k, next, next_page);
-        k.cp_async_commit();
-        let after = k.add(t, 2u32);
+        let after = k.add(t, lead + 1);
         let after = k.min(after, last);
         let at = self.page_entry(k, after);
         k.ld_global_nc_to(next_page, at);
         k.place(issued);
+        k.cp_async_commit();
         let buf = self.buffer(k, t);
         let (first, len) = self.tile_span(k, t);
         let stored = k.ld_shared::<U32>(Shared::at(buf).plus(4));
@@ -663,7 +692,12 @@ impl<'a> Skeleton<'a> {
         let nothing = k.setp(Cmp::Eq, items, 0u32);
         k.bra_if(nothing, true, done);
         let header = k.add(buf, 16u32);
-        let tile = Tile { buf, header, items };
+        let tile = Tile {
+            buf,
+            header,
+            items,
+            first,
+        };
         let rescale = match &fused {
             Some(fused) => Rescale::When(self.score_fused(k, &tile, fused)),
             None => {
@@ -674,9 +708,10 @@ impl<'a> Skeleton<'a> {
                 Rescale::Always
             }
         };
-        match &registers {
-            Some(acc) => self.accumulate_items(k, &tile, acc, Some(rescale)),
-            None => self.accumulate(k, &tile, rescale),
+        match (&registers, fused.as_ref().map(|f| &f.logits)) {
+            (_, Some(Logits::Mma(t))) => self.mma_accumulate(k, &tile, t, rescale),
+            (Some(acc), _) => self.accumulate_items(k, &tile, acc, Some(rescale)),
+            (None, _) => self.accumulate(k, &tile, rescale),
         }
         k.place(done);
         k.add_to(t, t, 1u32);
@@ -686,6 +721,9 @@ impl<'a> Skeleton<'a> {
         k.bar_sync();
         if let Some(acc) = &registers {
             self.accumulate_store(k, acc, None);
+        }
+        if let Some(Logits::Mma(t)) = fused.as_ref().map(|f| &f.logits) {
+            self.mma_store(k, t);
         }
         match &fused {
             Some(fused) => self.score_finish(k, fused),
@@ -700,6 +738,9 @@ impl<'a> Skeleton<'a> {
     /// whole stream. Computed once before the page loop.
     fn score_setup(&self, k: &mut Kernel) -> FusedScore {
         let plan = self.plan;
+        if let Some(m) = &plan.mma {
+            return self.mma_setup(k, m);
+        }
         if let Some(split) = &plan.score_split {
             return self.split_setup(k, split);
         }
@@ -767,7 +808,10 @@ impl<'a> Skeleton<'a> {
                 }
             })
             .collect();
-        FusedScore { units, split: None }
+        FusedScore {
+            units,
+            logits: Logits::Program,
+        }
     }
 
     /// [`Self::score_setup`] for a score split over lanes ([`ScoreSplit`]):
@@ -865,7 +909,7 @@ impl<'a> Skeleton<'a> {
             .collect();
         FusedScore {
             units,
-            split: Some(SplitScore {
+            logits: Logits::Split(SplitScore {
                 arrays,
                 preloaded,
                 lane_offset,
@@ -959,16 +1003,14 @@ impl<'a> Skeleton<'a> {
     fn score_fused(&self, k: &mut Kernel, tile: &Tile, fused: &FusedScore) -> Reg<Pred> {
         let plan = self.plan;
         // A split score's units are one-head units of the lane's head.
-        let hb = match &fused.split {
-            Some(_) => 1,
-            None => plan.score_head_block,
-        };
+        let hb = fused.head_block(plan);
         k.comment("score and softmax weights, against the running reference");
         let tables = self.staged_tables(k);
-        let split_logits = fused
-            .split
-            .as_ref()
-            .map(|sp| self.split_logits(k, tile, sp, &tables));
+        let unit_logits = match &fused.logits {
+            Logits::Program => None,
+            Logits::Split(sp) => Some(self.split_logits(k, tile, sp, &tables)),
+            Logits::Mma(t) => Some(self.mma_logits(k, tile, t)),
+        };
         let items_base = k.add(tile.buf, plan.key.buffer_offset);
         let scale = k.ld_param(&self.p.softmax_scale);
         let zero = k.mov(0.0f32);
@@ -983,8 +1025,8 @@ impl<'a> Skeleton<'a> {
             let ok = k.and_pred(in_tile, unit.block_ok);
             let skip = k.label();
             k.bra_if(ok, false, skip);
-            if let Some(split) = &split_logits {
-                k.mul_to(s[0], split[u], scale);
+            if let Some(unit_logits) = &unit_logits {
+                k.mul_to(s[0], unit_logits[u], scale);
             } else {
                 let item = k.mad_lo(unit.item, plan.key.shared_stride, items_base);
                 let scores = self.item_scores(k, item, &unit.arrays, &tables, tile.header, hb);
@@ -1096,10 +1138,7 @@ impl<'a> Skeleton<'a> {
     /// warp per head.
     fn score_finish(&self, k: &mut Kernel, fused: &FusedScore) {
         let plan = self.plan;
-        let hb = match &fused.split {
-            Some(_) => 1,
-            None => plan.score_head_block,
-        };
+        let hb = fused.head_block(plan);
         k.comment("the softmax sums: partial sums by (item, head), then one warp per head");
         for unit in &fused.units {
             for j in 0..hb {
@@ -1671,6 +1710,8 @@ struct Tile {
     header: Reg<U32>,
     /// Valid items of the tile.
     items: Reg<U32>,
+    /// The tile's first item in its page (`None`: tiles are whole pages).
+    first: Option<Reg<U32>>,
 }
 
 /// How the accumulators take the tile's decay.
@@ -1692,8 +1733,27 @@ const ORDER_KEY_NEG_INF: u32 = !0xFF80_0000;
 /// The fused softmax's per-thread state ([`Skeleton::score_setup`]).
 struct FusedScore {
     units: Vec<ScoreUnit>,
-    /// With a split score ([`ScoreSplit`]): its per-thread state.
-    split: Option<SplitScore>,
+    logits: Logits,
+}
+
+impl FusedScore {
+    /// Heads per unit: a split or tensor-core score's units are one-head units.
+    fn head_block(&self, plan: &Plan) -> u32 {
+        match self.logits {
+            Logits::Program => plan.score_head_block,
+            Logits::Split(_) | Logits::Mma(_) => 1,
+        }
+    }
+}
+
+/// Where the units' logits come from.
+enum Logits {
+    /// The score program, per unit and head of its block.
+    Program,
+    /// The score split over lanes ([`ScoreSplit`]), one per unit.
+    Split(SplitScore),
+    /// The tensor cores, one per unit (`mma.rs`).
+    Mma(MmaThread),
 }
 
 /// A split score's per-thread state ([`Skeleton::split_setup`]).

@@ -1,0 +1,415 @@
+//! Which tiers the tensor cores serve, and the fragment geometry they share
+//! with the skeleton (`skeleton/mma.rs`, docs/ptx-backend.md, seventh round).
+//!
+//! A tier qualifies when its key score is a dot product of one query array
+//! with the key item's elements — f16 values or 4/8-bit integers, optionally
+//! times a per-element page-header scale — and its value channel `c` is the
+//! value item's element `c`, optionally times one f16 scale per item. Such
+//! elements are exact f16 numbers, so they are `mma.sync` operands (f16 as
+//! stored; integers through two or three bit operations). The header scales
+//! fold into the query and the item scales into the softmax weights; those
+//! f32 operands enter as two f16 parts, `x = hi + lo` to about 2⁻²²
+//! relative, so every product is exact and the sums are f32: the
+//! interpreter's results within the backends' tolerance, at a fraction of
+//! the per-thread fma chains' instructions.
+
+use super::plan::{Stream, CHUNK};
+use crate::ir::{ArrayDecl, BinaryOp, Expr, Function, Handle, Input, Literal, Module, UnaryOp};
+
+/// Rows (tokens or channels) of one `m16n8k16` tile, and its reduction depth.
+pub const TILE: u32 = 16;
+/// Columns of one tile: (head, part) pairs, so 4 heads per tile.
+pub const COLUMNS: u32 = 8;
+/// Lanes sharing one fragment row (`lane % 4`), each loading 16 bytes of it.
+pub const ROW_LANES: u32 = 4;
+
+/// How an item element becomes an exact f16.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Element {
+    /// Stored f16 bits.
+    Half,
+    /// A `bits`-wide integer (4 or 8), two's complement when `signed`.
+    Int { bits: u32, signed: bool },
+}
+
+impl Element {
+    pub fn bits(self) -> u32 {
+        match self {
+            Element::Half => 16,
+            Element::Int { bits, .. } => bits,
+        }
+    }
+
+    /// f16 pairs one 32-bit word of elements gives.
+    pub fn pairs_per_word(self) -> u32 {
+        16 / self.bits()
+    }
+}
+
+/// The tensor-core geometry of one tier's kernel.
+#[derive(Debug, Clone)]
+pub struct MmaPlan {
+    /// The array the score reads its query from.
+    pub query: Handle<ArrayDecl>,
+    pub key: Element,
+    /// Header scale slot of key element 0 (element `i` uses slot `+ i`).
+    pub key_scale: Option<u32>,
+    pub value: Element,
+    /// Bit offset of the value item's f16 scale.
+    pub item_scale: Option<u32>,
+    /// Key elements (= the score's terms) and value channels.
+    pub key_dims: u32,
+    pub value_dims: u32,
+    /// Byte offset of value channel 0 in a value item.
+    pub value_offset: u32,
+    /// Whether every lane group's value channels start 16-byte aligned in
+    /// shared memory (else they are read as words and funnel-shifted).
+    pub value_aligned: bool,
+    /// Column tiles: `ceil(2 · heads / 8)`.
+    pub column_tiles: u32,
+    /// Token tiles per tile of items.
+    pub token_tiles: u32,
+}
+
+impl MmaPlan {
+    /// Reduction steps of the score (16 key elements each).
+    pub fn key_steps(&self) -> u32 {
+        self.key_dims / TILE
+    }
+
+    /// Channel tiles of the accumulate (16 channels each).
+    pub fn channel_tiles(&self) -> u32 {
+        self.value_dims / TILE
+    }
+
+    /// Key elements in one lane's 16-byte chunk.
+    pub fn chunk_elements(&self) -> u32 {
+        8 * CHUNK / self.key.bits()
+    }
+
+    /// The 16-byte chunks of a key row one lane loads (chunks `quad + 4 · c`).
+    pub fn lane_chunks(&self) -> u32 {
+        self.key_dims / self.chunk_elements() / ROW_LANES
+    }
+
+    /// f16 pairs a lane holds of a key row: two per reduction step.
+    pub fn key_pairs(&self) -> u32 {
+        2 * self.key_steps()
+    }
+
+    /// Key element of half `e` of the `l`-th pair a lane with `quad == 0`
+    /// holds (lane `quad` holds the element `chunk_elements · quad` further).
+    /// Pair `l` is pair `r` of word `w` of the lane's chunk `c`; the pairs of
+    /// a word are its elements `r` and `r + 16 / bits` (f16: the word's two
+    /// halves; 8-bit: bytes 0, 2 then 1, 3; 4-bit: nibbles 0, 4 … 3, 7). Pair
+    /// `2 · s` is the lane's `{a0, a1}` of reduction step `s`, `2 · s + 1` its
+    /// `{a4, a5}`.
+    pub fn key_element(&self, l: u32, e: u32) -> u32 {
+        let per_word = self.key.pairs_per_word();
+        let (c, rest) = (l / (4 * per_word), l % (4 * per_word));
+        let (w, r) = (rest / per_word, rest % per_word);
+        ROW_LANES * self.chunk_elements() * c + 2 * per_word * w + r + e * per_word
+    }
+
+    /// Value channels per lane group (`lane / 4`): 2 per channel tile.
+    pub fn group_channels(&self) -> u32 {
+        2 * self.channel_tiles()
+    }
+
+    /// 32-bit words of one token's channels of a lane group.
+    pub fn group_words(&self) -> u32 {
+        self.group_channels() * self.value.bits() / 32
+    }
+}
+
+/// The tensor-core plan when `module` qualifies, its key rows sit where
+/// 16-byte loads reach them, and tiles are whole token tiles.
+pub fn plan(
+    module: &Module,
+    group_max: u32,
+    tile_items: u32,
+    key: &Stream,
+    value: &Stream,
+) -> Option<MmaPlan> {
+    let score = dot_product(&module.key.score)?;
+    let channel = scaled_channel(&module.value.accumulate)?;
+    let value_dims = module.value.dims;
+    let key_row_bytes = score.dims * score.element.bits() / 8;
+    let group_bits = 2 * value_dims / TILE * channel.element.bits();
+    let value_offset = channel.base / 8;
+    let fits = tile_items.is_multiple_of(TILE)
+        && score.dims.is_multiple_of(TILE)
+        // A key row is whole chunks over the 4 lanes of a fragment row.
+        && key_row_bytes.is_multiple_of(CHUNK * ROW_LANES)
+        && key.align() == CHUNK
+        && value_dims.is_multiple_of(TILE)
+        // A lane group's channels are whole words at a whole byte.
+        && group_bits.is_multiple_of(32)
+        && channel.base.is_multiple_of(8)
+        // Header scales are read 4 at a time, item scales as halfwords.
+        && score.scale.is_none_or(|slot| slot.is_multiple_of(4))
+        && channel
+            .scale
+            .is_none_or(|bit| bit.is_multiple_of(16) && value.shared_stride.is_multiple_of(2));
+    let group_bytes = group_bits / 8;
+    fits.then(|| MmaPlan {
+        query: score.query,
+        key: score.element,
+        key_scale: score.scale,
+        value: channel.element,
+        item_scale: channel.scale,
+        key_dims: score.dims,
+        value_dims,
+        value_offset,
+        value_aligned: value.align() == CHUNK
+            && value_offset.is_multiple_of(CHUNK)
+            && group_bytes.is_multiple_of(CHUNK),
+        column_tiles: (2 * group_max).div_ceil(COLUMNS),
+        token_tiles: tile_items / TILE,
+    })
+}
+
+/// A score `Σ_i element_i · scale_i · query[i]`.
+struct DotProduct {
+    query: Handle<ArrayDecl>,
+    element: Element,
+    scale: Option<u32>,
+    dims: u32,
+}
+
+/// The score as a chain of fmas from 0.0 whose term `i` multiplies query
+/// element `i` with the key element at bit `bits · i` (times header slot
+/// `slot0 + i`), every element once.
+fn dot_product(f: &Function) -> Option<DotProduct> {
+    let exprs = &f.exprs;
+    let mut cur = f.result?;
+    let mut shape: Option<(Handle<ArrayDecl>, Element, Option<u32>)> = None;
+    let mut seen = Vec::new();
+    loop {
+        match *exprs.try_get(cur)? {
+            Expr::Fma { a, b, c } => {
+                let ((element, bit, slot), (array, index)) = scaled_element(f, a)
+                    .zip(shared_read(f, b))
+                    .or_else(|| scaled_element(f, b).zip(shared_read(f, a)))?;
+                let slot0 = match slot {
+                    Some(slot) => Some(slot.checked_sub(index)?),
+                    None => None,
+                };
+                if bit != element.bits() * index
+                    || *shape.get_or_insert((array, element, slot0)) != (array, element, slot0)
+                {
+                    return None;
+                }
+                seen.push(index);
+                cur = c;
+            }
+            Expr::Literal(Literal::F32(0.0)) => break,
+            _ => return None,
+        }
+    }
+    let (query, element, scale) = shape?;
+    let dims = seen.len() as u32;
+    seen.sort_unstable();
+    (seen.iter().copied().eq(0..dims)).then_some(DotProduct {
+        query,
+        element,
+        scale,
+        dims,
+    })
+}
+
+/// An element at a constant bit, alone or times a constant header slot.
+fn scaled_element(f: &Function, h: Handle<Expr>) -> Option<(Element, u32, Option<u32>)> {
+    if let Some((element, bit)) = element_at(f, h) {
+        return literal(f, bit).map(|bit| (element, bit, None));
+    }
+    let (x, y) = multiplied(f, h)?;
+    let scaled = |e: Handle<Expr>, s: Handle<Expr>| {
+        let (element, bit) = element_at(f, e)?;
+        match *f.exprs.try_get(s)? {
+            Expr::HeaderScale { slot } => {
+                Some((element, literal(f, bit)?, Some(literal(f, slot)?)))
+            }
+            _ => None,
+        }
+    };
+    scaled(x, y).or_else(|| scaled(y, x))
+}
+
+/// `half(item_bits(o, 16))`, `float(sign_extend(item_bits(o, w)))` or
+/// `float(item_bits(o, w))` for w in {4, 8}: the element and `o`.
+fn element_at(f: &Function, h: Handle<Expr>) -> Option<(Element, Handle<Expr>)> {
+    let Expr::Unary { op, arg } = *f.exprs.try_get(h)? else {
+        return None;
+    };
+    let bits = |h: Handle<Expr>| match *f.exprs.try_get(h)? {
+        Expr::ItemBits { bit_offset, width } => Some((bit_offset, u32::from(width))),
+        _ => None,
+    };
+    match op {
+        UnaryOp::HalfToFloat => match bits(arg)? {
+            (offset, 16) => Some((Element::Half, offset)),
+            _ => None,
+        },
+        UnaryOp::ToFloat => {
+            let (inner, signed) = match *f.exprs.try_get(arg)? {
+                Expr::Unary {
+                    op: UnaryOp::SignExtend(n),
+                    arg,
+                } => (arg, Some(u32::from(n))),
+                _ => (arg, None),
+            };
+            let (offset, width) = bits(inner)?;
+            let ok = matches!(width, 4 | 8) && signed.is_none_or(|n| n == width);
+            ok.then_some((
+                Element::Int {
+                    bits: width,
+                    signed: signed.is_some(),
+                },
+                offset,
+            ))
+        }
+        _ => None,
+    }
+}
+
+/// The operands of an f32 multiplication.
+fn multiplied(f: &Function, h: Handle<Expr>) -> Option<(Handle<Expr>, Handle<Expr>)> {
+    match *f.exprs.try_get(h)? {
+        Expr::Binary {
+            op: BinaryOp::Multiply,
+            left,
+            right,
+        } => Some((left, right)),
+        _ => None,
+    }
+}
+
+/// `array[index]` at a constant index.
+fn shared_read(f: &Function, h: Handle<Expr>) -> Option<(Handle<ArrayDecl>, u32)> {
+    match *f.exprs.try_get(h)? {
+        Expr::Shared { array, index } => Some((array, literal(f, index)?)),
+        _ => None,
+    }
+}
+
+fn literal(f: &Function, h: Handle<Expr>) -> Option<u32> {
+    match *f.exprs.try_get(h)? {
+        Expr::Literal(Literal::U32(v)) => Some(v),
+        _ => None,
+    }
+}
+
+/// A value channel `element(base + bits · channel)`, alone or times the
+/// item's f16 scale.
+struct Channel {
+    element: Element,
+    base: u32,
+    scale: Option<u32>,
+}
+
+fn scaled_channel(f: &Function) -> Option<Channel> {
+    let result = f.result?;
+    let channel = |h: Handle<Expr>| {
+        let (element, offset) = element_at(f, h)?;
+        match affine_in_channel(f, offset)? {
+            (step, base) if step == element.bits() => Some((element, base)),
+            _ => None,
+        }
+    };
+    if let Some((element, base)) = channel(result) {
+        return Some(Channel {
+            element,
+            base,
+            scale: None,
+        });
+    }
+    let (x, y) = multiplied(f, result)?;
+    let scaled = |e: Handle<Expr>, s: Handle<Expr>| {
+        let (element, base) = channel(e)?;
+        let (Element::Half, offset) = element_at(f, s)? else {
+            return None;
+        };
+        Some(Channel {
+            element,
+            base,
+            scale: Some(literal(f, offset)?),
+        })
+    };
+    scaled(x, y).or_else(|| scaled(y, x))
+}
+
+/// `(a, b)` when the u32 expression is `a · channel + b`.
+fn affine_in_channel(f: &Function, h: Handle<Expr>) -> Option<(u32, u32)> {
+    match *f.exprs.try_get(h)? {
+        Expr::Input(Input::Channel) => Some((1, 0)),
+        Expr::Literal(Literal::U32(v)) => Some((0, v)),
+        Expr::Binary { op, left, right } => {
+            let (l, r) = (affine_in_channel(f, left)?, affine_in_channel(f, right)?);
+            match op {
+                BinaryOp::Add => Some((l.0.checked_add(r.0)?, l.1.checked_add(r.1)?)),
+                BinaryOp::Multiply if l.0 == 0 => {
+                    Some((r.0.checked_mul(l.1)?, r.1.checked_mul(l.1)?))
+                }
+                BinaryOp::Multiply if r.0 == 0 => {
+                    Some((l.0.checked_mul(r.1)?, l.1.checked_mul(r.1)?))
+                }
+                _ => None,
+            }
+        }
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn plan_of(element: Element) -> MmaPlan {
+        let mut arrays = crate::ir::Arena::default();
+        MmaPlan {
+            query: arrays.append(ArrayDecl {
+                name: "query".into(),
+                len: 128,
+            }),
+            key: element,
+            key_scale: None,
+            value: element,
+            item_scale: None,
+            key_dims: 128,
+            value_dims: 128,
+            value_offset: 0,
+            value_aligned: true,
+            column_tiles: 1,
+            token_tiles: 4,
+        }
+    }
+
+    /// The four lanes of a fragment row hold every key element exactly once,
+    /// whatever the element width.
+    #[test]
+    fn lanes_of_a_row_cover_every_key_element_once() {
+        for element in [
+            Element::Half,
+            Element::Int {
+                bits: 8,
+                signed: true,
+            },
+            Element::Int {
+                bits: 4,
+                signed: false,
+            },
+        ] {
+            let m = plan_of(element);
+            let mut seen = vec![0; 128];
+            for quad in 0..ROW_LANES {
+                for l in 0..m.key_pairs() {
+                    for e in 0..2 {
+                        seen[(m.key_element(l, e) + m.chunk_elements() * quad) as usize] += 1;
+                    }
+                }
+            }
+            assert!(seen.iter().all(|&n| n == 1), "{element:?}: {seen:?}");
+        }
+    }
+}

@@ -1,0 +1,748 @@
+//! The score and accumulate phases on the tensor cores, for the tiers
+//! `back/ptx/mma.rs` admits (docs/ptx-backend.md, seventh round).
+//!
+//! `m16n8k16` fragments, lane `4 · row + quad` of a warp:
+//! - score, per 16-token tile of the warp: `S = K · Q'ᵀ`. A = the tile's key
+//!   rows (tokens × elements, a reduction step's elements in the lanes' load
+//!   order, [`MmaPlan::key_element`]); B = the queries (times the page's
+//!   header scales) as columns (head, part): times a power of two σ per
+//!   head, split into f16 `hi + lo` parts, so a head's two columns sum to
+//!   its logit times σ.
+//! - accumulate, per 16-token step of the warp: `Oᵀ += Vᵀ · P'ᵀ`. A = value
+//!   channels × tokens (row `r` of channel tile `t` is channel `2 · t + r / 8`
+//!   of lane group `r % 8`'s channels, two tokens per register by byte
+//!   permutes); B = the softmax weights (times the items' scales, then a
+//!   power of two per step) as (head, part) columns. Each warp sums its own
+//!   steps in registers; the warps' sums meet in the accumulator array once,
+//!   after the stream.
+
+use super::super::mma::{Element, MmaPlan, ROW_LANES, TILE};
+use super::{FusedScore, Logits, Rescale, ScoreUnit, Skeleton, Tile};
+use crate::back::ptx::builder::{Cmp, Kernel, Pred, Reg, Shared, F32, U32};
+
+/// Binary exponent σ gives the largest scaled operand of a column: below
+/// f16's 65504, and the low parts of the others well inside f16's range.
+const SCALED_EXPONENT: u32 = 14;
+/// f32 exponent bias and largest finite biased exponent.
+const BIAS: u32 = 127;
+const MAX_EXPONENT: u32 = 254;
+
+/// `prmt` selectors: the low (high) halves of two words, the first's low.
+const LOW_HALVES: u32 = 0x5410;
+const HIGH_HALVES: u32 = 0x7632;
+
+/// A lane's tensor-core state for the whole stream.
+pub(super) struct MmaThread {
+    warp: Reg<U32>,
+    /// Fragment row (`lane / 4`) and quad (`lane % 4`).
+    row: Reg<U32>,
+    quad: Reg<U32>,
+    /// Whether the lane's B columns are low parts (odd row).
+    low_part: Reg<Pred>,
+    /// Per column tile: the lane's first query element and whether its B
+    /// column's head exists.
+    query_at: Vec<(Reg<U32>, Reg<Pred>)>,
+    /// The query fragments and 1/σ: for the whole stream, or (with header
+    /// scales) for the current page.
+    queries: Queries,
+    /// Per column tile: the weights of the B column's head at the lane's
+    /// first token.
+    weights: Vec<Reg<U32>>,
+    /// Per column tile: the C columns' head exists, its softmax state slot.
+    out_ok: Vec<Reg<Pred>>,
+    out_state: Vec<Reg<U32>>,
+    /// Per column tile and channel tile: the output accumulators.
+    acc: Vec<Vec<[Reg<F32>; 4]>>,
+    /// Byte offset of the lane's first key chunk, and of its value
+    /// channels in its first token, in a tile's streams.
+    key_lane: Reg<U32>,
+    value_lane: Reg<U32>,
+    /// The lane's first token of a step (`16 · warp + 2 · quad`).
+    token: Reg<U32>,
+}
+
+/// A column tile's weights scale σ for a tile with item scales, the lane's
+/// 1/σ of its C columns' head, and the tile's sums per channel tile.
+struct ScaledSums {
+    sigma: Reg<F32>,
+    inverse: Reg<F32>,
+    sums: Vec<[Reg<F32>; 4]>,
+}
+
+/// B fragments of the score: per column tile, the lane's query pairs and 1/σ
+/// of the head of its C columns.
+struct Queries {
+    pairs: Vec<Vec<Reg<U32>>>,
+    unscale: Vec<Reg<F32>>,
+}
+
+impl Skeleton<'_> {
+    /// Token tiles (or accumulate steps) per warp: slot `j` is tile
+    /// `warp + j · warps`.
+    fn mma_slots(&self, m: &MmaPlan) -> u32 {
+        m.token_tiles.div_ceil(self.plan.warps)
+    }
+
+    /// `Some(whether slot j's tile exists)` when some warp has no tile in it.
+    fn mma_slot_ok(
+        &self,
+        k: &mut Kernel,
+        m: &MmaPlan,
+        warp: Reg<U32>,
+        j: u32,
+    ) -> Option<Reg<Pred>> {
+        let warps = self.plan.warps;
+        ((j + 1) * warps > m.token_tiles).then(|| k.setp(Cmp::Lt, warp, m.token_tiles - j * warps))
+    }
+
+    /// The lane's constant state and, per slot, column tile and row half,
+    /// a score unit: the logit of (token `16 · tile + row + 8 · half`, head
+    /// `4 · column tile + quad`).
+    pub(super) fn mma_setup(&self, k: &mut Kernel, m: &MmaPlan) -> FusedScore {
+        let plan = self.plan;
+        k.comment(&format!(
+            "tensor cores: {} token tile(s) per warp, {} column tile(s), {:?} keys, {:?} values",
+            self.mma_slots(m),
+            m.column_tiles,
+            m.key,
+            m.value
+        ));
+        let warp = k.shr(self.tid, 5u32);
+        let lane = k.and(self.tid, 31u32);
+        let row = k.shr(lane, 2u32);
+        let quad = k.and(lane, 3u32);
+        let parity = k.and(row, 1u32);
+        let low_part = k.setp(Cmp::Eq, parity, 1u32);
+        let row_head = k.shr(row, 1u32);
+        let query = m.query.index();
+        let query_base = self.array_base(k, query);
+        let state_of = |k: &mut Kernel, head: Reg<U32>| {
+            let clamped = k.min(head, plan.group_max - 1);
+            (clamped, k.mad_lo(clamped, 4u32, self.smem))
+        };
+        let logits = k.add(self.smem, plan.logits);
+        let row_bytes = 4 * plan.head_stride;
+        let token = k.shl(quad, 1u32);
+        let token = k.mad_lo(warp, TILE, token);
+        let zero = k.mov(0.0f32);
+        let (mut query_at, mut weights, mut out_ok, mut out_state, mut acc) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for ct in 0..m.column_tiles {
+            let head = k.add(row_head, 4 * ct);
+            let ok = k.setp(Cmp::Lt, head, self.group);
+            let (clamped, _) = state_of(k, head);
+            let at = k.mad_lo(clamped, plan.array_stride[query], query_base);
+            query_at.push((k.mad_lo(quad, 4 * m.chunk_elements(), at), ok));
+            let column = k.mad_lo(clamped, 4u32, logits);
+            weights.push(k.mad_lo(token, row_bytes, column));
+            let out_head = k.add(quad, 4 * ct);
+            out_ok.push(k.setp(Cmp::Lt, out_head, self.group));
+            out_state.push(state_of(k, out_head).1);
+            acc.push(
+                (0..m.channel_tiles())
+                    .map(|_| [k.mov(zero), k.mov(zero), k.mov(zero), k.mov(zero)])
+                    .collect(),
+            );
+        }
+        let key_row = k.mad_lo(warp, TILE, row);
+        let key_chunk = k.shl(quad, 4u32);
+        let key_lane = k.mad_lo(key_row, plan.key.shared_stride, key_chunk);
+        let group_bytes = m.group_words() * 4;
+        let channels = k.mad_lo(row, group_bytes, m.value_offset);
+        let value_lane = k.mad_lo(token, plan.value.shared_stride, channels);
+        let placeholder = Queries {
+            pairs: Vec::new(),
+            unscale: Vec::new(),
+        };
+        let mut thread = MmaThread {
+            warp,
+            row,
+            quad,
+            low_part,
+            query_at,
+            queries: placeholder,
+            weights,
+            out_ok,
+            out_state,
+            acc,
+            key_lane,
+            value_lane,
+            token,
+        };
+        thread.queries = match m.key_scale {
+            None => self.mma_queries(k, m, &thread, None),
+            // Set by each page's first tile.
+            Some(_) => Queries {
+                pairs: (0..m.column_tiles)
+                    .map(|_| (0..m.key_pairs()).map(|_| k.mov(0u32)).collect())
+                    .collect(),
+                unscale: (0..m.column_tiles).map(|_| k.mov(zero)).collect(),
+            },
+        };
+
+        let tile_max = k.add(self.smem, plan.tile_max);
+        let neg_inf = k.mov(f32::NEG_INFINITY);
+        let mut units = Vec::new();
+        for j in 0..self.mma_slots(m) {
+            let slot_ok = self.mma_slot_ok(k, m, warp, j);
+            for ct in 0..m.column_tiles {
+                let head = k.add(quad, 4 * ct);
+                let head_ok = k.setp(Cmp::Lt, head, self.group);
+                let block_ok = match slot_ok {
+                    Some(slot) => k.and_pred(slot, head_ok),
+                    None => head_ok,
+                };
+                let (clamped, state) = state_of(k, head);
+                let column = k.mad_lo(clamped, 4u32, logits);
+                for half in 0..2 {
+                    let item = k.add(key_row, j * plan.warps * TILE + 8 * half);
+                    let at_zero = k.setp(Cmp::Eq, item, 0u32);
+                    let first = k.and_pred(at_zero, block_ok);
+                    units.push(ScoreUnit {
+                        block: Some(head),
+                        item,
+                        block_ok,
+                        first,
+                        arrays: Vec::new(),
+                        row: k.mad_lo(item, row_bytes, column),
+                        max_at: k.mad_lo(clamped, 4u32, tile_max),
+                        state,
+                        refs: vec![k.mov(neg_inf)],
+                        sums: vec![k.mov(zero)],
+                    });
+                }
+            }
+        }
+        FusedScore {
+            units,
+            logits: Logits::Mma(thread),
+        }
+    }
+
+    /// The lane's query pairs of every column tile (times the header scales
+    /// at `header` when the key has them) scaled by σ and split into parts,
+    /// and 1/σ of its C columns' heads.
+    fn mma_queries(
+        &self,
+        k: &mut Kernel,
+        m: &MmaPlan,
+        t: &MmaThread,
+        header: Option<Reg<U32>>,
+    ) -> Queries {
+        let chunk = m.chunk_elements();
+        // The lane's chunk c holds elements chunk·quad + 4·chunk·c, contiguous.
+        let scales_at = header.map(|h| {
+            let slot0 = m.key_scale.expect("header scales");
+            let first = k.mad_lo(t.quad, 4 * chunk, h);
+            k.add(first, 4 * slot0)
+        });
+        let mut pairs = Vec::new();
+        let mut unscale = Vec::new();
+        for &(at, ok) in &t.query_at {
+            let mut elements = Vec::new();
+            for c in 0..m.lane_chunks() {
+                for v in 0..chunk / 4 {
+                    let offset = i64::from(4 * (ROW_LANES * chunk * c + 4 * v));
+                    let q = k.ld_shared_v4::<F32>(Shared::at(at).plus(offset));
+                    let s = scales_at.map(|s| k.ld_shared_v4::<F32>(Shared::at(s).plus(offset)));
+                    for (i, x) in q.into_iter().enumerate() {
+                        let x = match s {
+                            Some(s) => k.mul(x, s[i]),
+                            None => x,
+                        };
+                        elements.push(k.selp(x, 0.0f32, ok));
+                    }
+                }
+            }
+            let sigma = column_sigma(k, &elements);
+            // Element i of the row is the lane's (i / 4·chunk)-th chunk's
+            // (i % 4·chunk)-th: `elements` holds the chunks back to back.
+            let position =
+                |i: u32| (i / (ROW_LANES * chunk) * chunk + i % (ROW_LANES * chunk)) as usize;
+            pairs.push(
+                (0..m.key_pairs())
+                    .map(|l| {
+                        let [a, b] = [0, 1].map(|e| elements[position(m.key_element(l, e))]);
+                        let (a, b) = (k.mul(a, sigma), k.mul(b, sigma));
+                        f16_part(k, a, b, t.low_part)
+                    })
+                    .collect(),
+            );
+            // 1/σ of head 4·ct + quad: lane 8·quad's B column is that head's.
+            let inverse = unscale_of(k, sigma);
+            let owner = k.shl(t.quad, 3u32);
+            unscale.push(k.shfl_idx(inverse, owner));
+        }
+        Queries { pairs, unscale }
+    }
+
+    /// The unscaled logits of the warp's token tiles, one per unit of
+    /// [`Self::mma_setup`] in its order. Every lane runs every slot whose
+    /// tile exists (rows past the tile's items read stale bytes: an mma row
+    /// depends only on its own A row, and those logits are never used).
+    pub(super) fn mma_logits(&self, k: &mut Kernel, tile: &Tile, t: &MmaThread) -> Vec<Reg<F32>> {
+        let plan = self.plan;
+        let m = plan.mma.as_ref().expect("tensor-core plan");
+        let queries = &t.queries;
+        if m.key_scale.is_some() {
+            k.comment("a page's first tile: the query times the page's header scales");
+            let later = k.label();
+            if let Some(first) = tile.first {
+                let page_start = k.setp(Cmp::Eq, first, 0u32);
+                k.bra_if(page_start, false, later);
+            }
+            let page = self.mma_queries(k, m, t, Some(tile.header));
+            for (to, from) in queries
+                .pairs
+                .iter()
+                .flatten()
+                .zip(page.pairs.iter().flatten())
+            {
+                k.assign(*to, *from);
+            }
+            for (to, from) in queries.unscale.iter().zip(&page.unscale) {
+                k.assign(*to, *from);
+            }
+            k.place(later);
+        }
+        let stride = plan.key.shared_stride;
+        let base = k.add(tile.buf, plan.key.buffer_offset);
+        let lane_base = k.add(base, t.key_lane);
+        let zero = k.mov(0.0f32);
+        let mut logits = Vec::new();
+        for j in 0..self.mma_slots(m) {
+            let c: Vec<[Reg<F32>; 4]> = (0..m.column_tiles)
+                .map(|_| [k.mov(zero), k.mov(zero), k.mov(zero), k.mov(zero)])
+                .collect();
+            let skip = k.label();
+            if let Some(ok) = self.mma_slot_ok(k, m, t.warp, j) {
+                k.bra_if(ok, false, skip);
+            }
+            let rows: Vec<Vec<Reg<U32>>> = (0..2)
+                .map(|half| {
+                    let offset = (j * plan.warps * TILE + 8 * half) * stride;
+                    let words: Vec<Reg<U32>> = (0..m.lane_chunks())
+                        .flat_map(|c| {
+                            let at = Shared::at(lane_base)
+                                .plus(i64::from(offset + ROW_LANES * super::CHUNK * c));
+                            k.ld_shared_v4::<U32>(at)
+                        })
+                        .collect();
+                    words
+                        .into_iter()
+                        .flat_map(|w| word_pairs(k, m.key, w))
+                        .collect()
+                })
+                .collect();
+            for s in 0..m.key_steps() as usize {
+                let a = [
+                    rows[0][2 * s],
+                    rows[1][2 * s],
+                    rows[0][2 * s + 1],
+                    rows[1][2 * s + 1],
+                ];
+                for (acc, q) in c.iter().zip(&queries.pairs) {
+                    k.mma_f16_f32(*acc, a, [q[2 * s], q[2 * s + 1]]);
+                }
+            }
+            k.place(skip);
+            for (acc, &unscale) in c.iter().zip(&queries.unscale) {
+                for half in 0..2 {
+                    let scaled = k.add(acc[2 * half], acc[2 * half + 1]);
+                    logits.push(k.mul(scaled, unscale));
+                }
+            }
+        }
+        logits
+    }
+
+    /// The tile's weighted values into the lane's accumulators; first, with
+    /// `rescale`, the accumulators times their head's decay.
+    pub(super) fn mma_accumulate(
+        &self,
+        k: &mut Kernel,
+        tile: &Tile,
+        t: &MmaThread,
+        rescale: Rescale,
+    ) {
+        let plan = self.plan;
+        let m = plan.mma.as_ref().expect("tensor-core plan");
+        let kept = k.label();
+        if let Rescale::When(p) = rescale {
+            k.bra_if(p, false, kept);
+        }
+        for (acc, &state) in t.acc.iter().zip(&t.out_state) {
+            let decay = k.ld_shared::<F32>(Shared::at(state).plus(plan.decay.into()));
+            for c in acc.iter().flatten() {
+                k.mul_to(*c, *c, decay);
+            }
+        }
+        k.place(kept);
+        let stride = plan.value.shared_stride;
+        let row_bytes = 4 * plan.head_stride;
+        let items = k.add(tile.buf, plan.value.buffer_offset);
+        let lane_base = k.add(items, t.value_lane);
+        let token_rows = k.mad_lo(t.token, stride, items);
+        // The lane's tokens of a step: 2·quad + {0, 1, 8, 9}.
+        let steps = [0u32, 1, 8, 9];
+        let slots = self.mma_slots(m);
+        let slot_ok: Vec<Option<Reg<Pred>>> = (0..slots)
+            .map(|j| self.mma_slot_ok(k, m, t.warp, j))
+            .collect();
+        // Per slot and column tile: the lane's 4 weights (times the item
+        // scales; zero past the tile's items and for heads the group lacks).
+        let mut valid = Vec::new();
+        let mut weights = Vec::new();
+        for j in 0..slots {
+            let first = j * plan.warps * TILE;
+            let ok: Vec<Reg<Pred>> = steps
+                .iter()
+                .map(|&d| {
+                    let token = k.add(t.token, first + d);
+                    k.setp(Cmp::Lt, token, tile.items)
+                })
+                .collect();
+            // Rows past the tile's items are not read: past the last slot
+            // they are outside the buffers.
+            let scales: Option<Vec<Reg<F32>>> = m.item_scale.map(|bit| {
+                steps
+                    .iter()
+                    .zip(&ok)
+                    .map(|(&d, &ok)| {
+                        let offset = (first + d) * stride + bit / 8;
+                        let bits = k.mov(0u32);
+                        k.guarded(ok, true, |k| {
+                            let at = Shared::at(token_rows).plus(offset.into());
+                            let loaded = k.ld_shared_narrow(at, 16);
+                            k.assign(bits, loaded);
+                        });
+                        let half = k.low16(bits);
+                        k.f16_to_f32(half)
+                    })
+                    .collect()
+            });
+            let per_column: Vec<Vec<Reg<F32>>> = t
+                .weights
+                .iter()
+                .zip(&t.query_at)
+                .map(|(&column, &(_, head_ok))| {
+                    (0..steps.len())
+                        .map(|i| {
+                            let offset = (first + steps[i]) * row_bytes;
+                            let w = k.mov(0.0f32);
+                            k.guarded(ok[i], true, |k| {
+                                let at = Shared::at(column).plus(offset.into());
+                                let loaded = k.ld_shared::<F32>(at);
+                                k.assign(w, loaded);
+                            });
+                            let w = match &scales {
+                                Some(s) => k.mul(w, s[i]),
+                                None => w,
+                            };
+                            k.selp(w, 0.0f32, head_ok)
+                        })
+                        .collect()
+                })
+                .collect();
+            valid.push(ok);
+            weights.push(per_column);
+        }
+        // With item scales the weights have any magnitude: a power of two per
+        // column keeps the tile's in f16's range, its sums start from zero
+        // and join the accumulators times the inverse.
+        let zero = k.mov(0.0f32);
+        let scaled: Option<Vec<ScaledSums>> = m.item_scale.map(|_| {
+            (0..t.acc.len())
+                .map(|ct| {
+                    let column: Vec<Reg<F32>> =
+                        weights.iter().flat_map(|w| w[ct].iter().copied()).collect();
+                    let sigma = column_sigma(k, &column);
+                    let inverse = unscale_of(k, sigma);
+                    let owner = k.shl(t.quad, 3u32);
+                    let sums = (0..m.channel_tiles())
+                        .map(|_| [k.mov(zero), k.mov(zero), k.mov(zero), k.mov(zero)])
+                        .collect();
+                    ScaledSums {
+                        sigma,
+                        inverse: k.shfl_idx(inverse, owner),
+                        sums,
+                    }
+                })
+                .collect()
+        });
+        for j in 0..slots as usize {
+            let skip = k.label();
+            if let Some(ok) = slot_ok[j] {
+                k.bra_if(ok, false, skip);
+            }
+            let first = j as u32 * plan.warps * TILE;
+            let b: Vec<[Reg<U32>; 2]> = weights[j]
+                .iter()
+                .enumerate()
+                .map(|(ct, w)| {
+                    let w: Vec<Reg<F32>> = match &scaled {
+                        Some(s) => w.iter().map(|&x| k.mul(x, s[ct].sigma)).collect(),
+                        None => w.clone(),
+                    };
+                    [
+                        f16_part(k, w[0], w[1], t.low_part),
+                        f16_part(k, w[2], w[3], t.low_part),
+                    ]
+                })
+                .collect();
+            let values: Vec<Vec<Reg<U32>>> = steps
+                .iter()
+                .zip(&valid[j])
+                .map(|(&d, &ok)| {
+                    let words = self.mma_value_words(k, m, lane_base, (first + d) * stride);
+                    // Stale f16 rows past the tile's items may hold any bits
+                    // (0 · NaN poisons a sum); integers are always finite.
+                    match m.value {
+                        Element::Half => words.into_iter().map(|w| k.selp(w, 0u32, ok)).collect(),
+                        Element::Int { .. } => words,
+                    }
+                })
+                .collect();
+            for ct in 0..t.acc.len() {
+                let sums = match &scaled {
+                    Some(s) => &s[ct].sums,
+                    None => &t.acc[ct],
+                };
+                for (tile_index, c) in sums.iter().enumerate() {
+                    let channel = 2 * tile_index as u32;
+                    let a = [
+                        token_pair(k, m.value, &values[0], &values[1], channel),
+                        token_pair(k, m.value, &values[0], &values[1], channel + 1),
+                        token_pair(k, m.value, &values[2], &values[3], channel),
+                        token_pair(k, m.value, &values[2], &values[3], channel + 1),
+                    ];
+                    k.mma_f16_f32(*c, a, b[ct]);
+                }
+            }
+            k.place(skip);
+        }
+        if let Some(s) = &scaled {
+            for (scaled, acc) in s.iter().zip(&t.acc) {
+                for (total, part) in acc.iter().zip(&scaled.sums) {
+                    for (&total, &x) in total.iter().zip(part) {
+                        k.fma_to(total, x, scaled.inverse, total);
+                    }
+                }
+            }
+        }
+    }
+
+    /// The words of one token's channels of the lane's group, `offset` bytes
+    /// past `lane_base`: 16-byte loads when aligned, else aligned words
+    /// funnel-shifted into place.
+    fn mma_value_words(
+        &self,
+        k: &mut Kernel,
+        m: &MmaPlan,
+        lane_base: Reg<U32>,
+        offset: u32,
+    ) -> Vec<Reg<U32>> {
+        let n = m.group_words();
+        if m.value_aligned {
+            return (0..n / 4)
+                .flat_map(|v| {
+                    k.ld_shared_v4::<U32>(Shared::at(lane_base).plus(i64::from(offset + 16 * v)))
+                })
+                .collect();
+        }
+        let at = k.add(lane_base, offset);
+        let aligned = k.and(at, !3u32);
+        let misaligned = k.and(at, 3u32);
+        let shift = k.shl(misaligned, 3u32);
+        let words: Vec<Reg<U32>> = (0..=n)
+            .map(|w| k.ld_shared::<U32>(Shared::at(aligned).plus(i64::from(4 * w))))
+            .collect();
+        words
+            .windows(2)
+            .map(|pair| k.shf_r_wrap(pair[0], pair[1], shift))
+            .collect()
+    }
+
+    /// After the stream: each warp in turn adds its sums (the two parts of
+    /// each head) into the accumulator array, which starts at zero.
+    pub(super) fn mma_store(&self, k: &mut Kernel, t: &MmaThread) {
+        let plan = self.plan;
+        let m = plan.mma.as_ref().expect("tensor-core plan");
+        let acc_index = self.m.value.accumulator.index();
+        let acc_base = self.array_base(k, acc_index);
+        let acc_stride = plan.array_stride[acc_index];
+        let channel0 = k.mul(t.row, m.group_channels());
+        k.comment("the warps' sums into the accumulators, one warp at a time");
+        for w in 0..plan.warps {
+            let mine = k.setp(Cmp::Eq, t.warp, w);
+            let skip = k.label();
+            k.bra_if(mine, false, skip);
+            for (ct, acc) in t.acc.iter().enumerate() {
+                let head = k.add(t.quad, 4 * ct as u32);
+                let clamped = k.min(head, plan.group_max - 1);
+                let row = k.mad_lo(clamped, acc_stride, acc_base);
+                let row = k.mad_lo(channel0, 4u32, row);
+                for (tile_index, c) in (0u32..).zip(acc) {
+                    for half in 0..2u32 {
+                        let at = Shared::at(row).plus(i64::from(4 * (2 * tile_index + half)));
+                        let h = 2 * half as usize;
+                        let sum = k.add(c[h], c[h + 1]);
+                        k.guarded(t.out_ok[ct], true, |k| {
+                            let old = k.ld_shared::<F32>(at);
+                            let new = k.add(old, sum);
+                            k.st_shared(at, new);
+                        });
+                    }
+                }
+            }
+            k.place(skip);
+            k.bar_sync();
+        }
+    }
+}
+
+/// σ = 2^(14 − e) for the largest |x| = 2^e·(1.…) of a B column (over the
+/// four lanes of the lane's row): the column's scaled values stay in f16's
+/// range whatever their magnitude.
+fn column_sigma(k: &mut Kernel, values: &[Reg<F32>]) -> Reg<F32> {
+    let mut most = k.abs_f32(values[0]);
+    for &x in &values[1..] {
+        let a = k.abs_f32(x);
+        most = k.max(most, a);
+    }
+    for mask in [1, 2] {
+        let other = k.shfl_bfly(most, mask);
+        most = k.max(most, other);
+    }
+    let bits = k.bitcast::<F32, U32>(most);
+    let exponent = k.shr(bits, 23u32);
+    let field = k.sub(2 * BIAS + SCALED_EXPONENT, exponent);
+    let field = k.min(field, MAX_EXPONENT);
+    let sigma = k.shl(field, 23u32);
+    k.bitcast::<U32, F32>(sigma)
+}
+
+/// 1/σ for a power of two σ with biased exponent `f`: biased exponent 254 − f.
+fn unscale_of(k: &mut Kernel, sigma: Reg<F32>) -> Reg<F32> {
+    let bits = k.bitcast::<F32, U32>(sigma);
+    let field = k.shr(bits, 23u32);
+    let inverse = k.sub(MAX_EXPONENT, field);
+    let inverse = k.shl(inverse, 23u32);
+    k.bitcast::<U32, F32>(inverse)
+}
+
+/// The hi (or, with `low`, lo) f16 parts of `(a, b)`, `a` in the low half:
+/// hi = f16(x), lo = f16(x − hi), so hi + lo is x to about 2⁻²² relative.
+fn f16_part(k: &mut Kernel, a: Reg<F32>, b: Reg<F32>, low: Reg<Pred>) -> Reg<U32> {
+    let high = k.pack_f16x2(a, b);
+    let (ha, hb) = k.split_halves(high);
+    let (fa, fb) = (k.f16_to_f32(ha), k.f16_to_f32(hb));
+    let (ra, rb) = (k.sub(a, fa), k.sub(b, fb));
+    let rest = k.pack_f16x2(ra, rb);
+    k.selp(rest, high, low)
+}
+
+/// The f16 pairs of one word of key elements, in [`MmaPlan::key_element`]
+/// order.
+fn word_pairs(k: &mut Kernel, element: Element, w: Reg<U32>) -> Vec<Reg<U32>> {
+    match element {
+        Element::Half => vec![w],
+        Element::Int { bits: 8, signed } => {
+            let odd = k.shr(w, 8u32);
+            vec![
+                int_pair(k, w, 8, signed, false),
+                int_pair(k, odd, 8, signed, false),
+            ]
+        }
+        Element::Int { bits, signed } => {
+            let odd = k.shr(w, 8u32);
+            vec![
+                int_pair(k, w, bits, signed, false),
+                int_pair(k, w, bits, signed, true),
+                int_pair(k, odd, bits, signed, false),
+                int_pair(k, odd, bits, signed, true),
+            ]
+        }
+    }
+}
+
+/// The (token 0, token 1) f16 pair of lane-group channel `channel` from the
+/// two tokens' words.
+fn token_pair(
+    k: &mut Kernel,
+    element: Element,
+    first: &[Reg<U32>],
+    second: &[Reg<U32>],
+    channel: u32,
+) -> Reg<U32> {
+    let per_word = 32 / element.bits();
+    let (w, i) = ((channel / per_word) as usize, channel % per_word);
+    match element {
+        Element::Half => {
+            let selector = if i == 0 { LOW_HALVES } else { HIGH_HALVES };
+            k.prmt(first[w], second[w], selector)
+        }
+        Element::Int { bits, signed } => {
+            // The element's byte of both tokens at bytes 0 and 2.
+            let byte = i * bits / 8;
+            let selector = byte | byte << 4 | (4 + byte) << 8 | (4 + byte) << 12;
+            let x = k.prmt(first[w], second[w], selector);
+            int_pair(k, x, bits, signed, bits == 4 && i % 2 == 1)
+        }
+    }
+}
+
+/// The exact f16 pair of the `bits`-wide integers in bits `0..` and `16..`
+/// of `x` (with `high_nibble`, bits `4..8` and `20..24`): the integer (offset
+/// to unsigned) becomes the mantissa of 1024 by one `lop3`, and one f16 op
+/// takes 1024 (and the offset, and a nibble's ×16) off again.
+fn int_pair(k: &mut Kernel, x: Reg<U32>, bits: u32, signed: bool, high_nibble: bool) -> Reg<U32> {
+    const MAGIC: u32 = 0x6400_6400; // 1024.0 in both halves
+    let field = (1u32 << bits) - 1;
+    let shift = if high_nibble { 4 } else { 0 };
+    let mask = (field | field << 16) << shift;
+    let sign = 1u32 << (bits - 1);
+    let flip = if signed {
+        (sign | sign << 16) << shift
+    } else {
+        0
+    };
+    // (x & mask) ^ c: the field's bits flipped by c's, elsewhere c's bits.
+    let lut = (0xF0 & 0xCC) ^ 0xAA;
+    let biased = k.lop3(x, mask, MAGIC | flip, lut);
+    let offset = if signed { sign } else { 0 };
+    if high_nibble {
+        // (1024 + 16·u) / 16 − (64 + offset)
+        let sixteenth = k.mov(0x2C00_2C00u32);
+        let minus = half_bits(-(64.0 + offset as f32));
+        let minus = k.mov(minus | minus << 16);
+        k.fma_f16x2(biased, sixteenth, minus)
+    } else {
+        let bias = half_bits(1024.0 + offset as f32);
+        let bias = k.mov(bias | bias << 16);
+        k.sub_f16x2(biased, bias)
+    }
+}
+
+/// The f16 bits of a small integer-valued float (|x| < 2048).
+fn half_bits(x: f32) -> u32 {
+    let magnitude = x.abs() as u32;
+    let exponent = 31 - magnitude.leading_zeros();
+    let mantissa = (magnitude << (10 - exponent)) & 0x3FF;
+    let sign = if x < 0.0 { 0x8000 } else { 0 };
+    sign | (exponent + 15) << 10 | mantissa
+}
+
+#[cfg(test)]
+mod tests {
+    use super::half_bits;
+
+    #[test]
+    fn half_bits_of_the_magic_constants() {
+        assert_eq!(half_bits(1024.0), 0x6400);
+        assert_eq!(half_bits(1152.0), 0x6480);
+        assert_eq!(half_bits(1032.0), 0x6408);
+        assert_eq!(half_bits(-72.0), 0xD480);
+        assert_eq!(half_bits(-64.0), 0xD400);
+    }
+}
