@@ -77,3 +77,33 @@ fn generated_ptx_matches_the_committed_snapshots() {
         stale.join("\n")
     );
 }
+
+/// The tensor cores serve the tiers whose codes are exact f16 operands
+/// (dense f16, KIVI's integer codes with their scales) and no other bundled
+/// tier; with `tensor_cores` off every tier is per-thread fma chains.
+#[test]
+fn tensor_cores_serve_exactly_the_linear_f16_exact_tiers() {
+    let mut served = Vec::new();
+    for format in common::bundled() {
+        for tensor_cores in [true, false] {
+            let options = Options {
+                tensor_cores,
+                ..Options::for_target(Target::Sm90)
+            };
+            let output = ptx::write(&format, &options).expect("bundled formats generate");
+            for tier in &output.tiers {
+                let uses = tier.ptx.contains("mma.sync");
+                assert!(
+                    tensor_cores || !uses,
+                    "{}/{}: mma with tensor cores off",
+                    format.name(),
+                    tier.tier
+                );
+                if uses {
+                    served.push(format!("{}/{}", format.name(), tier.tier));
+                }
+            }
+        }
+    }
+    assert_eq!(served, ["dense_f16/f16", "kivi/int8", "kivi/int4"]);
+}

@@ -156,6 +156,10 @@ fn gpu_tuning_space_matches_interpreter_and_page_size_is_enforced() {
                 stages: 4,
                 ..default
             },
+            KernelConfig {
+                tensor_cores: false,
+                ..default
+            },
         ] {
             let configs = vec![config; format.tiers().len()];
             let kernels = FormatKernels::load_configs(gpu, &format, &configs, 4)

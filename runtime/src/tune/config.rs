@@ -21,6 +21,9 @@ pub struct KernelConfig {
     /// Tile buffers: tiles in flight while one is computed, plus one.
     #[serde(default = "two_stages")]
     pub stages: u32,
+    /// Score and accumulate on the tensor cores where the tier allows it.
+    #[serde(default = "tensor_cores_on")]
+    pub tensor_cores: bool,
     /// Query heads per score / accumulate work unit.
     pub head_block: u32,
     /// Accumulator registers per thread in the accumulate phase.
@@ -39,6 +42,7 @@ impl KernelConfig {
             warps: options.warps,
             tile_items: options.tile_items,
             stages: options.stages,
+            tensor_cores: options.tensor_cores,
             head_block: options.head_block,
             max_accumulators: options.max_accumulators,
             splits: None,
@@ -52,6 +56,7 @@ impl KernelConfig {
             warps: self.warps,
             tile_items: self.tile_items,
             stages: self.stages,
+            tensor_cores: self.tensor_cores,
             head_block: self.head_block,
             max_accumulators: self.max_accumulators,
             query_group: Some(query_group),
@@ -83,6 +88,11 @@ fn two_stages() -> u32 {
     2
 }
 
+/// Entries written before the tensor-core path had none to turn off.
+fn tensor_cores_on() -> bool {
+    true
+}
+
 /// `format` recompiled with `items` items per page.
 pub fn with_page_items(format: &Format, items: u32) -> Result<Format, TuneError> {
     if format.spec().page.items == items {
@@ -97,18 +107,20 @@ pub fn with_page_items(format: &Format, items: u32) -> Result<Format, TuneError>
     })
 }
 
-/// A short label for tables: `p64 w4 tile:page x2 hb8 acc32 splits:auto`.
+/// A short label for tables: `p64 w4 tile:page x2 mma hb8 acc32 splits:auto`
+/// (`fma` instead of `mma`: tensor cores off).
 impl fmt::Display for KernelConfig {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let opt =
             |v: Option<u32>, none: &'static str| v.map_or(none.to_string(), |v| v.to_string());
         write!(
             f,
-            "p{} w{} tile:{} x{} hb{} acc{} splits:{}",
+            "p{} w{} tile:{} x{} {} hb{} acc{} splits:{}",
             self.page_items,
             self.warps,
             opt(self.tile_items, "page"),
             self.stages,
+            if self.tensor_cores { "mma" } else { "fma" },
             self.head_block,
             self.max_accumulators,
             opt(self.splits, "auto")

@@ -17,13 +17,15 @@ pub struct Space {
     pub tile_items: Vec<Option<u32>>,
     #[serde(default)]
     pub stages: Vec<u32>,
+    #[serde(default)]
+    pub tensor_cores: Vec<bool>,
     pub head_block: Vec<u32>,
     pub max_accumulators: Vec<u32>,
 }
 
 /// Axes in the order coordinate descent visits them: page size and warps
 /// first (they change occupancy the most), then splits, which depend on it.
-const AXES: usize = 7;
+const AXES: usize = 8;
 
 impl Space {
     /// The standard space around `default`, with the page sizes to try.
@@ -48,6 +50,11 @@ impl Space {
             splits,
             tile_items,
             stages: with(vec![2, 3, 4], default.stages),
+            tensor_cores: if default.tensor_cores {
+                vec![true, false]
+            } else {
+                vec![false, true]
+            },
             head_block: with(vec![4, 8], default.head_block),
             max_accumulators: with(vec![16, 32], default.max_accumulators),
         }
@@ -60,7 +67,8 @@ impl Space {
             2 => self.splits.len(),
             3 => self.tile_items.len(),
             4 => self.stages.len(),
-            5 => self.head_block.len(),
+            5 => self.tensor_cores.len(),
+            6 => self.head_block.len(),
             _ => self.max_accumulators.len(),
         }
     }
@@ -74,7 +82,8 @@ impl Space {
             2 => c.splits = self.splits[i],
             3 => c.tile_items = self.tile_items[i],
             4 => c.stages = self.stages[i],
-            5 => c.head_block = self.head_block[i],
+            5 => c.tensor_cores = self.tensor_cores[i],
+            6 => c.head_block = self.head_block[i],
             _ => c.max_accumulators = self.max_accumulators[i],
         }
         c.normalized()
@@ -256,6 +265,7 @@ mod tests {
             warps: 4,
             tile_items: None,
             stages: 2,
+            tensor_cores: true,
             head_block: 8,
             max_accumulators: 32,
             splits: None,
@@ -282,13 +292,13 @@ mod tests {
     #[test]
     fn the_space_holds_the_default_and_merges_equivalent_tiles() {
         let s = space();
-        assert_eq!(s.size(), 4 * 3 * 5 * 5 * 3 * 2 * 2);
+        assert_eq!(s.size(), 4 * 3 * 5 * 5 * 3 * 2 * 2 * 2);
         let all = s.all(default());
         assert_eq!(all[0], default());
         // Tiles of at least a page are the whole page: on 32-item pages, tiles
         // 32, 64 and 128 merge with the whole page (16 stays).
         let on = |items: u32| all.iter().filter(move |c| c.page_items == items).count();
-        let others = 3 * 5 * 3 * 2 * 2;
+        let others = 3 * 5 * 3 * 2 * 2 * 2;
         assert_eq!(on(32), 2 * others);
         assert_eq!(on(64), 3 * others);
         assert_eq!(on(128), 4 * others);

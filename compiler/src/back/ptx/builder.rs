@@ -837,6 +837,13 @@ impl Kernel {
         d
     }
 
+    /// Whether `p` holds in any lane of the warp (all 32 lanes take part).
+    pub fn vote_any(&mut self, p: Reg<Pred>) -> Reg<Pred> {
+        let d = self.reg();
+        self.line(format_args!("vote.sync.any.pred {d}, {p}, 0xffffffff"));
+        d
+    }
+
     // ---- memory -------------------------------------------------------------
 
     pub fn ld_shared<T: Bits32>(&mut self, at: Shared) -> Reg<T> {
@@ -924,8 +931,12 @@ impl Kernel {
     }
     /// Asynchronous 16-byte copy global -> shared (sm_80+), bypassing L1; both
     /// addresses 16-byte aligned. Completes with [`cp_async_wait`](Self::cp_async_wait).
+    /// The L2 fetches whole 128-byte lines: on an H200 that took dense f16
+    /// decode from 0.2935 to 0.2830 ms (256-byte lines: 0.3070; kivi unchanged).
     pub fn cp_async_16(&mut self, dst: Shared, src: Global) {
-        self.line(format_args!("cp.async.cg.shared.global {dst}, {src}, 16"));
+        self.line(format_args!(
+            "cp.async.cg.shared.global.L2::128B {dst}, {src}, 16"
+        ));
     }
     /// Closes the current group of `cp.async` copies (an empty group is fine).
     pub fn cp_async_commit(&mut self) {

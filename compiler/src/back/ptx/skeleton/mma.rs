@@ -53,6 +53,8 @@ pub(super) struct MmaThread {
     out_state: Vec<Reg<U32>>,
     /// Per column tile and channel tile: the output accumulators.
     acc: Vec<Vec<[Reg<F32>; 4]>>,
+    /// Per column tile, with item scales: the weights' running σ.
+    weight_scale: Vec<WeightScale>,
     /// Byte offset of the lane's first key chunk, and of its value
     /// channels in its first token, in a tile's streams.
     key_lane: Reg<U32>,
@@ -61,12 +63,16 @@ pub(super) struct MmaThread {
     token: Reg<U32>,
 }
 
-/// A column tile's weights scale σ for a tile with item scales, the lane's
-/// 1/σ of its C columns' head, and the tile's sums per channel tile.
-struct ScaledSums {
-    sigma: Reg<F32>,
-    inverse: Reg<F32>,
-    sums: Vec<[Reg<F32>; 4]>,
+/// With item scales, the weights of a column tile have any magnitude: they
+/// enter the tensor cores times a power of two σ, the same for the whole
+/// stream until a tile's weights would leave f16's range with it; then σ
+/// drops to that tile's and the accumulators are rescaled (as the softmax
+/// rescales them when its reference moves). The accumulators hold the sums
+/// times σ of their head.
+struct WeightScale {
+    /// σ of the lane's B column's head, and of its C columns' head.
+    b: Reg<F32>,
+    c: Reg<F32>,
 }
 
 /// B fragments of the score: per column tile, the lane's query pairs and 1/σ
@@ -154,7 +160,19 @@ impl Skeleton<'_> {
             pairs: Vec::new(),
             unscale: Vec::new(),
         };
+        // The largest σ: the first tile sets the real one.
+        let largest = k.mov(f32::from_bits(MAX_EXPONENT << 23));
+        let weight_scale = match m.item_scale {
+            Some(_) => (0..m.column_tiles)
+                .map(|_| WeightScale {
+                    b: k.mov(largest),
+                    c: k.mov(largest),
+                })
+                .collect(),
+            None => Vec::new(),
+        };
         let mut thread = MmaThread {
+            weight_scale,
             warp,
             row,
             quad,
@@ -447,29 +465,9 @@ impl Skeleton<'_> {
             valid.push(ok);
             weights.push(per_column);
         }
-        // With item scales the weights have any magnitude: a power of two per
-        // column keeps the tile's in f16's range, its sums start from zero
-        // and join the accumulators times the inverse.
-        let zero = k.mov(0.0f32);
-        let scaled: Option<Vec<ScaledSums>> = m.item_scale.map(|_| {
-            (0..t.acc.len())
-                .map(|ct| {
-                    let column: Vec<Reg<F32>> =
-                        weights.iter().flat_map(|w| w[ct].iter().copied()).collect();
-                    let sigma = column_sigma(k, &column);
-                    let inverse = unscale_of(k, sigma);
-                    let owner = k.shl(t.quad, 3u32);
-                    let sums = (0..m.channel_tiles())
-                        .map(|_| [k.mov(zero), k.mov(zero), k.mov(zero), k.mov(zero)])
-                        .collect();
-                    ScaledSums {
-                        sigma,
-                        inverse: k.shfl_idx(inverse, owner),
-                        sums,
-                    }
-                })
-                .collect()
-        });
+        if m.item_scale.is_some() {
+            self.mma_weight_scale(k, t, &weights);
+        }
         for j in 0..slots as usize {
             let skip = k.label();
             if let Some(ok) = slot_ok[j] {
@@ -480,8 +478,8 @@ impl Skeleton<'_> {
                 .iter()
                 .enumerate()
                 .map(|(ct, w)| {
-                    let w: Vec<Reg<F32>> = match &scaled {
-                        Some(s) => w.iter().map(|&x| k.mul(x, s[ct].sigma)).collect(),
+                    let w: Vec<Reg<F32>> = match t.weight_scale.get(ct) {
+                        Some(scale) => w.iter().map(|&x| k.mul(x, scale.b)).collect(),
                         None => w.clone(),
                     };
                     [
@@ -503,11 +501,7 @@ impl Skeleton<'_> {
                     }
                 })
                 .collect();
-            for ct in 0..t.acc.len() {
-                let sums = match &scaled {
-                    Some(s) => &s[ct].sums,
-                    None => &t.acc[ct],
-                };
+            for (ct, sums) in t.acc.iter().enumerate() {
                 for (tile_index, c) in sums.iter().enumerate() {
                     let channel = 2 * tile_index as u32;
                     let a = [
@@ -521,15 +515,44 @@ impl Skeleton<'_> {
             }
             k.place(skip);
         }
-        if let Some(s) = &scaled {
-            for (scaled, acc) in s.iter().zip(&t.acc) {
-                for (total, part) in acc.iter().zip(&scaled.sums) {
-                    for (&total, &x) in total.iter().zip(part) {
-                        k.fma_to(total, x, scaled.inverse, total);
-                    }
-                }
+    }
+
+    /// Lowers each column's running σ to what the tile's weights allow
+    /// (largest weight times σ below 2^15), rescaling the accumulators when
+    /// any lane's σ drops.
+    fn mma_weight_scale(&self, k: &mut Kernel, t: &MmaThread, weights: &[Vec<Vec<Reg<F32>>>]) {
+        let mut factors = Vec::new();
+        let mut dropped = None;
+        for (ct, scale) in t.weight_scale.iter().enumerate() {
+            let column: Vec<Reg<F32>> =
+                weights.iter().flat_map(|w| w[ct].iter().copied()).collect();
+            let tile = column_sigma(k, &column);
+            let b = k.min(scale.b, tile);
+            k.assign(scale.b, b);
+            // Lane 8·quad's B column is the head of this lane's C columns.
+            let owner = k.shl(t.quad, 3u32);
+            let tile_c = k.shfl_idx(tile, owner);
+            let lower = k.setp(Cmp::Lt, tile_c, scale.c);
+            let inverse = unscale_of(k, scale.c);
+            let ratio = k.mul(tile_c, inverse);
+            factors.push(k.selp(ratio, 1.0f32, lower));
+            let c = k.min(scale.c, tile_c);
+            k.assign(scale.c, c);
+            dropped = Some(match dropped {
+                None => lower,
+                Some(d) => k.or_pred(d, lower),
+            });
+        }
+        let Some(dropped) = dropped else { return };
+        let any = k.vote_any(dropped);
+        let kept = k.label();
+        k.bra_if(any, false, kept);
+        for (acc, &factor) in t.acc.iter().zip(&factors) {
+            for c in acc.iter().flatten() {
+                k.mul_to(*c, *c, factor);
             }
         }
+        k.place(kept);
     }
 
     /// The words of one token's channels of the lane's group, `offset` bytes
@@ -582,11 +605,16 @@ impl Skeleton<'_> {
                 let clamped = k.min(head, plan.group_max - 1);
                 let row = k.mad_lo(clamped, acc_stride, acc_base);
                 let row = k.mad_lo(channel0, 4u32, row);
+                let unscale = t.weight_scale.get(ct).map(|scale| unscale_of(k, scale.c));
                 for (tile_index, c) in (0u32..).zip(acc) {
                     for half in 0..2u32 {
                         let at = Shared::at(row).plus(i64::from(4 * (2 * tile_index + half)));
                         let h = 2 * half as usize;
                         let sum = k.add(c[h], c[h + 1]);
+                        let sum = match unscale {
+                            Some(u) => k.mul(sum, u),
+                            None => sum,
+                        };
                         k.guarded(t.out_ok[ct], true, |k| {
                             let old = k.ld_shared::<F32>(at);
                             let new = k.add(old, sum);
