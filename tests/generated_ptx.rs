@@ -78,11 +78,13 @@ fn generated_ptx_matches_the_committed_snapshots() {
     );
 }
 
-/// The tensor cores serve the tiers whose codes are exact f16 operands
-/// (dense f16, KIVI's integer codes with their scales) and no other bundled
-/// tier; with `tensor_cores` off every tier is per-thread fma chains.
+/// The tensor cores serve the tiers whose codes are exact f16 operands: the
+/// accumulate of every tier with f16 or integer value elements (dense f16,
+/// Spherical's f16 values, KIVI), the score where the key is a dot product
+/// of such elements with the query (dense f16, KIVI); with `tensor_cores`
+/// off every tier is per-thread fma chains.
 #[test]
-fn tensor_cores_serve_exactly_the_linear_f16_exact_tiers() {
+fn tensor_cores_serve_exactly_the_f16_exact_phases() {
     let mut served = Vec::new();
     for format in common::bundled() {
         for tensor_cores in [true, false] {
@@ -92,18 +94,31 @@ fn tensor_cores_serve_exactly_the_linear_f16_exact_tiers() {
             };
             let output = ptx::write(&format, &options).expect("bundled formats generate");
             for tier in &output.tiers {
-                let uses = tier.ptx.contains("mma.sync");
+                let name = format!("{}/{}", format.name(), tier.tier);
                 assert!(
-                    tensor_cores || !uses,
-                    "{}/{}: mma with tensor cores off",
-                    format.name(),
-                    tier.tier
+                    tensor_cores || !tier.ptx.contains("mma.sync"),
+                    "{name}: mma with tensor cores off"
                 );
-                if uses {
-                    served.push(format!("{}/{}", format.name(), tier.tier));
+                for phase in ["score", "accumulate"] {
+                    if tier.ptx.contains(&format!("tensor-core {phase}")) {
+                        served.push(format!("{name} {phase}"));
+                    }
                 }
             }
         }
     }
-    assert_eq!(served, ["dense_f16/f16", "kivi/int8", "kivi/int4"]);
+    assert_eq!(
+        served,
+        [
+            "dense_f16/f16 score",
+            "dense_f16/f16 accumulate",
+            "spherical/high accumulate",
+            "spherical/mid accumulate",
+            "spherical/low accumulate",
+            "kivi/int8 score",
+            "kivi/int8 accumulate",
+            "kivi/int4 score",
+            "kivi/int4 accumulate",
+        ]
+    );
 }

@@ -46,19 +46,14 @@ impl Element {
     }
 }
 
-/// The tensor-core geometry of one tier's kernel.
+/// The tensor-core geometry of one tier's kernel: the accumulate, and the
+/// score when the key qualifies too.
 #[derive(Debug, Clone)]
 pub struct MmaPlan {
-    /// The array the score reads its query from.
-    pub query: Handle<ArrayDecl>,
-    pub key: Element,
-    /// Header scale slot of key element 0 (element `i` uses slot `+ i`).
-    pub key_scale: Option<u32>,
+    pub score: Option<MmaScore>,
     pub value: Element,
     /// Bit offset of the value item's f16 scale.
     pub item_scale: Option<u32>,
-    /// Key elements (= the score's terms) and value channels.
-    pub key_dims: u32,
     pub value_dims: u32,
     /// Byte offset of value channel 0 in a value item.
     pub value_offset: u32,
@@ -71,15 +66,37 @@ pub struct MmaPlan {
     pub token_tiles: u32,
 }
 
-impl MmaPlan {
-    /// Reduction steps of the score (16 key elements each).
-    pub fn key_steps(&self) -> u32 {
-        self.key_dims / TILE
-    }
+/// The score on the tensor cores: a dot product of `query` with the key
+/// item's `dims` elements (times header slots `key_scale + i`).
+#[derive(Debug, Clone)]
+pub struct MmaScore {
+    pub query: Handle<ArrayDecl>,
+    pub key: Element,
+    pub key_scale: Option<u32>,
+    pub key_dims: u32,
+}
 
+impl MmaPlan {
     /// Channel tiles of the accumulate (16 channels each).
     pub fn channel_tiles(&self) -> u32 {
         self.value_dims / TILE
+    }
+
+    /// Value channels per lane group (`lane / 4`): 2 per channel tile.
+    pub fn group_channels(&self) -> u32 {
+        2 * self.channel_tiles()
+    }
+
+    /// 32-bit words of one token's channels of a lane group.
+    pub fn group_words(&self) -> u32 {
+        self.group_channels() * self.value.bits() / 32
+    }
+}
+
+impl MmaScore {
+    /// Reduction steps of the score (16 key elements each).
+    pub fn key_steps(&self) -> u32 {
+        self.key_dims / TILE
     }
 
     /// Key elements in one lane's 16-byte chunk.
@@ -110,20 +127,10 @@ impl MmaPlan {
         let (w, r) = (rest / per_word, rest % per_word);
         ROW_LANES * self.chunk_elements() * c + 2 * per_word * w + r + e * per_word
     }
-
-    /// Value channels per lane group (`lane / 4`): 2 per channel tile.
-    pub fn group_channels(&self) -> u32 {
-        2 * self.channel_tiles()
-    }
-
-    /// 32-bit words of one token's channels of a lane group.
-    pub fn group_words(&self) -> u32 {
-        self.group_channels() * self.value.bits() / 32
-    }
 }
 
-/// The tensor-core plan when `module` qualifies, its key rows sit where
-/// 16-byte loads reach them, and tiles are whole token tiles.
+/// The tensor-core plan when `module`'s values qualify, with the score when
+/// its key does too; tiles are whole token tiles.
 pub fn plan(
     module: &Module,
     group_max: u32,
@@ -131,34 +138,33 @@ pub fn plan(
     key: &Stream,
     value: &Stream,
 ) -> Option<MmaPlan> {
-    let score = dot_product(&module.key.score)?;
     let channel = scaled_channel(&module.value.accumulate)?;
     let value_dims = module.value.dims;
-    let key_row_bytes = score.dims * score.element.bits() / 8;
     let group_bits = 2 * value_dims / TILE * channel.element.bits();
     let value_offset = channel.base / 8;
     let fits = tile_items.is_multiple_of(TILE)
-        && score.dims.is_multiple_of(TILE)
-        // A key row is whole chunks over the 4 lanes of a fragment row.
-        && key_row_bytes.is_multiple_of(CHUNK * ROW_LANES)
-        && key.align() == CHUNK
         && value_dims.is_multiple_of(TILE)
         // A lane group's channels are whole words at a whole byte.
         && group_bits.is_multiple_of(32)
         && channel.base.is_multiple_of(8)
-        // Header scales are read 4 at a time, item scales as halfwords.
-        && score.scale.is_none_or(|slot| slot.is_multiple_of(4))
+        // Item scales are read as halfwords.
         && channel
             .scale
             .is_none_or(|bit| bit.is_multiple_of(16) && value.shared_stride.is_multiple_of(2));
     let group_bytes = group_bits / 8;
+    let score = dot_product(&module.key.score).filter(|score| {
+        let row_bytes = score.key_dims * score.key.bits() / 8;
+        score.key_dims.is_multiple_of(TILE)
+            // A key row is whole chunks over the 4 lanes of a fragment row.
+            && row_bytes.is_multiple_of(CHUNK * ROW_LANES)
+            && key.align() == CHUNK
+            // Header scales are read 4 at a time.
+            && score.key_scale.is_none_or(|slot| slot.is_multiple_of(4))
+    });
     fits.then(|| MmaPlan {
-        query: score.query,
-        key: score.element,
-        key_scale: score.scale,
+        score,
         value: channel.element,
         item_scale: channel.scale,
-        key_dims: score.dims,
         value_dims,
         value_offset,
         value_aligned: value.align() == CHUNK
@@ -169,18 +175,10 @@ pub fn plan(
     })
 }
 
-/// A score `Σ_i element_i · scale_i · query[i]`.
-struct DotProduct {
-    query: Handle<ArrayDecl>,
-    element: Element,
-    scale: Option<u32>,
-    dims: u32,
-}
-
 /// The score as a chain of fmas from 0.0 whose term `i` multiplies query
 /// element `i` with the key element at bit `bits · i` (times header slot
 /// `slot0 + i`), every element once.
-fn dot_product(f: &Function) -> Option<DotProduct> {
+fn dot_product(f: &Function) -> Option<MmaScore> {
     let exprs = &f.exprs;
     let mut cur = f.result?;
     let mut shape: Option<(Handle<ArrayDecl>, Element, Option<u32>)> = None;
@@ -210,11 +208,11 @@ fn dot_product(f: &Function) -> Option<DotProduct> {
     let (query, element, scale) = shape?;
     let dims = seen.len() as u32;
     seen.sort_unstable();
-    (seen.iter().copied().eq(0..dims)).then_some(DotProduct {
+    (seen.iter().copied().eq(0..dims)).then_some(MmaScore {
         query,
-        element,
-        scale,
-        dims,
+        key: element,
+        key_scale: scale,
+        key_dims: dims,
     })
 }
 
@@ -365,23 +363,16 @@ fn affine_in_channel(f: &Function, h: Handle<Expr>) -> Option<(u32, u32)> {
 mod tests {
     use super::*;
 
-    fn plan_of(element: Element) -> MmaPlan {
+    fn score_of(element: Element) -> MmaScore {
         let mut arrays = crate::ir::Arena::default();
-        MmaPlan {
+        MmaScore {
             query: arrays.append(ArrayDecl {
                 name: "query".into(),
                 len: 128,
             }),
             key: element,
             key_scale: None,
-            value: element,
-            item_scale: None,
             key_dims: 128,
-            value_dims: 128,
-            value_offset: 0,
-            value_aligned: true,
-            column_tiles: 1,
-            token_tiles: 4,
         }
     }
 
@@ -400,7 +391,7 @@ mod tests {
                 signed: false,
             },
         ] {
-            let m = plan_of(element);
+            let m = score_of(element);
             let mut seen = vec![0; 128];
             for quad in 0..ROW_LANES {
                 for l in 0..m.key_pairs() {

@@ -145,8 +145,9 @@ pub struct Plan {
     /// Whether the accumulators stay in registers across tiles (one round of
     /// channels per head block, one head block).
     pub register_accumulators: bool,
-    /// Score and accumulate on the tensor cores (then the softmax is fused,
-    /// and neither the split score nor the accumulate partition is used).
+    /// The accumulate (and, when the key qualifies, the score, with the
+    /// softmax fused) on the tensor cores; the accumulate partition is then
+    /// unused, and so is the split score with a tensor-core score.
     pub mma: Option<MmaPlan>,
     /// Two tile buffers, then the tile's logits (softmax weights after the
     /// softmax phase): item `i`, head `h` at float `i * head_stride + h`, so
@@ -367,9 +368,10 @@ impl Plan {
             .tensor_cores
             .then(|| super::mma::plan(module, group_max, tile_items, &key, &value))
             .flatten();
-        let score_split = match mma {
-            Some(_) => None,
-            None => score_split(module, threads, group_max, head_block, tile_items),
+        let mma_score = mma.as_ref().is_some_and(|m| m.score.is_some());
+        let score_split = match mma_score {
+            true => None,
+            false => score_split(module, threads, group_max, head_block, tile_items),
         };
         if let Some(split) = &score_split {
             score_head_block = split.head_block;
@@ -377,7 +379,7 @@ impl Plan {
             score_units = split.units;
             fused_softmax = true;
         }
-        fused_softmax |= mma.is_some();
+        fused_softmax |= mma_score;
         let register_accumulators = mma.is_none() && head_blocks * accumulate.channel_rounds == 1;
         Ok(Plan {
             threads,

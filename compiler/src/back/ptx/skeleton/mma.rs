@@ -16,7 +16,7 @@
 //!   steps in registers; the warps' sums meet in the accumulator array once,
 //!   after the stream.
 
-use super::super::mma::{Element, MmaPlan, ROW_LANES, TILE};
+use super::super::mma::{Element, MmaPlan, MmaScore, ROW_LANES, TILE};
 use super::{FusedScore, Logits, Rescale, ScoreUnit, Skeleton, Tile};
 use crate::back::ptx::builder::{Cmp, Kernel, Pred, Reg, Shared, F32, U32};
 
@@ -31,23 +31,35 @@ const MAX_EXPONENT: u32 = 254;
 const LOW_HALVES: u32 = 0x5410;
 const HIGH_HALVES: u32 = 0x7632;
 
-/// A lane's tensor-core state for the whole stream.
-pub(super) struct MmaThread {
+/// Where a lane sits in its warp's fragments.
+struct Lanes {
     warp: Reg<U32>,
     /// Fragment row (`lane / 4`) and quad (`lane % 4`).
     row: Reg<U32>,
     quad: Reg<U32>,
     /// Whether the lane's B columns are low parts (odd row).
     low_part: Reg<Pred>,
+}
+
+/// A lane's tensor-core score state for the whole stream.
+pub(super) struct MmaScoreThread {
+    lanes: Lanes,
     /// Per column tile: the lane's first query element and whether its B
     /// column's head exists.
     query_at: Vec<(Reg<U32>, Reg<Pred>)>,
     /// The query fragments and 1/σ: for the whole stream, or (with header
     /// scales) for the current page.
     queries: Queries,
+    /// Byte offset of the lane's first key chunk in a tile's key stream.
+    key_lane: Reg<U32>,
+}
+
+/// A lane's tensor-core accumulate state for the whole stream.
+pub(super) struct MmaValues {
+    lanes: Lanes,
     /// Per column tile: the weights of the B column's head at the lane's
-    /// first token.
-    weights: Vec<Reg<U32>>,
+    /// first token, and whether that head exists.
+    weights: Vec<(Reg<U32>, Reg<Pred>)>,
     /// Per column tile: the C columns' head exists, its softmax state slot.
     out_ok: Vec<Reg<Pred>>,
     out_state: Vec<Reg<U32>>,
@@ -55,9 +67,7 @@ pub(super) struct MmaThread {
     acc: Vec<Vec<[Reg<F32>; 4]>>,
     /// Per column tile, with item scales: the weights' running σ.
     weight_scale: Vec<WeightScale>,
-    /// Byte offset of the lane's first key chunk, and of its value
-    /// channels in its first token, in a tile's streams.
-    key_lane: Reg<U32>,
+    /// Byte offset of the lane's value channels in its first token.
     value_lane: Reg<U32>,
     /// The lane's first token of a step (`16 · warp + 2 · quad`).
     token: Reg<U32>,
@@ -101,116 +111,92 @@ impl Skeleton<'_> {
         ((j + 1) * warps > m.token_tiles).then(|| k.setp(Cmp::Lt, warp, m.token_tiles - j * warps))
     }
 
-    /// The lane's constant state and, per slot, column tile and row half,
-    /// a score unit: the logit of (token `16 · tile + row + 8 · half`, head
-    /// `4 · column tile + quad`).
-    pub(super) fn mma_setup(&self, k: &mut Kernel, m: &MmaPlan) -> FusedScore {
-        let plan = self.plan;
-        k.comment(&format!(
-            "tensor cores: {} token tile(s) per warp, {} column tile(s), {:?} keys, {:?} values",
-            self.mma_slots(m),
-            m.column_tiles,
-            m.key,
-            m.value
-        ));
+    /// The lane's place in the fragments.
+    fn mma_lanes(&self, k: &mut Kernel) -> Lanes {
         let warp = k.shr(self.tid, 5u32);
         let lane = k.and(self.tid, 31u32);
         let row = k.shr(lane, 2u32);
         let quad = k.and(lane, 3u32);
         let parity = k.and(row, 1u32);
         let low_part = k.setp(Cmp::Eq, parity, 1u32);
-        let row_head = k.shr(row, 1u32);
-        let query = m.query.index();
-        let query_base = self.array_base(k, query);
-        let state_of = |k: &mut Kernel, head: Reg<U32>| {
-            let clamped = k.min(head, plan.group_max - 1);
-            (clamped, k.mad_lo(clamped, 4u32, self.smem))
-        };
-        let logits = k.add(self.smem, plan.logits);
-        let row_bytes = 4 * plan.head_stride;
-        let token = k.shl(quad, 1u32);
-        let token = k.mad_lo(warp, TILE, token);
-        let zero = k.mov(0.0f32);
-        let (mut query_at, mut weights, mut out_ok, mut out_state, mut acc) =
-            (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        for ct in 0..m.column_tiles {
-            let head = k.add(row_head, 4 * ct);
-            let ok = k.setp(Cmp::Lt, head, self.group);
-            let (clamped, _) = state_of(k, head);
-            let at = k.mad_lo(clamped, plan.array_stride[query], query_base);
-            query_at.push((k.mad_lo(quad, 4 * m.chunk_elements(), at), ok));
-            let column = k.mad_lo(clamped, 4u32, logits);
-            weights.push(k.mad_lo(token, row_bytes, column));
-            let out_head = k.add(quad, 4 * ct);
-            out_ok.push(k.setp(Cmp::Lt, out_head, self.group));
-            out_state.push(state_of(k, out_head).1);
-            acc.push(
-                (0..m.channel_tiles())
-                    .map(|_| [k.mov(zero), k.mov(zero), k.mov(zero), k.mov(zero)])
-                    .collect(),
-            );
-        }
-        let key_row = k.mad_lo(warp, TILE, row);
-        let key_chunk = k.shl(quad, 4u32);
-        let key_lane = k.mad_lo(key_row, plan.key.shared_stride, key_chunk);
-        let group_bytes = m.group_words() * 4;
-        let channels = k.mad_lo(row, group_bytes, m.value_offset);
-        let value_lane = k.mad_lo(token, plan.value.shared_stride, channels);
-        let placeholder = Queries {
-            pairs: Vec::new(),
-            unscale: Vec::new(),
-        };
-        // The largest σ: the first tile sets the real one.
-        let largest = k.mov(f32::from_bits(MAX_EXPONENT << 23));
-        let weight_scale = match m.item_scale {
-            Some(_) => (0..m.column_tiles)
-                .map(|_| WeightScale {
-                    b: k.mov(largest),
-                    c: k.mov(largest),
-                })
-                .collect(),
-            None => Vec::new(),
-        };
-        let mut thread = MmaThread {
-            weight_scale,
+        Lanes {
             warp,
             row,
             quad,
             low_part,
+        }
+    }
+
+    /// `(min(head, group_max − 1), smem + 4 · that)`: a head's slot in the
+    /// per-head arrays, clamped for heads past the kernel's group.
+    fn mma_head_slot(&self, k: &mut Kernel, head: Reg<U32>) -> (Reg<U32>, Reg<U32>) {
+        let clamped = k.min(head, self.plan.group_max - 1);
+        (clamped, k.mad_lo(clamped, 4u32, self.smem))
+    }
+
+    /// The score's constant state and, per slot, column tile and row half,
+    /// a score unit: the logit of (token `16 · tile + row + 8 · half`, head
+    /// `4 · column tile + quad`).
+    pub(super) fn mma_score_setup(&self, k: &mut Kernel, m: &MmaPlan, s: &MmaScore) -> FusedScore {
+        let plan = self.plan;
+        k.comment(&format!(
+            "tensor-core score: {} token tile(s) per warp, {} column tile(s), {:?} keys",
+            self.mma_slots(m),
+            m.column_tiles,
+            s.key,
+        ));
+        let lanes = self.mma_lanes(k);
+        let row_head = k.shr(lanes.row, 1u32);
+        let query = s.query.index();
+        let query_base = self.array_base(k, query);
+        let query_at = (0..m.column_tiles)
+            .map(|ct| {
+                let head = k.add(row_head, 4 * ct);
+                let ok = k.setp(Cmp::Lt, head, self.group);
+                let (clamped, _) = self.mma_head_slot(k, head);
+                let at = k.mad_lo(clamped, plan.array_stride[query], query_base);
+                (k.mad_lo(lanes.quad, 4 * s.chunk_elements(), at), ok)
+            })
+            .collect();
+        let key_row = k.mad_lo(lanes.warp, TILE, lanes.row);
+        let key_chunk = k.shl(lanes.quad, 4u32);
+        let key_lane = k.mad_lo(key_row, plan.key.shared_stride, key_chunk);
+        let zero = k.mov(0.0f32);
+        let mut thread = MmaScoreThread {
+            lanes,
             query_at,
-            queries: placeholder,
-            weights,
-            out_ok,
-            out_state,
-            acc,
+            queries: Queries {
+                pairs: Vec::new(),
+                unscale: Vec::new(),
+            },
             key_lane,
-            value_lane,
-            token,
         };
-        thread.queries = match m.key_scale {
-            None => self.mma_queries(k, m, &thread, None),
+        thread.queries = match s.key_scale {
+            None => self.mma_queries(k, s, &thread, None),
             // Set by each page's first tile.
             Some(_) => Queries {
                 pairs: (0..m.column_tiles)
-                    .map(|_| (0..m.key_pairs()).map(|_| k.mov(0u32)).collect())
+                    .map(|_| (0..s.key_pairs()).map(|_| k.mov(0u32)).collect())
                     .collect(),
                 unscale: (0..m.column_tiles).map(|_| k.mov(zero)).collect(),
             },
         };
 
+        let logits = k.add(self.smem, plan.logits);
+        let row_bytes = 4 * plan.head_stride;
         let tile_max = k.add(self.smem, plan.tile_max);
         let neg_inf = k.mov(f32::NEG_INFINITY);
         let mut units = Vec::new();
         for j in 0..self.mma_slots(m) {
-            let slot_ok = self.mma_slot_ok(k, m, warp, j);
+            let slot_ok = self.mma_slot_ok(k, m, thread.lanes.warp, j);
             for ct in 0..m.column_tiles {
-                let head = k.add(quad, 4 * ct);
+                let head = k.add(thread.lanes.quad, 4 * ct);
                 let head_ok = k.setp(Cmp::Lt, head, self.group);
                 let block_ok = match slot_ok {
                     Some(slot) => k.and_pred(slot, head_ok),
                     None => head_ok,
                 };
-                let (clamped, state) = state_of(k, head);
+                let (clamped, state) = self.mma_head_slot(k, head);
                 let column = k.mad_lo(clamped, 4u32, logits);
                 for half in 0..2 {
                     let item = k.add(key_row, j * plan.warps * TILE + 8 * half);
@@ -237,21 +223,81 @@ impl Skeleton<'_> {
         }
     }
 
+    /// The accumulate's constant state: zero accumulators, the lane's
+    /// weights columns and value channels.
+    pub(super) fn mma_values_setup(&self, k: &mut Kernel, m: &MmaPlan) -> MmaValues {
+        let plan = self.plan;
+        k.comment(&format!(
+            "tensor-core accumulate: {} step(s) per warp, {} column tile(s), {:?} values",
+            self.mma_slots(m),
+            m.column_tiles,
+            m.value
+        ));
+        let lanes = self.mma_lanes(k);
+        let row_head = k.shr(lanes.row, 1u32);
+        let logits = k.add(self.smem, plan.logits);
+        let row_bytes = 4 * plan.head_stride;
+        let token = k.shl(lanes.quad, 1u32);
+        let token = k.mad_lo(lanes.warp, TILE, token);
+        let zero = k.mov(0.0f32);
+        let (mut weights, mut out_ok, mut out_state, mut acc) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for ct in 0..m.column_tiles {
+            let head = k.add(row_head, 4 * ct);
+            let ok = k.setp(Cmp::Lt, head, self.group);
+            let (clamped, _) = self.mma_head_slot(k, head);
+            let column = k.mad_lo(clamped, 4u32, logits);
+            weights.push((k.mad_lo(token, row_bytes, column), ok));
+            let out_head = k.add(lanes.quad, 4 * ct);
+            out_ok.push(k.setp(Cmp::Lt, out_head, self.group));
+            out_state.push(self.mma_head_slot(k, out_head).1);
+            acc.push(
+                (0..m.channel_tiles())
+                    .map(|_| [0; 4].map(|_| k.mov(zero)))
+                    .collect(),
+            );
+        }
+        let group_bytes = m.group_words() * 4;
+        let channels = k.mad_lo(lanes.row, group_bytes, m.value_offset);
+        let value_lane = k.mad_lo(token, plan.value.shared_stride, channels);
+        // The largest σ: the first tile sets the real one.
+        let largest = k.mov(f32::from_bits(MAX_EXPONENT << 23));
+        let weight_scale = match m.item_scale {
+            Some(_) => (0..m.column_tiles)
+                .map(|_| WeightScale {
+                    b: k.mov(largest),
+                    c: k.mov(largest),
+                })
+                .collect(),
+            None => Vec::new(),
+        };
+        MmaValues {
+            lanes,
+            weights,
+            out_ok,
+            out_state,
+            acc,
+            weight_scale,
+            value_lane,
+            token,
+        }
+    }
+
     /// The lane's query pairs of every column tile (times the header scales
     /// at `header` when the key has them) scaled by σ and split into parts,
     /// and 1/σ of its C columns' heads.
     fn mma_queries(
         &self,
         k: &mut Kernel,
-        m: &MmaPlan,
-        t: &MmaThread,
+        m: &MmaScore,
+        t: &MmaScoreThread,
         header: Option<Reg<U32>>,
     ) -> Queries {
         let chunk = m.chunk_elements();
         // The lane's chunk c holds elements chunk·quad + 4·chunk·c, contiguous.
         let scales_at = header.map(|h| {
             let slot0 = m.key_scale.expect("header scales");
-            let first = k.mad_lo(t.quad, 4 * chunk, h);
+            let first = k.mad_lo(t.lanes.quad, 4 * chunk, h);
             k.add(first, 4 * slot0)
         });
         let mut pairs = Vec::new();
@@ -282,13 +328,13 @@ impl Skeleton<'_> {
                     .map(|l| {
                         let [a, b] = [0, 1].map(|e| elements[position(m.key_element(l, e))]);
                         let (a, b) = (k.mul(a, sigma), k.mul(b, sigma));
-                        f16_part(k, a, b, t.low_part)
+                        f16_part(k, a, b, t.lanes.low_part)
                     })
                     .collect(),
             );
             // 1/σ of head 4·ct + quad: lane 8·quad's B column is that head's.
             let inverse = unscale_of(k, sigma);
-            let owner = k.shl(t.quad, 3u32);
+            let owner = k.shl(t.lanes.quad, 3u32);
             unscale.push(k.shfl_idx(inverse, owner));
         }
         Queries { pairs, unscale }
@@ -298,18 +344,24 @@ impl Skeleton<'_> {
     /// [`Self::mma_setup`] in its order. Every lane runs every slot whose
     /// tile exists (rows past the tile's items read stale bytes: an mma row
     /// depends only on its own A row, and those logits are never used).
-    pub(super) fn mma_logits(&self, k: &mut Kernel, tile: &Tile, t: &MmaThread) -> Vec<Reg<F32>> {
+    pub(super) fn mma_logits(
+        &self,
+        k: &mut Kernel,
+        tile: &Tile,
+        t: &MmaScoreThread,
+    ) -> Vec<Reg<F32>> {
         let plan = self.plan;
         let m = plan.mma.as_ref().expect("tensor-core plan");
+        let score = m.score.as_ref().expect("tensor-core score");
         let queries = &t.queries;
-        if m.key_scale.is_some() {
+        if score.key_scale.is_some() {
             k.comment("a page's first tile: the query times the page's header scales");
             let later = k.label();
             if let Some(first) = tile.first {
                 let page_start = k.setp(Cmp::Eq, first, 0u32);
                 k.bra_if(page_start, false, later);
             }
-            let page = self.mma_queries(k, m, t, Some(tile.header));
+            let page = self.mma_queries(k, score, t, Some(tile.header));
             for (to, from) in queries
                 .pairs
                 .iter()
@@ -333,13 +385,13 @@ impl Skeleton<'_> {
                 .map(|_| [k.mov(zero), k.mov(zero), k.mov(zero), k.mov(zero)])
                 .collect();
             let skip = k.label();
-            if let Some(ok) = self.mma_slot_ok(k, m, t.warp, j) {
+            if let Some(ok) = self.mma_slot_ok(k, m, t.lanes.warp, j) {
                 k.bra_if(ok, false, skip);
             }
             let rows: Vec<Vec<Reg<U32>>> = (0..2)
                 .map(|half| {
                     let offset = (j * plan.warps * TILE + 8 * half) * stride;
-                    let words: Vec<Reg<U32>> = (0..m.lane_chunks())
+                    let words: Vec<Reg<U32>> = (0..score.lane_chunks())
                         .flat_map(|c| {
                             let at = Shared::at(lane_base)
                                 .plus(i64::from(offset + ROW_LANES * super::CHUNK * c));
@@ -348,11 +400,11 @@ impl Skeleton<'_> {
                         .collect();
                     words
                         .into_iter()
-                        .flat_map(|w| word_pairs(k, m.key, w))
+                        .flat_map(|w| word_pairs(k, score.key, w))
                         .collect()
                 })
                 .collect();
-            for s in 0..m.key_steps() as usize {
+            for s in 0..score.key_steps() as usize {
                 let a = [
                     rows[0][2 * s],
                     rows[1][2 * s],
@@ -380,7 +432,7 @@ impl Skeleton<'_> {
         &self,
         k: &mut Kernel,
         tile: &Tile,
-        t: &MmaThread,
+        t: &MmaValues,
         rescale: Rescale,
     ) {
         let plan = self.plan;
@@ -405,7 +457,7 @@ impl Skeleton<'_> {
         let steps = [0u32, 1, 8, 9];
         let slots = self.mma_slots(m);
         let slot_ok: Vec<Option<Reg<Pred>>> = (0..slots)
-            .map(|j| self.mma_slot_ok(k, m, t.warp, j))
+            .map(|j| self.mma_slot_ok(k, m, t.lanes.warp, j))
             .collect();
         // Per slot and column tile: the lane's 4 weights (times the item
         // scales; zero past the tile's items and for heads the group lacks).
@@ -442,8 +494,7 @@ impl Skeleton<'_> {
             let per_column: Vec<Vec<Reg<F32>>> = t
                 .weights
                 .iter()
-                .zip(&t.query_at)
-                .map(|(&column, &(_, head_ok))| {
+                .map(|&(column, head_ok)| {
                     (0..steps.len())
                         .map(|i| {
                             let offset = (first + steps[i]) * row_bytes;
@@ -483,8 +534,8 @@ impl Skeleton<'_> {
                         None => w.clone(),
                     };
                     [
-                        f16_part(k, w[0], w[1], t.low_part),
-                        f16_part(k, w[2], w[3], t.low_part),
+                        f16_part(k, w[0], w[1], t.lanes.low_part),
+                        f16_part(k, w[2], w[3], t.lanes.low_part),
                     ]
                 })
                 .collect();
@@ -520,7 +571,7 @@ impl Skeleton<'_> {
     /// Lowers each column's running σ to what the tile's weights allow
     /// (largest weight times σ below 2^15), rescaling the accumulators when
     /// any lane's σ drops.
-    fn mma_weight_scale(&self, k: &mut Kernel, t: &MmaThread, weights: &[Vec<Vec<Reg<F32>>>]) {
+    fn mma_weight_scale(&self, k: &mut Kernel, t: &MmaValues, weights: &[Vec<Vec<Reg<F32>>>]) {
         let mut factors = Vec::new();
         let mut dropped = None;
         for (ct, scale) in t.weight_scale.iter().enumerate() {
@@ -530,7 +581,7 @@ impl Skeleton<'_> {
             let b = k.min(scale.b, tile);
             k.assign(scale.b, b);
             // Lane 8·quad's B column is the head of this lane's C columns.
-            let owner = k.shl(t.quad, 3u32);
+            let owner = k.shl(t.lanes.quad, 3u32);
             let tile_c = k.shfl_idx(tile, owner);
             let lower = k.setp(Cmp::Lt, tile_c, scale.c);
             let inverse = unscale_of(k, scale.c);
@@ -588,20 +639,20 @@ impl Skeleton<'_> {
 
     /// After the stream: each warp in turn adds its sums (the two parts of
     /// each head) into the accumulator array, which starts at zero.
-    pub(super) fn mma_store(&self, k: &mut Kernel, t: &MmaThread) {
+    pub(super) fn mma_store(&self, k: &mut Kernel, t: &MmaValues) {
         let plan = self.plan;
         let m = plan.mma.as_ref().expect("tensor-core plan");
         let acc_index = self.m.value.accumulator.index();
         let acc_base = self.array_base(k, acc_index);
         let acc_stride = plan.array_stride[acc_index];
-        let channel0 = k.mul(t.row, m.group_channels());
+        let channel0 = k.mul(t.lanes.row, m.group_channels());
         k.comment("the warps' sums into the accumulators, one warp at a time");
         for w in 0..plan.warps {
-            let mine = k.setp(Cmp::Eq, t.warp, w);
+            let mine = k.setp(Cmp::Eq, t.lanes.warp, w);
             let skip = k.label();
             k.bra_if(mine, false, skip);
             for (ct, acc) in t.acc.iter().enumerate() {
-                let head = k.add(t.quad, 4 * ct as u32);
+                let head = k.add(t.lanes.quad, 4 * ct as u32);
                 let clamped = k.min(head, plan.group_max - 1);
                 let row = k.mad_lo(clamped, acc_stride, acc_base);
                 let row = k.mad_lo(channel0, 4u32, row);

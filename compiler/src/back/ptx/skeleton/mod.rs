@@ -23,7 +23,7 @@ use crate::layout::Side;
 use crate::valid::{ModuleInfo, ValidModule};
 
 mod mma;
-use mma::MmaThread;
+use mma::MmaScoreThread;
 
 /// The dynamic shared memory symbol of every kvcc module.
 pub const SHARED_SYMBOL: &str = "kvcc_smem";
@@ -649,6 +649,7 @@ impl<'a> Skeleton<'a> {
         let registers = plan
             .register_accumulators
             .then(|| self.accumulate_setup(k, None, None));
+        let values = plan.mma.as_ref().map(|m| self.mma_values_setup(k, m));
         let t = k.mov(0u32);
         let last = k.sub(self.tiles, 1u32);
         let lead = plan.stages - 1;
@@ -708,10 +709,10 @@ impl<'a> Skeleton<'a> {
                 Rescale::Always
             }
         };
-        match (&registers, fused.as_ref().map(|f| &f.logits)) {
-            (_, Some(Logits::Mma(t))) => self.mma_accumulate(k, &tile, t, rescale),
-            (Some(acc), _) => self.accumulate_items(k, &tile, acc, Some(rescale)),
-            (None, _) => self.accumulate(k, &tile, rescale),
+        match (&values, &registers) {
+            (Some(values), _) => self.mma_accumulate(k, &tile, values, rescale),
+            (None, Some(acc)) => self.accumulate_items(k, &tile, acc, Some(rescale)),
+            (None, None) => self.accumulate(k, &tile, rescale),
         }
         k.place(done);
         k.add_to(t, t, 1u32);
@@ -722,8 +723,8 @@ impl<'a> Skeleton<'a> {
         if let Some(acc) = &registers {
             self.accumulate_store(k, acc, None);
         }
-        if let Some(Logits::Mma(t)) = fused.as_ref().map(|f| &f.logits) {
-            self.mma_store(k, t);
+        if let Some(values) = &values {
+            self.mma_store(k, values);
         }
         match &fused {
             Some(fused) => self.score_finish(k, fused),
@@ -738,8 +739,8 @@ impl<'a> Skeleton<'a> {
     /// whole stream. Computed once before the page loop.
     fn score_setup(&self, k: &mut Kernel) -> FusedScore {
         let plan = self.plan;
-        if let Some(m) = &plan.mma {
-            return self.mma_setup(k, m);
+        if let Some((m, score)) = plan.mma.as_ref().and_then(|m| Some((m, m.score.as_ref()?))) {
+            return self.mma_score_setup(k, m, score);
         }
         if let Some(split) = &plan.score_split {
             return self.split_setup(k, split);
@@ -1753,7 +1754,7 @@ enum Logits {
     /// The score split over lanes ([`ScoreSplit`]), one per unit.
     Split(SplitScore),
     /// The tensor cores, one per unit (`mma.rs`).
-    Mma(MmaThread),
+    Mma(MmaScoreThread),
 }
 
 /// A split score's per-thread state ([`Skeleton::split_setup`]).
