@@ -185,7 +185,6 @@ impl Skeleton<'_> {
         let logits = k.add(self.smem, plan.logits);
         let row_bytes = 4 * plan.head_stride;
         let tile_max = k.add(self.smem, plan.tile_max);
-        let neg_inf = k.mov(f32::NEG_INFINITY);
         let mut units = Vec::new();
         for j in 0..self.mma_slots(m) {
             let slot_ok = self.mma_slot_ok(k, m, thread.lanes.warp, j);
@@ -198,22 +197,17 @@ impl Skeleton<'_> {
                 };
                 let (clamped, state) = self.mma_head_slot(k, head);
                 let column = k.mad_lo(clamped, 4u32, logits);
+                let max_at = k.mad_lo(clamped, 4u32, tile_max);
                 for half in 0..2 {
                     let item = k.add(key_row, j * plan.warps * TILE + 8 * half);
-                    let at_zero = k.setp(Cmp::Eq, item, 0u32);
-                    let first = k.and_pred(at_zero, block_ok);
-                    units.push(ScoreUnit {
-                        block: Some(head),
+                    let row = k.mad_lo(item, row_bytes, column);
+                    units.push(ScoreUnit::one_head(
+                        k,
+                        head,
                         item,
                         block_ok,
-                        first,
-                        arrays: Vec::new(),
-                        row: k.mad_lo(item, row_bytes, column),
-                        max_at: k.mad_lo(clamped, 4u32, tile_max),
-                        state,
-                        refs: vec![k.mov(neg_inf)],
-                        sums: vec![k.mov(zero)],
-                    });
+                        [row, max_at, state],
+                    ));
                 }
             }
         }

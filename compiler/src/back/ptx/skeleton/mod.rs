@@ -588,6 +588,18 @@ impl<'a> Skeleton<'a> {
             Op::Reg(n) => Op::Reg(k.mul(n, per_item)),
         };
         let trips = (self.plan.tile_items * per_item).div_ceil(threads);
+        // Global and shared address of 16-byte part `part` of the tile's item `item`.
+        let chunk_at = |k: &mut Kernel, item: Reg<U32>, part: Reg<U32>| {
+            let part_bytes = k.shl(part, CHUNK.trailing_zeros());
+            let row = match first {
+                None => item,
+                Some(first) => k.add(item, first),
+            };
+            let from = k.mad_lo(row, s.stride, part_bytes);
+            let from = k.global_index(page, from, 1);
+            let to = k.mad_lo(item, s.shared_stride, part_bytes);
+            (from, k.add(to, dst.base))
+        };
         if (threads.is_multiple_of(per_item) || per_item.is_multiple_of(threads))
             && trips <= COPY_UNROLL
         {
@@ -597,15 +609,7 @@ impl<'a> Skeleton<'a> {
             // is at constant offsets from the thread's first chunk, as in
             // `copy`.
             let (item0, part0) = divide(k, self.tid, per_item);
-            let part_bytes = k.shl(part0, CHUNK.trailing_zeros());
-            let row0 = match first {
-                None => item0,
-                Some(first) => k.add(item0, first),
-            };
-            let from = k.mad_lo(row0, s.stride, part_bytes);
-            let from = k.global_index(page, from, 1);
-            let to = k.mad_lo(item0, s.shared_stride, part_bytes);
-            let to = k.add(to, dst.base);
+            let (from, to) = chunk_at(k, item0, part0);
             for j in 0..trips {
                 let (di, dp) = (j * threads / per_item, j * threads % per_item);
                 let (to, from) = (
@@ -618,15 +622,7 @@ impl<'a> Skeleton<'a> {
         }
         self.strided(k, self.tid, chunks, threads, |k, q| {
             let (item, part) = divide(k, q, per_item);
-            let part_bytes = k.shl(part, CHUNK.trailing_zeros());
-            let row = match first {
-                None => item,
-                Some(first) => k.add(item, first),
-            };
-            let from = k.mad_lo(row, s.stride, part_bytes);
-            let from = k.global_index(page, from, 1);
-            let to = k.mad_lo(item, s.shared_stride, part_bytes);
-            let to = k.add(to, dst.base);
+            let (from, to) = chunk_at(k, item, part);
             k.cp_async_16(
                 Shared::at(to).plus(dst.offset),
                 Global::at(from).plus(s.page_offset.into()),
@@ -874,8 +870,6 @@ impl<'a> Skeleton<'a> {
         let logits = k.add(self.smem, plan.logits);
         let tile_max = k.add(self.smem, plan.tile_max);
         let row_bytes = 4 * plan.head_stride;
-        let neg_inf = k.mov(f32::NEG_INFINITY);
-        let zero = k.mov(0.0f32);
         let column = k.mad_lo(head, 4u32, logits);
         let max_at = k.mad_lo(head, 4u32, tile_max);
         let state = k.mad_lo(head, 4u32, self.smem);
@@ -892,20 +886,8 @@ impl<'a> Skeleton<'a> {
                     0 => own_item,
                     _ => k.add(own_item, v * owners * split.per_block),
                 };
-                let at_zero = k.setp(Cmp::Eq, item, 0u32);
-                let first = k.and_pred(at_zero, block_ok);
-                ScoreUnit {
-                    block: Some(head),
-                    item,
-                    block_ok,
-                    first,
-                    arrays: Vec::new(),
-                    row: k.mad_lo(item, row_bytes, column),
-                    max_at,
-                    state,
-                    refs: vec![k.mov(neg_inf)],
-                    sums: vec![k.mov(zero)],
-                }
+                let row = k.mad_lo(item, row_bytes, column);
+                ScoreUnit::one_head(k, head, item, block_ok, [row, max_at, state])
             })
             .collect();
         FusedScore {
@@ -1153,32 +1135,44 @@ impl<'a> Skeleton<'a> {
             }
         }
         k.bar_sync();
+        let row_bytes = 4 * plan.head_stride;
+        self.per_head_warps(k, |k, h, lane, column| {
+            let total = k.mov(0.0f32);
+            self.strided(k, lane, Op::Imm(plan.tile_items), 32, |k, i| {
+                let at = k.mad_lo(i, row_bytes, column);
+                let s = k.ld_shared::<F32>(Shared::at(at));
+                k.add_to(total, total, s);
+            });
+            self.warp_reduce(k, total, |k, a, b| k.add(a, b));
+            let leader = k.setp(Cmp::Eq, lane, 0u32);
+            let state = k.mad_lo(h, 4u32, self.smem);
+            k.guarded(leader, true, |k| {
+                k.st_shared(Shared::at(state).plus(plan.sum.into()), total)
+            });
+        });
+        k.bar_sync();
+    }
+
+    /// `body(head, lane, column)` for every head of the group, warp `w`
+    /// taking heads `w, w + warps, …`; `column` is the head's logits column.
+    fn per_head_warps(
+        &self,
+        k: &mut Kernel,
+        mut body: impl FnMut(&mut Kernel, Reg<U32>, Reg<U32>, Reg<U32>),
+    ) {
         let warp = k.shr(self.tid, 5u32);
         let lane = k.and(self.tid, 31u32);
-        let logits = k.add(self.smem, plan.logits);
-        let row_bytes = 4 * plan.head_stride;
+        let logits = k.add(self.smem, self.plan.logits);
         let h = k.mov(warp);
         let (top, end) = (k.label(), k.label());
         k.place(top);
         let done = k.setp(Cmp::Ge, h, self.group);
         k.bra_if(done, true, end);
         let column = k.mad_lo(h, 4u32, logits);
-        let total = k.mov(0.0f32);
-        self.strided(k, lane, Op::Imm(plan.tile_items), 32, |k, i| {
-            let at = k.mad_lo(i, row_bytes, column);
-            let s = k.ld_shared::<F32>(Shared::at(at));
-            k.add_to(total, total, s);
-        });
-        self.warp_reduce(k, total, |k, a, b| k.add(a, b));
-        let leader = k.setp(Cmp::Eq, lane, 0u32);
-        let state = k.mad_lo(h, 4u32, self.smem);
-        k.guarded(leader, true, |k| {
-            k.st_shared(Shared::at(state).plus(plan.sum.into()), total)
-        });
-        k.add_to(h, h, plan.warps);
+        body(k, h, lane, column);
+        k.add_to(h, h, self.plan.warps);
         k.bra(top);
         k.place(end);
-        k.bar_sync();
     }
 
     /// Tables as the per-item programs see them: staged in shared memory.
@@ -1311,54 +1305,44 @@ impl<'a> Skeleton<'a> {
     fn softmax(&self, k: &mut Kernel, items: Reg<U32>) {
         let plan = self.plan;
         k.comment("softmax: one warp per head");
-        let warp = k.shr(self.tid, 5u32);
-        let lane = k.and(self.tid, 31u32);
-        let logits = k.add(self.smem, plan.logits);
         let row_bytes = 4 * plan.head_stride;
-        let h = k.mov(warp);
-        let (top, end) = (k.label(), k.label());
-        k.place(top);
-        let done = k.setp(Cmp::Ge, h, self.group);
-        k.bra_if(done, true, end);
-        let column = k.mad_lo(h, 4u32, logits);
-        let neg_inf = k.mov(f32::NEG_INFINITY);
-        let best = k.mov(neg_inf);
-        self.strided(k, lane, Op::Reg(items), 32, |k, i| {
-            let at = k.mad_lo(i, row_bytes, column);
-            let s = k.ld_shared::<F32>(Shared::at(at));
-            let larger = k.max(best, s);
-            k.assign(best, larger);
+        self.per_head_warps(k, |k, h, lane, column| {
+            let neg_inf = k.mov(f32::NEG_INFINITY);
+            let best = k.mov(neg_inf);
+            self.strided(k, lane, Op::Reg(items), 32, |k, i| {
+                let at = k.mad_lo(i, row_bytes, column);
+                let s = k.ld_shared::<F32>(Shared::at(at));
+                let larger = k.max(best, s);
+                k.assign(best, larger);
+            });
+            self.warp_reduce(k, best, |k, a, b| k.max(a, b));
+            let state = k.mad_lo(h, 4u32, self.smem);
+            let old = k.ld_shared::<F32>(Shared::at(state).plus(plan.max.into()));
+            let new = k.max(old, best);
+            let decay = k.exp_diff(old, new);
+            let total = k.mov(0.0f32);
+            self.strided(k, lane, Op::Reg(items), 32, |k, i| {
+                let at = k.mad_lo(i, row_bytes, column);
+                let s = k.ld_shared::<F32>(Shared::at(at));
+                let w = k.exp_diff(s, new);
+                k.st_shared(Shared::at(at), w);
+                k.add_to(total, total, w);
+            });
+            self.warp_reduce(k, total, |k, a, b| k.add(a, b));
+            let sum = k.ld_shared::<F32>(Shared::at(state).plus(plan.sum.into()));
+            let sum = k.fma(sum, decay, total);
+            let leader = k.setp(Cmp::Eq, lane, 0u32);
+            // Every lane read the old max and sum above; lane 0 overwrites them.
+            // Without the warp barrier that is a read-write race (lanes are
+            // scheduled independently; the shuffles in between do not order
+            // shared-memory accesses for other lanes).
+            k.bar_warp_sync();
+            k.guarded(leader, true, |k| {
+                k.st_shared(Shared::at(state).plus(plan.max.into()), new);
+                k.st_shared(Shared::at(state).plus(plan.sum.into()), sum);
+                k.st_shared(Shared::at(state).plus(plan.decay.into()), decay);
+            });
         });
-        self.warp_reduce(k, best, |k, a, b| k.max(a, b));
-        let state = k.mad_lo(h, 4u32, self.smem);
-        let old = k.ld_shared::<F32>(Shared::at(state).plus(plan.max.into()));
-        let new = k.max(old, best);
-        let decay = k.exp_diff(old, new);
-        let total = k.mov(0.0f32);
-        self.strided(k, lane, Op::Reg(items), 32, |k, i| {
-            let at = k.mad_lo(i, row_bytes, column);
-            let s = k.ld_shared::<F32>(Shared::at(at));
-            let w = k.exp_diff(s, new);
-            k.st_shared(Shared::at(at), w);
-            k.add_to(total, total, w);
-        });
-        self.warp_reduce(k, total, |k, a, b| k.add(a, b));
-        let sum = k.ld_shared::<F32>(Shared::at(state).plus(plan.sum.into()));
-        let sum = k.fma(sum, decay, total);
-        let leader = k.setp(Cmp::Eq, lane, 0u32);
-        // Every lane read the old max and sum above; lane 0 overwrites them.
-        // Without the warp barrier that is a read-write race (lanes are
-        // scheduled independently; the shuffles in between do not order
-        // shared-memory accesses for other lanes).
-        k.bar_warp_sync();
-        k.guarded(leader, true, |k| {
-            k.st_shared(Shared::at(state).plus(plan.max.into()), new);
-            k.st_shared(Shared::at(state).plus(plan.sum.into()), sum);
-            k.st_shared(Shared::at(state).plus(plan.decay.into()), decay);
-        });
-        k.add_to(h, h, plan.warps);
-        k.bra(top);
-        k.place(end);
     }
 
     /// Butterfly reduction over the warp: every lane ends with the result in `v`.
@@ -1791,6 +1775,34 @@ struct ScoreUnit {
     /// Per head of the block: the softmax reference and this thread's partial sum.
     refs: Vec<Reg<F32>>,
     sums: Vec<Reg<F32>>,
+}
+
+impl ScoreUnit {
+    /// A unit of one head (split and tensor-core scores): `head`'s logit of
+    /// `item`, its weight at `row`, the head's tile maximum at `max_at` and
+    /// softmax state at `state`.
+    fn one_head(
+        k: &mut Kernel,
+        head: Reg<U32>,
+        item: Reg<U32>,
+        block_ok: Reg<Pred>,
+        [row, max_at, state]: [Reg<U32>; 3],
+    ) -> ScoreUnit {
+        let at_zero = k.setp(Cmp::Eq, item, 0u32);
+        let first = k.and_pred(at_zero, block_ok);
+        ScoreUnit {
+            block: Some(head),
+            item,
+            block_ok,
+            first,
+            arrays: Vec::new(),
+            row,
+            max_at,
+            state,
+            refs: vec![k.mov(f32::NEG_INFINITY)],
+            sums: vec![k.mov(0.0f32)],
+        }
+    }
 }
 
 /// A thread's share of one accumulate round ([`Skeleton::accumulate_setup`]).
