@@ -18,7 +18,7 @@ use super::builder::{
 use super::expr::{self, ArrayAccess, Env, ItemSource, Preloaded, Replicas, TableAccess};
 use super::plan::ScoreSplit;
 use super::plan::{Plan, Stream, CHUNK};
-use crate::ir::{Expr, Module, Stage};
+use crate::ir::{Arena, Expr, Module, Stage};
 use crate::layout::Side;
 use crate::valid::{ModuleInfo, ValidModule};
 
@@ -346,6 +346,13 @@ impl<'a> Skeleton<'a> {
     /// Shared address of array `a` for query head 0.
     fn array_base(&self, k: &mut Kernel, a: usize) -> Reg<U32> {
         k.add(self.smem, self.plan.arrays[a])
+    }
+
+    /// Per array: its base for query head 0 when `reads` holds it.
+    fn array_bases(&self, k: &mut Kernel, reads: HashSet<usize>) -> Vec<Option<Reg<U32>>> {
+        (0..self.m.arrays.len())
+            .map(|a| reads.contains(&a).then(|| self.array_base(k, a)))
+            .collect()
     }
 
     fn init_state(&self, k: &mut Kernel) {
@@ -746,15 +753,7 @@ impl<'a> Skeleton<'a> {
             "fused softmax: {} score unit(s) of {hb} head(s) per thread",
             plan.score_units
         ));
-        let mut reads = HashSet::new();
-        for (_, e) in self.m.key.score.exprs.iter() {
-            if let Expr::Shared { array, .. } = *e {
-                reads.insert(array.index());
-            }
-        }
-        let bases: Vec<Option<Reg<U32>>> = (0..self.m.arrays.len())
-            .map(|a| reads.contains(&a).then(|| self.array_base(k, a)))
-            .collect();
+        let bases = self.array_bases(k, shared_reads(&self.m.key.score.exprs));
         let logits = k.add(self.smem, plan.logits);
         let tile_max = k.add(self.smem, plan.tile_max);
         let row_bytes = 4 * plan.head_stride;
@@ -835,12 +834,7 @@ impl<'a> Skeleton<'a> {
         let head = k.mad_lo(block, hb, j);
         let block_ok = k.setp(Cmp::Lt, head, self.group);
         let program = &split.part.program;
-        let mut reads = HashSet::new();
-        for (_, e) in program.exprs.iter() {
-            if let Expr::Shared { array, .. } = *e {
-                reads.insert(array.index());
-            }
-        }
+        let reads = shared_reads(&program.exprs);
         let arrays: Vec<Option<ArrayAccess>> = (0..self.m.arrays.len())
             .map(|a| {
                 reads.contains(&a).then(|| {
@@ -1223,15 +1217,7 @@ impl<'a> Skeleton<'a> {
             "score: work units (item, block of {hb} head(s)), items fastest"
         ));
         let tables = self.staged_tables(k);
-        let mut reads = HashSet::new();
-        for (_, e) in self.m.key.score.exprs.iter() {
-            if let Expr::Shared { array, .. } = *e {
-                reads.insert(array.index());
-            }
-        }
-        let bases: Vec<Option<Reg<U32>>> = (0..self.m.arrays.len())
-            .map(|a| reads.contains(&a).then(|| self.array_base(k, a)))
-            .collect();
+        let bases = self.array_bases(k, shared_reads(&self.m.key.score.exprs));
         let items_base = k.add(tile.buf, plan.key.buffer_offset);
         let logits = k.add(self.smem, plan.logits);
         let work = if plan.score_head_blocks == 1 {
@@ -1837,14 +1823,21 @@ fn from_order_key(k: &mut Kernel, key: Reg<U32>) -> Reg<F32> {
     k.bitcast::<U32, F32>(bits)
 }
 
+/// Shared arrays a program reads.
+fn shared_reads(exprs: &Arena<Expr>) -> HashSet<usize> {
+    exprs
+        .iter()
+        .filter_map(|(_, e)| match *e {
+            Expr::Shared { array, .. } => Some(array.index()),
+            _ => None,
+        })
+        .collect()
+}
+
 /// Arrays a stage reads or writes.
 fn stage_arrays(stage: &Stage) -> HashSet<usize> {
-    let mut used: HashSet<usize> = stage.stores.iter().map(|s| s.array.index()).collect();
-    for (_, e) in stage.exprs.iter() {
-        if let Expr::Shared { array, .. } = *e {
-            used.insert(array.index());
-        }
-    }
+    let mut used = shared_reads(&stage.exprs);
+    used.extend(stage.stores.iter().map(|s| s.array.index()));
     used
 }
 
