@@ -60,6 +60,40 @@ impl Space {
         }
     }
 
+    /// The space without the values of the code-only axes (tensor cores,
+    /// head block, accumulators) that give the same kernel as `default`
+    /// (`same` says whether a configuration does): for a tier the tensor
+    /// cores do not serve, or whose phases all run on them, such values
+    /// would only time one kernel again under another label.
+    pub fn without_duplicates(
+        mut self,
+        default: KernelConfig,
+        same: impl Fn(&KernelConfig) -> bool,
+    ) -> Space {
+        self.tensor_cores.retain(|&v| {
+            v == default.tensor_cores
+                || !same(&KernelConfig {
+                    tensor_cores: v,
+                    ..default
+                })
+        });
+        self.head_block.retain(|&v| {
+            v == default.head_block
+                || !same(&KernelConfig {
+                    head_block: v,
+                    ..default
+                })
+        });
+        self.max_accumulators.retain(|&v| {
+            v == default.max_accumulators
+                || !same(&KernelConfig {
+                    max_accumulators: v,
+                    ..default
+                })
+        });
+        self
+    }
+
     fn len(&self, axis: usize) -> usize {
         match axis {
             0 => self.page_items.len(),
@@ -304,6 +338,24 @@ mod tests {
         assert_eq!(on(128), 4 * others);
         assert_eq!(on(256), 5 * others);
         assert_eq!(all.len(), 14 * others);
+    }
+
+    #[test]
+    fn axes_that_leave_the_kernel_unchanged_are_not_swept() {
+        // A tier whose kernel ignores the tensor-core switch and the head
+        // block: only the accumulators change it.
+        let same = |c: &KernelConfig| c.max_accumulators == default().max_accumulators;
+        let s = space().without_duplicates(default(), same);
+        assert_eq!(s.tensor_cores, vec![true]);
+        assert_eq!(s.head_block, vec![8]);
+        assert_eq!(s.max_accumulators, vec![16, 32]);
+        assert_eq!(s.all(default())[0], default());
+        // Every code-only value changes the kernel: nothing is dropped.
+        let all_differ = space().without_duplicates(default(), |c| *c == default());
+        assert_eq!(all_differ, space());
+        // None does: each of the three axes keeps the default's value only.
+        let none_differ = space().without_duplicates(default(), |_| true);
+        assert_eq!(none_differ.size(), space().size() / 8);
     }
 
     #[test]

@@ -6,6 +6,7 @@
 use std::collections::HashMap;
 use std::time::Instant;
 
+use kvcc_compiler::back::ptx;
 use kvcc_compiler::Format;
 
 use super::config::with_page_items;
@@ -198,7 +199,15 @@ impl Sweep<'_> {
     ) -> Result<Entry, Box<dyn std::error::Error>> {
         let started = Instant::now();
         let default = KernelConfig::default_for(self.format);
-        let space = Space::around(&default, &self.options.page_items);
+        let target = self.gpu.target();
+        let group = (self.options.q_heads / self.options.kv_heads) as u32;
+        let module = &self.format.tiers()[self.tier];
+        let kernel = |config: &KernelConfig| {
+            ptx::write_tier(module, group, &config.options(target, group)).map(|k| k.ptx)
+        };
+        let reference = kernel(&default).ok();
+        let space = Space::around(&default, &self.options.page_items)
+            .without_duplicates(default, |config| kernel(config).ok() == reference);
         let what = format!("{}/{} @{}", key.format, key.tier, self.context);
         let estimate = space.expected_trials(
             default,
