@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand};
+use clap::{Args, Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 use kvcc_compiler::Format;
 use kvcc_runtime::cli::{self, bench, check, demo, eval};
@@ -44,6 +44,17 @@ enum CacheAction {
     Import { file: PathBuf },
 }
 
+/// The decode shape `bench` times and `tune` tunes for.
+#[derive(Args)]
+struct ServingShape {
+    #[arg(long, default_value_t = 8)]
+    batch: usize,
+    #[arg(long, default_value_t = 32)]
+    q_heads: usize,
+    #[arg(long, default_value_t = 8)]
+    kv_heads: usize,
+}
+
 #[derive(Subcommand)]
 enum Command {
     /// Validate a spec and print each tier's layout and byte accounting.
@@ -81,12 +92,8 @@ enum Command {
         /// Only formats whose name is listed (comma-separated).
         #[arg(long, value_delimiter = ',')]
         only: Vec<String>,
-        #[arg(long, default_value_t = 8)]
-        batch: usize,
-        #[arg(long, default_value_t = 32)]
-        q_heads: usize,
-        #[arg(long, default_value_t = 8)]
-        kv_heads: usize,
+        #[command(flatten)]
+        shape: ServingShape,
         /// Context lengths (tokens per sequence), comma-separated.
         #[arg(long, value_delimiter = ',', default_value = "8192,32768,131072")]
         ctx: Vec<usize>,
@@ -115,12 +122,8 @@ enum Command {
         /// Only this tier.
         #[arg(long)]
         tier: Option<String>,
-        #[arg(long, default_value_t = 8)]
-        batch: usize,
-        #[arg(long, default_value_t = 32)]
-        q_heads: usize,
-        #[arg(long, default_value_t = 8)]
-        kv_heads: usize,
+        #[command(flatten)]
+        shape: ServingShape,
         /// Context lengths, comma-separated; each is tuned for its power-of-two bucket.
         #[arg(long, value_delimiter = ',', default_value = "8192,32768")]
         ctx: Vec<usize>,
@@ -254,9 +257,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
         Command::Bench {
             specs,
             only,
-            batch,
-            q_heads,
-            kv_heads,
+            shape,
             ctx,
             warmup,
             iters,
@@ -271,9 +272,9 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             }
             let baselines = baseline.map(|p| bench::Baselines::load(&p)).transpose()?;
             let options = bench::BenchOptions {
-                batch,
-                q_heads,
-                kv_heads,
+                batch: shape.batch,
+                q_heads: shape.q_heads,
+                kv_heads: shape.kv_heads,
                 contexts: ctx,
                 warmup,
                 iters,
@@ -292,9 +293,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
         Command::Tune {
             spec,
             tier,
-            batch,
-            q_heads,
-            kv_heads,
+            shape,
             ctx,
             pages,
             search,
@@ -311,9 +310,9 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                 .map(|s| cli::tune::load_spec(s))
                 .collect::<Result<Vec<_>, _>>()?;
             let options = TuneOptions {
-                batch,
-                q_heads,
-                kv_heads,
+                batch: shape.batch,
+                q_heads: shape.q_heads,
+                kv_heads: shape.kv_heads,
                 contexts: ctx,
                 tier,
                 page_items: pages,

@@ -297,6 +297,20 @@ struct Steps {
     index: Option<u32>,
 }
 
+/// Whether two expressions apply the same operation (kind, operator,
+/// table) to their operands, whatever the operands.
+fn same_operation(a: &Expr, b: &Expr) -> bool {
+    match (a, b) {
+        (Expr::HeaderScale { .. }, Expr::HeaderScale { .. })
+        | (Expr::Fma { .. }, Expr::Fma { .. })
+        | (Expr::Select { .. }, Expr::Select { .. }) => true,
+        (Expr::Table { table: x, .. }, Expr::Table { table: y, .. }) => x == y,
+        (Expr::Unary { op: x, .. }, Expr::Unary { op: y, .. }) => x == y,
+        (Expr::Binary { op: x, .. }, Expr::Binary { op: y, .. }) => x == y,
+        _ => false,
+    }
+}
+
 fn literal_u32(exprs: &Arena<Expr>, h: Handle<Expr>) -> Option<u32> {
     match exprs.try_get(h)? {
         Expr::Literal(Literal::U32(v)) => Some(*v),
@@ -352,19 +366,6 @@ fn shifted(
                     literal_u32(exprs, ox),
                 )
         }
-        (Expr::HeaderScale { slot: a }, Expr::HeaderScale { slot: b }) => {
-            shifted(exprs, a, b, s, steps)
-        }
-        (
-            Expr::Table {
-                table: ta,
-                index: a,
-            },
-            Expr::Table {
-                table: tb,
-                index: b,
-            },
-        ) => ta == tb && shifted(exprs, a, b, s, steps),
         (
             Expr::Shared {
                 array: aa,
@@ -382,53 +383,10 @@ fn shifted(
                     literal_u32(exprs, b),
                 )
         }
-        (Expr::Unary { op: oa, arg: a }, Expr::Unary { op: ob, arg: b }) => {
-            oa == ob && shifted(exprs, a, b, s, steps)
-        }
-        (
-            Expr::Binary {
-                op: oa,
-                left: la,
-                right: ra,
-            },
-            Expr::Binary {
-                op: ob,
-                left: lb,
-                right: rb,
-            },
-        ) => oa == ob && shifted(exprs, la, lb, s, steps) && shifted(exprs, ra, rb, s, steps),
-        (
-            Expr::Fma {
-                a: a0,
-                b: b0,
-                c: c0,
-            },
-            Expr::Fma {
-                a: a1,
-                b: b1,
-                c: c1,
-            },
-        ) => {
-            shifted(exprs, a0, a1, s, steps)
-                && shifted(exprs, b0, b1, s, steps)
-                && shifted(exprs, c0, c1, s, steps)
-        }
-        (
-            Expr::Select {
-                condition: c0,
-                accept: a0,
-                reject: r0,
-            },
-            Expr::Select {
-                condition: c1,
-                accept: a1,
-                reject: r1,
-            },
-        ) => {
-            shifted(exprs, c0, c1, s, steps)
-                && shifted(exprs, a0, a1, s, steps)
-                && shifted(exprs, r0, r1, s, steps)
-        }
+        (a, b) if same_operation(&a, &b) => operands(&a)
+            .into_iter()
+            .zip(operands(&b))
+            .all(|(a, b)| shifted(exprs, a, b, s, steps)),
         _ => false,
     }
 }

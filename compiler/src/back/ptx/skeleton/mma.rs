@@ -149,7 +149,7 @@ impl Skeleton<'_> {
         let row_head = k.shr(lanes.row, 1u32);
         let query = s.query.index();
         let query_base = self.array_base(k, query);
-        let query_at = (0..m.column_tiles)
+        let query_at: Vec<(Reg<U32>, Reg<Pred>)> = (0..m.column_tiles)
             .map(|ct| {
                 let head = k.add(row_head, 4 * ct);
                 let ok = k.setp(Cmp::Lt, head, self.group);
@@ -162,17 +162,8 @@ impl Skeleton<'_> {
         let key_chunk = k.shl(lanes.quad, 4u32);
         let key_lane = k.mad_lo(key_row, plan.key.shared_stride, key_chunk);
         let zero = k.mov(0.0f32);
-        let mut thread = MmaScoreThread {
-            lanes,
-            query_at,
-            queries: Queries {
-                pairs: Vec::new(),
-                unscale: Vec::new(),
-            },
-            key_lane,
-        };
-        thread.queries = match s.key_scale {
-            None => self.mma_queries(k, s, &thread, None),
+        let queries = match s.key_scale {
+            None => self.mma_queries(k, s, &lanes, &query_at, None),
             // Set by each page's first tile.
             Some(_) => Queries {
                 pairs: (0..m.column_tiles)
@@ -180,6 +171,12 @@ impl Skeleton<'_> {
                     .collect(),
                 unscale: (0..m.column_tiles).map(|_| k.mov(zero)).collect(),
             },
+        };
+        let thread = MmaScoreThread {
+            lanes,
+            query_at,
+            queries,
+            key_lane,
         };
 
         let logits = k.add(self.smem, plan.logits);
@@ -284,19 +281,20 @@ impl Skeleton<'_> {
         &self,
         k: &mut Kernel,
         m: &MmaScore,
-        t: &MmaScoreThread,
+        lanes: &Lanes,
+        query_at: &[(Reg<U32>, Reg<Pred>)],
         header: Option<Reg<U32>>,
     ) -> Queries {
         let chunk = m.chunk_elements();
         // The lane's chunk c holds elements chunk·quad + 4·chunk·c, contiguous.
         let scales_at = header.map(|h| {
             let slot0 = m.key_scale.expect("header scales");
-            let first = k.mad_lo(t.lanes.quad, 4 * chunk, h);
+            let first = k.mad_lo(lanes.quad, 4 * chunk, h);
             k.add(first, 4 * slot0)
         });
         let mut pairs = Vec::new();
         let mut unscale = Vec::new();
-        for &(at, ok) in &t.query_at {
+        for &(at, ok) in query_at {
             let mut elements = Vec::new();
             for c in 0..m.lane_chunks() {
                 for v in 0..chunk / 4 {
@@ -322,13 +320,13 @@ impl Skeleton<'_> {
                     .map(|l| {
                         let [a, b] = [0, 1].map(|e| elements[position(m.key_element(l, e))]);
                         let (a, b) = (k.mul(a, sigma), k.mul(b, sigma));
-                        f16_part(k, a, b, t.lanes.low_part)
+                        f16_part(k, a, b, lanes.low_part)
                     })
                     .collect(),
             );
             // 1/σ of head 4·ct + quad: lane 8·quad's B column is that head's.
             let inverse = unscale_of(k, sigma);
-            let owner = k.shl(t.lanes.quad, 3u32);
+            let owner = k.shl(lanes.quad, 3u32);
             unscale.push(k.shfl_idx(inverse, owner));
         }
         Queries { pairs, unscale }
@@ -355,7 +353,7 @@ impl Skeleton<'_> {
                 let page_start = k.setp(Cmp::Eq, first, 0u32);
                 k.bra_if(page_start, false, later);
             }
-            let page = self.mma_queries(k, score, t, Some(tile.header));
+            let page = self.mma_queries(k, score, &t.lanes, &t.query_at, Some(tile.header));
             for (to, from) in queries
                 .pairs
                 .iter()
@@ -797,13 +795,9 @@ fn int_pair(k: &mut Kernel, x: Reg<U32>, bits: u32, signed: bool, high_nibble: b
     }
 }
 
-/// The f16 bits of a small integer-valued float (|x| < 2048).
+/// The f16 bits of `x` (exact for the small integers used here).
 fn half_bits(x: f32) -> u32 {
-    let magnitude = x.abs() as u32;
-    let exponent = 31 - magnitude.leading_zeros();
-    let mantissa = (magnitude << (10 - exponent)) & 0x3FF;
-    let sign = if x < 0.0 { 0x8000 } else { 0 };
-    sign | (exponent + 15) << 10 | mantissa
+    u32::from(half::f16::from_f32(x).to_bits())
 }
 
 #[cfg(test)]
