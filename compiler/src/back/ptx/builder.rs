@@ -212,8 +212,8 @@ impl Global {
 fn address(base: impl std::fmt::Display, offset: i64) -> String {
     match offset {
         0 => format!("[{base}]"),
-        o if o > 0 => format!("[{base}+{o}]"),
-        o => format!("[{base}{o}]"),
+        // PTX spells a negative displacement `+-n`.
+        o => format!("[{base}+{o}]"),
     }
 }
 
@@ -537,15 +537,28 @@ impl Kernel {
         self.line(format_args!("div.rn.f32 {d}, {a}, {b}"));
         d
     }
+    /// Division by a power-of-two immediate is a shift: ptxas emits its
+    /// generic reciprocal sequence (~8 instructions) for `div.u32 x, 8`.
     pub fn div_u32(&mut self, a: impl Into<Op<U32>>, b: impl Into<Op<U32>>) -> Reg<U32> {
-        let d = self.reg();
         let (a, b) = (a.into(), b.into());
+        if let Op::Imm(n) = b {
+            if n.is_power_of_two() {
+                return self.shr(a, n.trailing_zeros());
+            }
+        }
+        let d = self.reg();
         self.line(format_args!("div.u32 {d}, {a}, {b}"));
         d
     }
+    /// Remainder by a power-of-two immediate is a mask (see [`Self::div_u32`]).
     pub fn rem_u32(&mut self, a: impl Into<Op<U32>>, b: impl Into<Op<U32>>) -> Reg<U32> {
-        let d = self.reg();
         let (a, b) = (a.into(), b.into());
+        if let Op::Imm(n) = b {
+            if n.is_power_of_two() {
+                return self.and(a, n - 1);
+            }
+        }
+        let d = self.reg();
         self.line(format_args!("rem.u32 {d}, {a}, {b}"));
         d
     }

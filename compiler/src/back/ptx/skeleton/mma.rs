@@ -27,10 +27,6 @@ const SCALED_EXPONENT: u32 = 14;
 const BIAS: u32 = 127;
 const MAX_EXPONENT: u32 = 254;
 
-/// `prmt` selectors: the low (high) halves of two words, the first's low.
-const LOW_HALVES: u32 = 0x5410;
-const HIGH_HALVES: u32 = 0x7632;
-
 /// Where a lane sits in its warp's fragments.
 struct Lanes {
     warp: Reg<U32>,
@@ -531,17 +527,17 @@ impl Skeleton<'_> {
                     ]
                 })
                 .collect();
-            let values: Vec<Vec<Reg<U32>>> = steps
+            let values: Vec<TokenWords> = steps
                 .iter()
                 .zip(&valid[j])
                 .map(|(&d, &ok)| {
-                    let words = self.mma_value_words(k, m, lane_base, (first + d) * stride);
+                    let mut token = self.mma_value_words(k, m, lane_base, (first + d) * stride);
                     // Stale f16 rows past the tile's items may hold any bits
                     // (0 · NaN poisons a sum); integers are always finite.
-                    match m.value {
-                        Element::Half => words.into_iter().map(|w| k.selp(w, 0u32, ok)).collect(),
-                        Element::Int { .. } => words,
+                    if m.value == Element::Half {
+                        token.words = token.words.iter().map(|&w| k.selp(w, 0u32, ok)).collect();
                     }
+                    token
                 })
                 .collect();
             for (ct, sums) in t.acc.iter().enumerate() {
@@ -599,22 +595,36 @@ impl Skeleton<'_> {
     }
 
     /// The words of one token's channels of the lane's group, `offset` bytes
-    /// past `lane_base`: 16-byte loads when aligned, else aligned words
-    /// funnel-shifted into place.
+    /// past `lane_base`: 16-byte loads when aligned; aligned words starting
+    /// a known `skew` bytes before the channels when the rows' stride and
+    /// the channels' offset are even (the byte permutes that pair tokens
+    /// absorb the skew); else aligned words funnel-shifted into place.
     fn mma_value_words(
         &self,
         k: &mut Kernel,
         m: &MmaPlan,
         lane_base: Reg<U32>,
         offset: u32,
-    ) -> Vec<Reg<U32>> {
+    ) -> TokenWords {
         let n = m.group_words();
         if m.value_aligned {
-            return (0..n / 4)
+            let words = (0..n / 4)
                 .flat_map(|v| {
                     k.ld_shared_v4::<U32>(Shared::at(lane_base).plus(i64::from(offset + 16 * v)))
                 })
                 .collect();
+            return TokenWords { words, skew: 0 };
+        }
+        if self.plan.value.shared_stride.is_multiple_of(2) && m.value_offset.is_multiple_of(2) {
+            // Token rows start at even multiples of the stride from the
+            // buffer (16-aligned), lane groups at whole words of channels:
+            // `lane_base` is `value_offset` past a word boundary.
+            let skew = (m.value_offset + offset) % 4;
+            let first = i64::from(offset) - i64::from(skew);
+            let words = (0..n + u32::from(skew != 0))
+                .map(|w| k.ld_shared::<U32>(Shared::at(lane_base).plus(first + i64::from(4 * w))))
+                .collect();
+            return TokenWords { words, skew };
         }
         let at = k.add(lane_base, offset);
         let aligned = k.and(at, !3u32);
@@ -623,10 +633,11 @@ impl Skeleton<'_> {
         let words: Vec<Reg<U32>> = (0..=n)
             .map(|w| k.ld_shared::<U32>(Shared::at(aligned).plus(i64::from(4 * w))))
             .collect();
-        words
+        let words = words
             .windows(2)
             .map(|pair| k.shf_r_wrap(pair[0], pair[1], shift))
-            .collect()
+            .collect();
+        TokenWords { words, skew: 0 }
     }
 
     /// After the stream: each warp in turn adds its sums (the two parts of
@@ -737,28 +748,41 @@ fn word_pairs(k: &mut Kernel, element: Element, w: Reg<U32>) -> Vec<Reg<U32>> {
     }
 }
 
+/// One token's value words: the lane group's channels start `skew` bytes
+/// into the first.
+struct TokenWords {
+    words: Vec<Reg<U32>>,
+    skew: u32,
+}
+
+impl TokenWords {
+    /// The word holding byte `byte` of the lane group's channels, and the
+    /// byte's place in it.
+    fn byte(&self, byte: u32) -> (Reg<U32>, u32) {
+        let at = byte + self.skew;
+        (self.words[(at / 4) as usize], at % 4)
+    }
+}
+
 /// The (token 0, token 1) f16 pair of lane-group channel `channel` from the
 /// two tokens' words.
 fn token_pair(
     k: &mut Kernel,
     element: Element,
-    first: &[Reg<U32>],
-    second: &[Reg<U32>],
+    first: &TokenWords,
+    second: &TokenWords,
     channel: u32,
 ) -> Reg<U32> {
-    let per_word = 32 / element.bits();
-    let (w, i) = ((channel / per_word) as usize, channel % per_word);
+    // The channel's (first) byte: f16 halves and integer bytes never
+    // straddle a word, as skews are even.
+    let byte = channel * element.bits() / 8;
+    let ((a, i), (b, j)) = (first.byte(byte), second.byte(byte));
     match element {
-        Element::Half => {
-            let selector = if i == 0 { LOW_HALVES } else { HIGH_HALVES };
-            k.prmt(first[w], second[w], selector)
-        }
+        Element::Half => k.prmt(a, b, i | (i + 1) << 4 | (4 + j) << 8 | (5 + j) << 12),
         Element::Int { bits, signed } => {
             // The element's byte of both tokens at bytes 0 and 2.
-            let byte = i * bits / 8;
-            let selector = byte | byte << 4 | (4 + byte) << 8 | (4 + byte) << 12;
-            let x = k.prmt(first[w], second[w], selector);
-            int_pair(k, x, bits, signed, bits == 4 && i % 2 == 1)
+            let x = k.prmt(a, b, i | i << 4 | (4 + j) << 8 | (4 + j) << 12);
+            int_pair(k, x, bits, signed, bits == 4 && channel % 2 == 1)
         }
     }
 }

@@ -514,6 +514,10 @@ impl<'a> Skeleton<'a> {
         }
         let chunk = k.rem_u32(t, plan.tiles_per_page);
         let first = k.mul(chunk, plan.tile_items);
+        if plan.items_per_page.is_multiple_of(plan.tile_items) {
+            // Every tile is whole: the copies need no bounds tests.
+            return (Some(first), Op::Imm(plan.tile_items));
+        }
         let left = k.sub(plan.items_per_page, first);
         let len = k.min(left, plan.tile_items);
         (Some(first), Op::Reg(len))
