@@ -58,7 +58,7 @@ pub struct MmaPlan {
     /// Byte offset of value channel 0 in a value item.
     pub value_offset: u32,
     /// Whether every lane group's value channels start 16-byte aligned in
-    /// shared memory (else they are read as words and funnel-shifted).
+    /// shared memory (else they are read as 32-bit words).
     pub value_aligned: bool,
     /// Column tiles: `ceil(2 · heads / 8)`.
     pub column_tiles: u32,
