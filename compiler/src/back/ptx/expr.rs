@@ -442,6 +442,23 @@ pub fn emit(k: &mut Kernel, exprs: &Arena<Expr>, env: &Env) -> Values {
         varies.push(vary);
         let count = if vary { replicas } else { 1 };
         let mut out = Vec::with_capacity(count);
+        // Replica `r` of this expression from replica `r` of each operand (or
+        // its only value).
+        let emit_replica = |k: &mut Kernel,
+                            r: usize,
+                            reader: &mut Option<ItemReader>,
+                            chunks: &mut Chunks,
+                            values: &[Vec<Val>]| {
+            let get = |h: Handle<Expr>| {
+                let v = &values[h.index()];
+                if v.len() == 1 {
+                    v[0]
+                } else {
+                    v[r]
+                }
+            };
+            emit_one(k, handle, expr, r, get, env, reader, chunks, &known)
+        };
         // A shared read whose index is the same for every head computes the
         // address once; each head's load adds its copy's offset.
         let per_head_copy = match *expr {
@@ -466,27 +483,7 @@ pub fn emit(k: &mut Kernel, exprs: &Arena<Expr>, env: &Env) -> Values {
             // The same for every channel of a pack: once per pack.
             for r in 0..count {
                 let value = match r % pack {
-                    0 => {
-                        let get = |h: Handle<Expr>| {
-                            let v = &values[h.index()];
-                            if v.len() == 1 {
-                                v[0]
-                            } else {
-                                v[r]
-                            }
-                        };
-                        emit_one(
-                            k,
-                            handle,
-                            expr,
-                            r,
-                            get,
-                            env,
-                            &mut reader,
-                            &mut chunks,
-                            &known,
-                        )
-                    }
+                    0 => emit_replica(k, r, &mut reader, &mut chunks, &values),
                     e => out[r - e],
                 };
                 out.push(value);
@@ -513,25 +510,7 @@ pub fn emit(k: &mut Kernel, exprs: &Arena<Expr>, env: &Env) -> Values {
             out.extend(fields.into_iter().map(|f| Val::U32(Op::Reg(f))));
         } else {
             for r in 0..count {
-                let get = |h: Handle<Expr>| {
-                    let v = &values[h.index()];
-                    if v.len() == 1 {
-                        v[0]
-                    } else {
-                        v[r]
-                    }
-                };
-                let value = emit_one(
-                    k,
-                    handle,
-                    expr,
-                    r,
-                    get,
-                    env,
-                    &mut reader,
-                    &mut chunks,
-                    &known,
-                );
+                let value = emit_replica(k, r, &mut reader, &mut chunks, &values);
                 out.push(value);
             }
         }

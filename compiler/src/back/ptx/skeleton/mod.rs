@@ -359,34 +359,27 @@ impl<'a> Skeleton<'a> {
         let plan = self.plan;
         let neg_inf = k.mov(f32::NEG_INFINITY);
         let zero = k.mov(0.0f32);
-        self.strided(
-            k,
-            self.tid,
-            Op::Imm(plan.group_max),
-            plan.threads,
-            |k, h| {
-                let at = k.mad_lo(h, 4u32, self.smem);
-                k.st_shared(Shared::at(at).plus(plan.max.into()), neg_inf);
-                k.st_shared(Shared::at(at).plus(plan.sum.into()), zero);
-            },
-        );
+        self.per_word(k, plan.group_max, |k, at| {
+            k.st_shared(Shared::at(at).plus(plan.max.into()), neg_inf);
+            k.st_shared(Shared::at(at).plus(plan.sum.into()), zero);
+        });
         if plan.fused_softmax {
-            self.strided(
-                k,
-                self.tid,
-                Op::Imm(plan.head_stride),
-                plan.threads,
-                |k, h| {
-                    let at = k.mad_lo(h, 4u32, self.smem);
-                    k.st_shared(Shared::at(at).plus(plan.tile_max.into()), ORDER_KEY_NEG_INF);
-                },
-            );
+            self.per_word(k, plan.head_stride, |k, at| {
+                k.st_shared(Shared::at(at).plus(plan.tile_max.into()), ORDER_KEY_NEG_INF);
+            });
         }
         let acc = self.m.value.accumulator.index();
         let words = plan.group_max * plan.array_stride[acc] / 4;
-        self.strided(k, self.tid, Op::Imm(words), plan.threads, |k, w| {
-            let at = k.mad_lo(w, 4u32, self.smem);
+        self.per_word(k, words, |k, at| {
             k.st_shared(Shared::at(at).plus(plan.arrays[acc].into()), zero);
+        });
+    }
+
+    /// `body(smem + 4·i)` for `i < count`, strided over the CTA's threads.
+    fn per_word(&self, k: &mut Kernel, count: u32, mut body: impl FnMut(&mut Kernel, Reg<U32>)) {
+        self.strided(k, self.tid, Op::Imm(count), self.plan.threads, |k, i| {
+            let at = k.mad_lo(i, 4u32, self.smem);
+            body(k, at);
         });
     }
 
