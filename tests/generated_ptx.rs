@@ -80,9 +80,10 @@ fn generated_ptx_matches_the_committed_snapshots() {
 
 /// The tensor cores serve the tiers whose codes are exact f16 operands: the
 /// accumulate of every tier with f16 or integer value elements (dense f16,
-/// Spherical's f16 values, KIVI), the score where the key is a dot product
-/// of such elements with the query (dense f16, KIVI); with `tensor_cores`
-/// off every tier is per-thread fma chains.
+/// Spherical's f16 values, KIVI) or f16 bitmap groups (MosaicKV, expanded
+/// per tile), the score where the key is a dot product of such elements
+/// with the query (dense f16, KIVI, MosaicKV); with `tensor_cores` off
+/// every tier is per-thread fma chains.
 #[test]
 fn tensor_cores_serve_exactly_the_f16_exact_phases() {
     let mut served = Vec::new();
@@ -119,6 +120,37 @@ fn tensor_cores_serve_exactly_the_f16_exact_phases() {
             "kivi/int8 accumulate",
             "kivi/int4 score",
             "kivi/int4 accumulate",
+            "mosaic/keep25 score",
+            "mosaic/keep25 accumulate",
         ]
     );
+}
+
+/// Bitmap fields take the tensor cores only with f16 elements (int8
+/// elements are scaled per item, so not exact f16 operands): f16 bitmap
+/// values with int8 bitmap keys expand the value rows and leave the score
+/// per thread; int8 bitmap values keep the whole tier per thread.
+#[test]
+fn only_f16_bitmaps_are_expanded_for_the_tensor_cores() {
+    let spec = |key: &str, value: &str| {
+        format!(
+            "name = \"bitmaps\"\nhead_dim = 64\n\n[page]\nitems = 64\n\n[[tier]]\nname = \"t\"\n\
+             key.field = [{{ kind = \"bitmap\", group_size = 2, keep = 8, elem = \"{key}\" }}]\n\
+             value.field = [{{ kind = \"bitmap\", group_size = 1, keep = 20, elem = \"{value}\" }}]\n"
+        )
+    };
+    let served = |key: &str, value: &str| {
+        let format = kvcc::compiler::Format::parse(&spec(key, value), "bitmaps.toml").unwrap();
+        let output = ptx::write(&format, &Options::for_target(Target::Sm90)).unwrap();
+        let ptx = &output.tiers[0].ptx;
+        [
+            "tensor-core score",
+            "tensor-core accumulate",
+            "expand the warp's bitmap rows",
+        ]
+        .map(|phase| ptx.contains(phase))
+    };
+    assert_eq!(served("f16", "f16"), [true, true, true]);
+    assert_eq!(served("int8", "f16"), [false, true, true]);
+    assert_eq!(served("f16", "int8"), [false, false, false]);
 }

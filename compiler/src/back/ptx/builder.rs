@@ -680,6 +680,19 @@ impl Kernel {
         self.line(format_args!("popc.b32 {d}, {a}"));
         d
     }
+    /// The bits of `a` in reverse order.
+    pub fn brev(&mut self, a: Reg<U32>) -> Reg<U32> {
+        let d = self.reg();
+        self.line(format_args!("brev.b32 {d}, {a}"));
+        d
+    }
+    /// Leading zeros of a nonzero `a` (`bfind.shiftamt`: one SASS `FLO.SH`,
+    /// where `clz` adds a subtraction).
+    pub fn leading_zeros(&mut self, a: Reg<U32>) -> Reg<U32> {
+        let d = self.reg();
+        self.line(format_args!("bfind.shiftamt.u32 {d}, {a}"));
+        d
+    }
 
     // ---- conversions --------------------------------------------------------
 
@@ -898,6 +911,11 @@ impl Kernel {
     pub fn st_shared<T: Bits32>(&mut self, at: Shared, value: impl Into<Op<T>>) {
         let value = value.into();
         self.line(format_args!("st.shared.{} {at}, {value}", T::SUFFIX));
+    }
+    /// The low 8 or 16 bits of `value`.
+    pub fn st_shared_narrow(&mut self, at: Shared, value: Reg<U32>, bits: u32) {
+        debug_assert!(bits == 8 || bits == 16);
+        self.line(format_args!("st.shared.u{bits} {at}, {value}"));
     }
     /// 16 bytes; `at` must be 16-byte aligned.
     pub fn st_shared_v4<T: Bits32>(&mut self, at: Shared, values: [Reg<T>; 4]) {

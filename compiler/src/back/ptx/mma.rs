@@ -12,9 +12,20 @@
 //! relative, so every product is exact and the sums are f32: the
 //! interpreter's results within the backends' tolerance, at a fraction of
 //! the per-thread fma chains' instructions.
+//!
+//! Bitmap fields of f16 groups (MosaicKV) qualify too: their elements are
+//! stored f16 numbers, but at data-dependent places (a group's slot is the
+//! popcount of the mask below it). Each warp expands its tokens' rows once
+//! per tile into dense f16 rows in shared memory, one lane per row walking
+//! the mask's set bits, and the fragments read those rows as they read
+//! dense f16 items (docs/ptx-backend.md, ninth round). These fields are
+//! recognised from the layout the programs were lowered against: their IR
+//! spells out the popcount prefixes the expansion replaces.
 
 use super::plan::{Stream, CHUNK};
 use crate::ir::{ArrayDecl, BinaryOp, Expr, Function, Handle, Input, Literal, Module, UnaryOp};
+use crate::layout::{CodecLayout, FieldLayout, TransformLayout};
+use crate::spec::BitmapElem;
 
 /// Rows (tokens or channels) of one `m16n8k16` tile, and its reduction depth.
 pub const TILE: u32 = 16;
@@ -46,6 +57,73 @@ impl Element {
     }
 }
 
+/// A bitmap field of f16 groups: group `j` is kept when bit `j` of the mask
+/// is set, and its `group_size` elements are then the `min(rank, keep − 1)`-th
+/// packed group, `rank` being the set bits below `j`; dropped groups are 0.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Gather {
+    pub mask_bit: u32,
+    pub groups: u32,
+    pub group_size: u32,
+    pub keep: u32,
+    pub elems_bit: u32,
+}
+
+impl Gather {
+    /// Bytes of one group's elements.
+    pub fn group_bytes(&self) -> u32 {
+        2 * self.group_size
+    }
+
+    /// Bytes of a dense row's elements.
+    pub fn dense_bytes(&self) -> u32 {
+        self.groups * self.group_bytes()
+    }
+
+    /// 32-bit words of the mask.
+    pub fn mask_words(&self) -> u32 {
+        self.groups.div_ceil(32)
+    }
+
+    /// Whether a group's elements are copied as 32-bit words (else halves).
+    pub fn word_copies(&self, item_stride: u32) -> bool {
+        self.group_bytes().is_multiple_of(4)
+            && self.elems_bit.is_multiple_of(32)
+            && item_stride.is_multiple_of(4)
+    }
+}
+
+/// Where the fragments read one side's rows: the tile buffer's stream, or
+/// the dense rows a gather expanded into the staging area.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Rows {
+    /// Byte offset of row 0: in a tile buffer, or (`staged`) in shared memory.
+    pub offset: u32,
+    pub stride: u32,
+    pub staged: bool,
+}
+
+impl Rows {
+    fn of(stream: &Stream) -> Rows {
+        Rows {
+            offset: stream.buffer_offset,
+            stride: stream.shared_stride,
+            staged: false,
+        }
+    }
+
+    /// Dense f16 rows of `bytes`, padded to an odd number of 16-byte chunks
+    /// (lanes reading one offset of consecutive rows then hit other banks).
+    fn staged(bytes: u32) -> Rows {
+        let chunks = bytes.div_ceil(CHUNK);
+        Rows {
+            offset: 0,
+            stride: CHUNK * (chunks | 1),
+            staged: true,
+        }
+    }
+}
+
 /// The tensor-core geometry of one tier's kernel: the accumulate, and the
 /// score when the key qualifies too.
 #[derive(Debug, Clone)]
@@ -55,8 +133,14 @@ pub struct MmaPlan {
     /// Bit offset of the value item's f16 scale.
     pub item_scale: Option<u32>,
     pub value_dims: u32,
-    /// Byte offset of value channel 0 in a value item.
+    /// Byte offset of value channel 0 in a value row.
     pub value_offset: u32,
+    /// Bitmap fields expanded into staged rows each tile, per side.
+    pub key_gather: Option<Gather>,
+    pub value_gather: Option<Gather>,
+    /// The rows the fragments read, per side.
+    pub key_rows: Rows,
+    pub value_rows: Rows,
     /// Whether every lane group's value channels start 16-byte aligned in
     /// shared memory (else they are read as 32-bit words).
     pub value_aligned: bool,
@@ -77,6 +161,23 @@ pub struct MmaScore {
 }
 
 impl MmaPlan {
+    /// Bytes of the staged rows of a tile of `items` items (0 without gathers).
+    pub fn staging_bytes(&self, items: u32) -> u32 {
+        let side = |rows: &Rows| if rows.staged { items * rows.stride } else { 0 };
+        side(&self.key_rows) + side(&self.value_rows)
+    }
+
+    /// Places the staged rows at `offset` in shared memory: key rows first.
+    pub fn place_staging(&mut self, offset: u32, items: u32) {
+        let mut at = offset;
+        for rows in [&mut self.key_rows, &mut self.value_rows] {
+            if rows.staged {
+                rows.offset = at;
+                at += items * rows.stride;
+            }
+        }
+    }
+
     /// Channel tiles of the accumulate (16 channels each).
     pub fn channel_tiles(&self) -> u32 {
         self.value_dims / TILE
@@ -138,8 +239,19 @@ pub fn plan(
     key: &Stream,
     value: &Stream,
 ) -> Option<MmaPlan> {
-    let channel = scaled_channel(&module.value.accumulate)?;
     let value_dims = module.value.dims;
+    let value_gather = gather(&module.layout.value, value_dims, value);
+    let (channel, value_rows) = match value_gather {
+        Some(g) => (
+            Channel {
+                element: Element::Half,
+                base: 0,
+                scale: None,
+            },
+            Rows::staged(g.dense_bytes()),
+        ),
+        None => (scaled_channel(&module.value.accumulate)?, Rows::of(value)),
+    };
     let group_bits = 2 * value_dims / TILE * channel.element.bits();
     let value_offset = channel.base / 8;
     let fits = tile_items.is_multiple_of(TILE)
@@ -152,27 +264,100 @@ pub fn plan(
             .scale
             .is_none_or(|bit| bit.is_multiple_of(16) && value.shared_stride.is_multiple_of(2));
     let group_bytes = group_bits / 8;
-    let score = dot_product(&module.key.score).filter(|score| {
+    let (score, key_gather) = match gathered_score(module, key) {
+        Some((score, g)) => (Some(score), Some(g)),
+        None => (dot_product(&module.key.score), None),
+    };
+    let key_rows = match key_gather {
+        Some(g) => Rows::staged(g.dense_bytes()),
+        None => Rows::of(key),
+    };
+    let score = score.filter(|score| {
         let row_bytes = score.key_dims * score.key.bits() / 8;
         score.key_dims.is_multiple_of(TILE)
             // A key row is whole chunks over the 4 lanes of a fragment row.
             && row_bytes.is_multiple_of(CHUNK * ROW_LANES)
-            && key.align() == CHUNK
+            && align(key_rows.stride) == CHUNK
             // Header scales are read 4 at a time.
             && score.key_scale.is_none_or(|slot| slot.is_multiple_of(4))
     });
     fits.then(|| MmaPlan {
-        score,
         value: channel.element,
         item_scale: channel.scale,
         value_dims,
         value_offset,
-        value_aligned: value.align() == CHUNK
+        key_gather: score.as_ref().and(key_gather),
+        value_gather,
+        key_rows: match score {
+            Some(_) => key_rows,
+            None => Rows::of(key),
+        },
+        value_rows,
+        score,
+        value_aligned: align(value_rows.stride) == CHUNK
             && value_offset.is_multiple_of(CHUNK)
             && group_bytes.is_multiple_of(CHUNK),
         column_tiles: (2 * group_max).div_ceil(COLUMNS),
         token_tiles: tile_items / TILE,
     })
+}
+
+/// Known alignment (1 to 16) of rows `stride` bytes apart from a 16-aligned start.
+fn align(stride: u32) -> u32 {
+    1 << stride.trailing_zeros().min(4)
+}
+
+/// The codec's body when it is a bitmap of f16 groups covering its `dims`,
+/// alone, with masks and groups the expansion reads as words or halves.
+fn gather(codec: &CodecLayout, dims: u32, stream: &Stream) -> Option<Gather> {
+    let [FieldLayout::Bitmap {
+        mask_offset,
+        groups,
+        group_size,
+        keep,
+        elem: BitmapElem::F16,
+        item_scale: None,
+        elems_offset,
+    }] = codec.fields[..]
+    else {
+        return None;
+    };
+    let g = Gather {
+        mask_bit: mask_offset,
+        groups,
+        group_size,
+        keep,
+        elems_bit: elems_offset,
+    };
+    let aligned = mask_offset.is_multiple_of(32)
+        && stream.shared_stride.is_multiple_of(4)
+        && (g.word_copies(stream.shared_stride)
+            || (elems_offset.is_multiple_of(16) && stream.shared_stride.is_multiple_of(2)));
+    (groups * group_size == dims && keep > 0 && aligned).then_some(g)
+}
+
+/// A key score over a gathered bitmap: the query array it reads (a PCA's
+/// bias term would add to it, so PCA keys stay on their path).
+fn gathered_score(module: &Module, key: &Stream) -> Option<(MmaScore, Gather)> {
+    let codec = &module.layout.key;
+    if matches!(codec.transform, TransformLayout::Pca { .. }) {
+        return None;
+    }
+    let g = gather(codec, codec.dims, key)?;
+    let mut arrays = module.key.score.exprs.iter().filter_map(|(_, e)| match *e {
+        Expr::Shared { array, .. } => Some(array),
+        _ => None,
+    });
+    let query = arrays.next()?;
+    arrays.all(|a| a == query).then_some((
+        MmaScore {
+            query,
+            key: Element::Half,
+            key_scale: None,
+            key_dims: codec.dims,
+        },
+        g,
+    ))
 }
 
 /// The score as a chain of fmas from 0.0 whose term `i` multiplies query

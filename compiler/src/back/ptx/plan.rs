@@ -323,6 +323,14 @@ impl Plan {
         let stream_start = bump.0;
         let buffers = bump.take(options.stages * buffer_bytes);
         let logits = bump.take(head_stride * 4 * tile_items);
+        let mut mma = options
+            .tensor_cores
+            .then(|| super::mma::plan(module, group_max, tile_items, &key, &value))
+            .flatten();
+        if let Some(m) = &mut mma {
+            let staging = bump.take(m.staging_bytes(tile_items));
+            m.place_staging(staging, tile_items);
+        }
         let stream_end = bump.0;
         let mut epilogue_bump = Bump(stream_start);
         place(
@@ -364,10 +372,6 @@ impl Plan {
         let mut score_units = (tile_items * score_head_blocks).div_ceil(threads);
         let mut fused_softmax = score_units * score_head_block <= FUSED_SCORE_REGISTERS;
         let (mut score_head_block, mut score_head_blocks) = (score_head_block, score_head_blocks);
-        let mma = options
-            .tensor_cores
-            .then(|| super::mma::plan(module, group_max, tile_items, &key, &value))
-            .flatten();
         let mma_score = mma.as_ref().is_some_and(|m| m.score.is_some());
         let score_split = match mma_score {
             true => None,

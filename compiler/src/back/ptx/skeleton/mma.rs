@@ -16,7 +16,8 @@
 //!   steps in registers; the warps' sums meet in the accumulator array once,
 //!   after the stream.
 
-use super::super::mma::{Element, MmaPlan, MmaScore, ROW_LANES, TILE};
+use super::super::mma::{Element, Gather, MmaPlan, MmaScore, Rows, ROW_LANES, TILE};
+use super::super::plan::{Stream, CHUNK};
 use super::{FusedScore, Logits, Rescale, ScoreUnit, Skeleton, Tile};
 use crate::back::ptx::builder::{Cmp, Kernel, Pred, Reg, Shared, F32, U32};
 
@@ -156,7 +157,7 @@ impl Skeleton<'_> {
             .collect();
         let key_row = k.mad_lo(lanes.warp, TILE, lanes.row);
         let key_chunk = k.shl(lanes.quad, 4u32);
-        let key_lane = k.mad_lo(key_row, plan.key.shared_stride, key_chunk);
+        let key_lane = k.mad_lo(key_row, m.key_rows.stride, key_chunk);
         let zero = k.mov(0.0f32);
         let queries = match s.key_scale {
             None => self.mma_queries(k, s, &lanes, &query_at, None),
@@ -246,7 +247,7 @@ impl Skeleton<'_> {
         }
         let group_bytes = m.group_words() * 4;
         let channels = k.mad_lo(lanes.row, group_bytes, m.value_offset);
-        let value_lane = k.mad_lo(token, plan.value.shared_stride, channels);
+        let value_lane = k.mad_lo(token, m.value_rows.stride, channels);
         // The largest σ: the first tile sets the real one.
         let largest = k.mov(f32::from_bits(MAX_EXPONENT << 23));
         let weight_scale = match m.item_scale {
@@ -363,8 +364,8 @@ impl Skeleton<'_> {
             }
             k.place(later);
         }
-        let stride = plan.key.shared_stride;
-        let base = k.add(tile.buf, plan.key.buffer_offset);
+        let stride = m.key_rows.stride;
+        let base = self.mma_rows(k, tile, m.key_rows);
         let lane_base = k.add(base, t.key_lane);
         let zero = k.mov(0.0f32);
         let mut logits = Vec::new();
@@ -414,6 +415,114 @@ impl Skeleton<'_> {
         logits
     }
 
+    /// Row 0 of a side's rows for this tile.
+    fn mma_rows(&self, k: &mut Kernel, tile: &Tile, rows: Rows) -> Reg<U32> {
+        match rows.staged {
+            true => k.add(self.smem, rows.offset),
+            false => k.add(tile.buf, rows.offset),
+        }
+    }
+
+    /// Expands the bitmap rows of the warp's token tiles into dense f16 rows
+    /// of the staging area (`MmaPlan::key_gather`, `value_gather`). Lane `l`
+    /// takes token `l % 16` of each of the warp's tiles: of the key rows for
+    /// `l < 16` and of the value rows above when both sides gather with one
+    /// shape, else the sides take turns on lanes 0–15. A lane zeroes its
+    /// row, then walks the mask's set bits upwards, copying the packed group
+    /// of rank `r` (at most `keep − 1`) to the bit's group. Only the warp
+    /// reads its rows, so a warp barrier publishes them; the barrier that
+    /// shows the next tile keeps them until every lane is done.
+    pub(super) fn mma_expand(&self, k: &mut Kernel, tile: &Tile) {
+        let plan = self.plan;
+        let m = plan.mma.as_ref().expect("tensor-core plan");
+        let sides: Vec<(Gather, &Stream, Rows)> = [
+            (m.key_gather, &plan.key, m.key_rows),
+            (m.value_gather, &plan.value, m.value_rows),
+        ]
+        .into_iter()
+        .filter_map(|(g, stream, rows)| Some((g?, stream, rows)))
+        .collect();
+        if sides.is_empty() {
+            return;
+        }
+        let shared_shape = |a: Gather, b: Gather| {
+            (a.groups, a.group_size, a.keep) == (b.groups, b.group_size, b.keep)
+        };
+        let passes: Vec<Vec<(Gather, &Stream, Rows)>> = match sides[..] {
+            [a, b] if shared_shape(a.0, b.0) => vec![sides],
+            _ => sides.into_iter().map(|side| vec![side]).collect(),
+        };
+        k.comment("expand the warp's bitmap rows into dense f16 rows");
+        let warp = k.shr(self.tid, 5u32);
+        let lane = k.and(self.tid, 31u32);
+        let upper = k.setp(Cmp::Ge, lane, 16u32);
+        let token_in = k.and(lane, 15u32);
+        let warp_token = k.mad_lo(warp, TILE, token_in);
+        for pass in &passes {
+            let g = pass[0].0;
+            // The lane's side: its values, picked by `upper` with two sides.
+            let pick = |k: &mut Kernel, of: &dyn Fn(&(Gather, &Stream, Rows)) -> u32| match pass[..]
+            {
+                [ref a, ref b] => k.selp(of(b), of(a), upper),
+                _ => k.mov(of(&pass[0])),
+            };
+            let mask_at = pick(k, &|(g, s, _)| s.buffer_offset + g.mask_bit / 8);
+            let elems_at = pick(k, &|(g, s, _)| s.buffer_offset + g.elems_bit / 8);
+            let item_stride = pick(k, &|(_, s, _)| s.shared_stride);
+            let row_at = pick(k, &|(_, _, r)| r.offset);
+            let row_stride = pick(k, &|(_, _, r)| r.stride);
+            let row_base = k.add(self.smem, row_at);
+            let words = pass.iter().all(|(g, s, _)| g.word_copies(s.shared_stride));
+            let group_bytes = g.group_bytes();
+            let zero = k.mov(0u32);
+            for j in 0..self.mma_slots(m) {
+                let skip = k.label();
+                let token = k.add(warp_token, j * plan.warps * TILE);
+                let mut ok = k.setp(Cmp::Lt, token, tile.items);
+                if pass.len() == 1 {
+                    let lower = k.setp(Cmp::Lt, lane, 16u32);
+                    ok = k.and_pred(ok, lower);
+                }
+                k.bra_if(ok, false, skip);
+                let row = k.mad_lo(token, row_stride, row_base);
+                for c in 0..g.dense_bytes().div_ceil(CHUNK) {
+                    k.st_shared_v4::<U32>(Shared::at(row).plus(i64::from(CHUNK * c)), [zero; 4]);
+                }
+                let item = k.mad_lo(token, item_stride, tile.buf);
+                let first = k.add(item, elems_at);
+                let last = k.add(first, (g.keep - 1) * group_bytes);
+                let source = k.mov(first);
+                let mask = k.add(item, mask_at);
+                for w in 0..g.mask_words() {
+                    let bits = k.ld_shared::<U32>(Shared::at(mask).plus(i64::from(4 * w)));
+                    let left = match g.groups - 32 * w {
+                        n if n < 32 => k.and(bits, (1u32 << n) - 1),
+                        _ => bits,
+                    };
+                    let row_w = k.add(row, 32 * w * group_bytes);
+                    let (top, done) = (k.label(), k.label());
+                    k.place(top);
+                    let empty = k.setp(Cmp::Eq, left, 0u32);
+                    k.bra_if(empty, true, done);
+                    // The lowest set bit: the leading zeros of the reversed mask.
+                    let reversed = k.brev(left);
+                    let group = k.leading_zeros(reversed);
+                    let below = k.sub(left, 1u32);
+                    let rest = k.and(left, below);
+                    k.assign(left, rest);
+                    let from = k.min(source, last);
+                    let to = k.mad_lo(group, group_bytes, row_w);
+                    copy_group(k, from, to, group_bytes, words);
+                    k.add_to(source, source, group_bytes);
+                    k.bra(top);
+                    k.place(done);
+                }
+                k.place(skip);
+            }
+        }
+        k.bar_warp_sync();
+    }
+
     /// The tile's weighted values into the lane's accumulators; first, with
     /// `rescale`, the accumulators times their head's decay.
     pub(super) fn mma_accumulate(
@@ -436,9 +545,9 @@ impl Skeleton<'_> {
             }
         }
         k.place(kept);
-        let stride = plan.value.shared_stride;
+        let stride = m.value_rows.stride;
         let row_bytes = 4 * plan.head_stride;
-        let items = k.add(tile.buf, plan.value.buffer_offset);
+        let items = self.mma_rows(k, tile, m.value_rows);
         let lane_base = k.add(items, t.value_lane);
         let token_rows = k.mad_lo(t.token, stride, items);
         // The lane's tokens of a step: 2·quad + {0, 1, 8, 9}.
@@ -615,7 +724,7 @@ impl Skeleton<'_> {
                 .collect();
             return TokenWords { words, skew: 0 };
         }
-        if self.plan.value.shared_stride.is_multiple_of(2) && m.value_offset.is_multiple_of(2) {
+        if m.value_rows.stride.is_multiple_of(2) && m.value_offset.is_multiple_of(2) {
             // Token rows start at even multiples of the stride from the
             // buffer (16-aligned), lane groups at whole words of channels:
             // `lane_base` is `value_offset` past a word boundary.
@@ -679,6 +788,22 @@ impl Skeleton<'_> {
             }
             k.place(skip);
             k.bar_sync();
+        }
+    }
+}
+
+/// One group's f16 elements from `from` to `to`: 32-bit words, or halves.
+fn copy_group(k: &mut Kernel, from: Reg<U32>, to: Reg<U32>, bytes: u32, words: bool) {
+    let (unit, bits) = if words { (4, 32) } else { (2, 16) };
+    for u in 0..bytes / unit {
+        let offset = i64::from(unit * u);
+        let value = match bits {
+            32 => k.ld_shared::<U32>(Shared::at(from).plus(offset)),
+            _ => k.ld_shared_narrow(Shared::at(from).plus(offset), 16),
+        };
+        match bits {
+            32 => k.st_shared(Shared::at(to).plus(offset), value),
+            _ => k.st_shared_narrow(Shared::at(to).plus(offset), value, 16),
         }
     }
 }

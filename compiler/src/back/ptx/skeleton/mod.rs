@@ -699,6 +699,9 @@ impl<'a> Skeleton<'a> {
             items,
             first,
         };
+        if plan.mma.is_some() {
+            self.mma_expand(k, &tile);
+        }
         let rescale = match &fused {
             Some(fused) => Rescale::When(self.score_fused(k, &tile, fused)),
             None => {
