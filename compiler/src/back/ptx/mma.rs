@@ -22,9 +22,9 @@
 //! recognised from the layout the programs were lowered against: their IR
 //! spells out the popcount prefixes the expansion replaces.
 
-use super::plan::{Stream, CHUNK};
+use super::plan::{shared_stride, stride_align, Stream, CHUNK};
 use crate::ir::{ArrayDecl, BinaryOp, Expr, Function, Handle, Input, Literal, Module, UnaryOp};
-use crate::layout::{CodecLayout, FieldLayout, TransformLayout};
+use crate::layout::{round_up, CodecLayout, FieldLayout, TransformLayout};
 use crate::spec::BitmapElem;
 
 /// Rows (tokens or channels) of one `m16n8k16` tile, and its reduction depth.
@@ -112,15 +112,18 @@ impl Rows {
         }
     }
 
-    /// Dense f16 rows of `bytes`, padded to an odd number of 16-byte chunks
-    /// (lanes reading one offset of consecutive rows then hit other banks).
+    /// Dense f16 rows of `bytes`, 16-byte aligned (zeroed and read 16 bytes
+    /// at a time) and padded like a stream's rows; placed by the plan.
     fn staged(bytes: u32) -> Rows {
-        let chunks = bytes.div_ceil(CHUNK);
         Rows {
             offset: 0,
-            stride: CHUNK * (chunks | 1),
+            stride: shared_stride(round_up(bytes, CHUNK)),
             staged: true,
         }
+    }
+
+    fn align(&self) -> u32 {
+        stride_align(self.stride)
     }
 }
 
@@ -264,47 +267,42 @@ pub fn plan(
             .scale
             .is_none_or(|bit| bit.is_multiple_of(16) && value.shared_stride.is_multiple_of(2));
     let group_bytes = group_bits / 8;
-    let (score, key_gather) = match gathered_score(module, key) {
-        Some((score, g)) => (Some(score), Some(g)),
-        None => (dot_product(&module.key.score), None),
-    };
-    let key_rows = match key_gather {
-        Some(g) => Rows::staged(g.dense_bytes()),
-        None => Rows::of(key),
-    };
-    let score = score.filter(|score| {
+    let fits_rows = |score: &MmaScore, rows: &Rows| {
         let row_bytes = score.key_dims * score.key.bits() / 8;
         score.key_dims.is_multiple_of(TILE)
             // A key row is whole chunks over the 4 lanes of a fragment row.
             && row_bytes.is_multiple_of(CHUNK * ROW_LANES)
-            && align(key_rows.stride) == CHUNK
+            && rows.align() == CHUNK
             // Header scales are read 4 at a time.
             && score.key_scale.is_none_or(|slot| slot.is_multiple_of(4))
-    });
+    };
+    let gathered = gathered_score(module, key)
+        .map(|(score, g)| (score, g, Rows::staged(g.dense_bytes())))
+        .filter(|(score, _, rows)| fits_rows(score, rows));
+    let (score, key_gather, key_rows) = match gathered {
+        Some((score, g, rows)) => (Some(score), Some(g), rows),
+        None => {
+            let rows = Rows::of(key);
+            let score = dot_product(&module.key.score).filter(|s| fits_rows(s, &rows));
+            (score, None, rows)
+        }
+    };
     fits.then(|| MmaPlan {
         value: channel.element,
         item_scale: channel.scale,
         value_dims,
         value_offset,
-        key_gather: score.as_ref().and(key_gather),
+        key_gather,
         value_gather,
-        key_rows: match score {
-            Some(_) => key_rows,
-            None => Rows::of(key),
-        },
+        key_rows,
         value_rows,
         score,
-        value_aligned: align(value_rows.stride) == CHUNK
+        value_aligned: value_rows.align() == CHUNK
             && value_offset.is_multiple_of(CHUNK)
             && group_bytes.is_multiple_of(CHUNK),
         column_tiles: (2 * group_max).div_ceil(COLUMNS),
         token_tiles: tile_items / TILE,
     })
-}
-
-/// Known alignment (1 to 16) of rows `stride` bytes apart from a 16-aligned start.
-fn align(stride: u32) -> u32 {
-    1 << stride.trailing_zeros().min(4)
 }
 
 /// The codec's body when it is a bitmap of f16 groups covering its `dims`,

@@ -31,13 +31,30 @@ pub struct Stream {
     pub buffer_offset: u32,
 }
 
+/// Row stride in shared memory for rows `stride` bytes long: `stride`, or
+/// `stride + 16` when it is an even number of 16-byte chunks (then lanes
+/// reading the same offset of consecutive rows would hit the same banks).
+pub fn shared_stride(stride: u32) -> u32 {
+    let padded = stride.is_multiple_of(CHUNK) && (stride / CHUNK).is_multiple_of(2);
+    if padded {
+        stride + CHUNK
+    } else {
+        stride
+    }
+}
+
+/// Known alignment (1, 2, 4, 8 or 16) of rows `stride` bytes apart from a
+/// 16-aligned start.
+pub fn stride_align(stride: u32) -> u32 {
+    1 << stride.trailing_zeros().min(4)
+}
+
 impl Stream {
     fn new(page_offset: u32, stride: u32) -> Stream {
-        let padded = stride.is_multiple_of(CHUNK) && (stride / CHUNK).is_multiple_of(2);
         Stream {
             page_offset,
             stride,
-            shared_stride: if padded { stride + CHUNK } else { stride },
+            shared_stride: shared_stride(stride),
             buffer_offset: 0,
         }
     }
@@ -50,7 +67,7 @@ impl Stream {
 
     /// Known alignment of an item's shared address (1, 2, 4, 8 or 16).
     pub fn align(&self) -> u32 {
-        1 << self.shared_stride.trailing_zeros().min(4)
+        stride_align(self.shared_stride)
     }
 
     /// Bytes of a tile of `items` items in shared memory.

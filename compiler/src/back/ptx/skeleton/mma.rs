@@ -82,6 +82,29 @@ struct WeightScale {
     c: Reg<F32>,
 }
 
+/// A lane's part in the bitmap expansion, for the whole stream.
+pub(super) struct MmaExpand {
+    passes: Vec<ExpandPass>,
+    /// The lane's token in the warp's first token tile.
+    token: Reg<U32>,
+}
+
+/// One pass of the expansion: one side, or both sides with one shape.
+struct ExpandPass {
+    gather: Gather,
+    /// Whether groups are copied as 32-bit words (else halves).
+    words: bool,
+    /// The lanes that take part (0–15) when the pass has one side.
+    active: Option<Reg<Pred>>,
+    /// The lane's side: mask and elements offsets in a tile buffer, item
+    /// stride, first staged row, row stride.
+    mask_at: Reg<U32>,
+    elems_at: Reg<U32>,
+    item_stride: Reg<U32>,
+    rows: Reg<U32>,
+    row_stride: Reg<U32>,
+}
+
 /// B fragments of the score: per column tile, the lane's query pairs and 1/σ
 /// of the head of its C columns.
 struct Queries {
@@ -423,18 +446,13 @@ impl Skeleton<'_> {
         }
     }
 
-    /// Expands the bitmap rows of the warp's token tiles into dense f16 rows
-    /// of the staging area (`MmaPlan::key_gather`, `value_gather`). Lane `l`
-    /// takes token `l % 16` of each of the warp's tiles: of the key rows for
-    /// `l < 16` and of the value rows above when both sides gather with one
-    /// shape, else the sides take turns on lanes 0–15. A lane zeroes its
-    /// row, then walks the mask's set bits upwards, copying the packed group
-    /// of rank `r` (at most `keep − 1`) to the bit's group. Only the warp
-    /// reads its rows, so a warp barrier publishes them; the barrier that
-    /// shows the next tile keeps them until every lane is done.
-    pub(super) fn mma_expand(&self, k: &mut Kernel, tile: &Tile) {
+    /// The lane's part in expanding bitmap rows (`MmaPlan::key_gather`,
+    /// `value_gather`), set once before the stream; `None` without gathers.
+    /// Lane `l` takes token `l % 16` of each of the warp's tiles: of the key
+    /// rows for `l < 16` and of the value rows above when both sides gather
+    /// with one shape, else the sides take turns on lanes 0–15.
+    pub(super) fn mma_expand_setup(&self, k: &mut Kernel, m: &MmaPlan) -> Option<MmaExpand> {
         let plan = self.plan;
-        let m = plan.mma.as_ref().expect("tensor-core plan");
         let sides: Vec<(Gather, &Stream, Rows)> = [
             (m.key_gather, &plan.key, m.key_rows),
             (m.value_gather, &plan.value, m.value_rows),
@@ -443,7 +461,7 @@ impl Skeleton<'_> {
         .filter_map(|(g, stream, rows)| Some((g?, stream, rows)))
         .collect();
         if sides.is_empty() {
-            return;
+            return None;
         }
         let shared_shape = |a: Gather, b: Gather| {
             (a.groups, a.group_size, a.keep) == (b.groups, b.group_size, b.keep)
@@ -452,47 +470,72 @@ impl Skeleton<'_> {
             [a, b] if shared_shape(a.0, b.0) => vec![sides],
             _ => sides.into_iter().map(|side| vec![side]).collect(),
         };
-        k.comment("expand the warp's bitmap rows into dense f16 rows");
         let warp = k.shr(self.tid, 5u32);
         let lane = k.and(self.tid, 31u32);
         let upper = k.setp(Cmp::Ge, lane, 16u32);
+        let lower = k.setp(Cmp::Lt, lane, 16u32);
         let token_in = k.and(lane, 15u32);
-        let warp_token = k.mad_lo(warp, TILE, token_in);
-        for pass in &passes {
-            let g = pass[0].0;
-            // The lane's side: its values, picked by `upper` with two sides.
-            let pick = |k: &mut Kernel, of: &dyn Fn(&(Gather, &Stream, Rows)) -> u32| match pass[..]
-            {
-                [ref a, ref b] => k.selp(of(b), of(a), upper),
-                _ => k.mov(of(&pass[0])),
-            };
-            let mask_at = pick(k, &|(g, s, _)| s.buffer_offset + g.mask_bit / 8);
-            let elems_at = pick(k, &|(g, s, _)| s.buffer_offset + g.elems_bit / 8);
-            let item_stride = pick(k, &|(_, s, _)| s.shared_stride);
-            let row_at = pick(k, &|(_, _, r)| r.offset);
-            let row_stride = pick(k, &|(_, _, r)| r.stride);
-            let row_base = k.add(self.smem, row_at);
-            let words = pass.iter().all(|(g, s, _)| g.word_copies(s.shared_stride));
+        let token = k.mad_lo(warp, TILE, token_in);
+        let passes = passes
+            .iter()
+            .map(|pass| {
+                // The lane's side: its values, picked by `upper` with two sides.
+                let mut pick = |of: &dyn Fn(&(Gather, &Stream, Rows)) -> u32| match pass[..] {
+                    [ref a, ref b] => k.selp(of(b), of(a), upper),
+                    _ => k.mov(of(&pass[0])),
+                };
+                let mask_at = pick(&|(g, s, _)| s.buffer_offset + g.mask_bit / 8);
+                let elems_at = pick(&|(g, s, _)| s.buffer_offset + g.elems_bit / 8);
+                let item_stride = pick(&|(_, s, _)| s.shared_stride);
+                let row_at = pick(&|(_, _, r)| r.offset);
+                let row_stride = pick(&|(_, _, r)| r.stride);
+                ExpandPass {
+                    gather: pass[0].0,
+                    words: pass.iter().all(|(g, s, _)| g.word_copies(s.shared_stride)),
+                    active: (pass.len() == 1).then_some(lower),
+                    mask_at,
+                    elems_at,
+                    item_stride,
+                    rows: k.add(self.smem, row_at),
+                    row_stride,
+                }
+            })
+            .collect();
+        Some(MmaExpand { passes, token })
+    }
+
+    /// Expands the bitmap rows of the warp's token tiles into dense f16 rows
+    /// of the staging area. A lane zeroes its row, then walks the mask's set
+    /// bits upwards, copying the packed group of rank `r` (at most
+    /// `keep − 1`) to the bit's group. Only the warp reads its rows, so a
+    /// warp barrier publishes them; the barrier that shows the next tile
+    /// keeps them until every lane is done.
+    pub(super) fn mma_expand(&self, k: &mut Kernel, tile: &Tile, e: &MmaExpand) {
+        let plan = self.plan;
+        let m = plan.mma.as_ref().expect("tensor-core plan");
+        k.comment("expand the warp's bitmap rows into dense f16 rows");
+        let zero = k.mov(0u32);
+        for pass in &e.passes {
+            let g = pass.gather;
             let group_bytes = g.group_bytes();
-            let zero = k.mov(0u32);
             for j in 0..self.mma_slots(m) {
                 let skip = k.label();
-                let token = k.add(warp_token, j * plan.warps * TILE);
-                let mut ok = k.setp(Cmp::Lt, token, tile.items);
-                if pass.len() == 1 {
-                    let lower = k.setp(Cmp::Lt, lane, 16u32);
-                    ok = k.and_pred(ok, lower);
-                }
+                let token = k.add(e.token, j * plan.warps * TILE);
+                let ok = k.setp(Cmp::Lt, token, tile.items);
+                let ok = match pass.active {
+                    Some(active) => k.and_pred(ok, active),
+                    None => ok,
+                };
                 k.bra_if(ok, false, skip);
-                let row = k.mad_lo(token, row_stride, row_base);
+                let row = k.mad_lo(token, pass.row_stride, pass.rows);
                 for c in 0..g.dense_bytes().div_ceil(CHUNK) {
                     k.st_shared_v4::<U32>(Shared::at(row).plus(i64::from(CHUNK * c)), [zero; 4]);
                 }
-                let item = k.mad_lo(token, item_stride, tile.buf);
-                let first = k.add(item, elems_at);
+                let item = k.mad_lo(token, pass.item_stride, tile.buf);
+                let first = k.add(item, pass.elems_at);
                 let last = k.add(first, (g.keep - 1) * group_bytes);
                 let source = k.mov(first);
-                let mask = k.add(item, mask_at);
+                let mask = k.add(item, pass.mask_at);
                 for w in 0..g.mask_words() {
                     let bits = k.ld_shared::<U32>(Shared::at(mask).plus(i64::from(4 * w)));
                     let left = match g.groups - 32 * w {
@@ -512,7 +555,7 @@ impl Skeleton<'_> {
                     k.assign(left, rest);
                     let from = k.min(source, last);
                     let to = k.mad_lo(group, group_bytes, row_w);
-                    copy_group(k, from, to, group_bytes, words);
+                    copy_group(k, from, to, group_bytes, pass.words);
                     k.add_to(source, source, group_bytes);
                     k.bra(top);
                     k.place(done);
@@ -794,16 +837,15 @@ impl Skeleton<'_> {
 
 /// One group's f16 elements from `from` to `to`: 32-bit words, or halves.
 fn copy_group(k: &mut Kernel, from: Reg<U32>, to: Reg<U32>, bytes: u32, words: bool) {
-    let (unit, bits) = if words { (4, 32) } else { (2, 16) };
-    for u in 0..bytes / unit {
-        let offset = i64::from(unit * u);
-        let value = match bits {
-            32 => k.ld_shared::<U32>(Shared::at(from).plus(offset)),
-            _ => k.ld_shared_narrow(Shared::at(from).plus(offset), 16),
-        };
-        match bits {
-            32 => k.st_shared(Shared::at(to).plus(offset), value),
-            _ => k.st_shared_narrow(Shared::at(to).plus(offset), value, 16),
+    let unit = if words { 4 } else { 2 };
+    for offset in (0..bytes).step_by(unit as usize).map(i64::from) {
+        let (from, to) = (Shared::at(from).plus(offset), Shared::at(to).plus(offset));
+        if words {
+            let value = k.ld_shared::<U32>(from);
+            k.st_shared(to, value);
+        } else {
+            let value = k.ld_shared_narrow(from, 16);
+            k.st_shared_narrow(to, value, 16);
         }
     }
 }

@@ -650,6 +650,7 @@ impl<'a> Skeleton<'a> {
             .register_accumulators
             .then(|| self.accumulate_setup(k, None, None));
         let values = plan.mma.as_ref().map(|m| self.mma_values_setup(k, m));
+        let expand = (plan.mma.as_ref()).and_then(|m| self.mma_expand_setup(k, m));
         let t = k.mov(0u32);
         let last = k.sub(self.tiles, 1u32);
         let lead = plan.stages - 1;
@@ -699,8 +700,8 @@ impl<'a> Skeleton<'a> {
             items,
             first,
         };
-        if plan.mma.is_some() {
-            self.mma_expand(k, &tile);
+        if let Some(expand) = &expand {
+            self.mma_expand(k, &tile, expand);
         }
         let rescale = match &fused {
             Some(fused) => Rescale::When(self.score_fused(k, &tile, fused)),
