@@ -2,56 +2,67 @@
 //! (sequence, query head) — across tiers and splits — into the output, the
 //! same merge as the interpreter's:
 //! `out = Σ_s exp(m_s − M) · out_s / Σ_s exp(m_s − M) · l_s` over the partials
-//! with `l_s > 0`, `M` their largest `m`; zeros when there is none.
+//! with `l_s > 0`, `M` their largest `m`; zeros when there is none. It is
+//! computed in one pass with a running `M` (sums rescaled when it grows), a
+//! group of records loaded at once, so a row waits on a few load latencies
+//! instead of three dependent loads per slot.
 
 use super::abi::{ParamType, PartialLayout, MERGE_PARAMS};
 use super::builder::{Axis, Cmp, Global, Kernel, Pred, Reg, F32, U32, U64};
 use super::skeleton::SHARED_SYMBOL;
 
-/// One partial record inside a slot loop.
+/// Slots whose records are loaded together: their loads are in flight at
+/// once, so a row costs about `slots / SLOTS_IN_FLIGHT` load latencies.
+const SLOTS_IN_FLIGHT: u32 = 8;
+
+/// One partial record of a group, its fields read under `inside`.
 struct Slot {
-    record: Global,
     max: Reg<F32>,
     sum: Reg<F32>,
-    /// Whether the partial saw any item (`l > 0`).
+    values: Vec<Reg<F32>>,
+    /// Whether the partial exists and saw any item (`l > 0`).
     live: Reg<Pred>,
-}
-
-/// `for s in 0..slots { body(slot s) }` over the row's records.
-fn for_each_slot(
-    k: &mut Kernel,
-    records: Reg<U64>,
-    slots: Reg<U32>,
-    layout: &PartialLayout,
-    mut body: impl FnMut(&mut Kernel, &Slot),
-) {
-    let s = k.mov(0u32);
-    let (top, end) = (k.label(), k.label());
-    k.place(top);
-    let done = k.setp(Cmp::Ge, s, slots);
-    k.bra_if(done, true, end);
-    let record = Global::at(k.global_index(records, s, 4 * layout.record));
-    let max = k.ld_global_nc::<F32>(record.plus(4 * i64::from(layout.max_offset())));
-    let sum = k.ld_global_nc::<F32>(record.plus(4 * i64::from(layout.sum_offset())));
-    let live = k.setp(Cmp::Gt, sum, 0.0f32);
-    body(
-        k,
-        &Slot {
-            record,
-            max,
-            sum,
-            live,
-        },
-    );
-    k.add_to(s, s, 1u32);
-    k.bra(top);
-    k.place(end);
 }
 
 /// `dst = p ? value : dst`.
 fn update_if(k: &mut Kernel, dst: Reg<F32>, value: Reg<F32>, p: Reg<Pred>) {
     let chosen = k.selp(value, dst, p);
     k.assign(dst, chosen);
+}
+
+/// Loads slot `s` of the row (a dead slot: m = −∞, l = 0 and values 0 when
+/// `s` is past the row's slots).
+fn load_slot(
+    k: &mut Kernel,
+    records: Reg<U64>,
+    s: Reg<U32>,
+    slots: Reg<U32>,
+    channels: &[Reg<U32>],
+    layout: &PartialLayout,
+) -> Slot {
+    let inside = k.setp(Cmp::Lt, s, slots);
+    let record = Global::at(k.global_index(records, s, 4 * layout.record));
+    let max = k.mov(f32::NEG_INFINITY);
+    let sum = k.mov(0.0f32);
+    let values: Vec<Reg<F32>> = channels.iter().map(|_| k.mov(0.0f32)).collect();
+    let addresses: Vec<Global> = channels
+        .iter()
+        .map(|&d| Global::at(k.global_index(record.base, d, 4)))
+        .collect();
+    k.guarded(inside, true, |k| {
+        k.ld_global_nc_to(max, record.plus(4 * i64::from(layout.max_offset())));
+        k.ld_global_nc_to(sum, record.plus(4 * i64::from(layout.sum_offset())));
+        for (&v, &at) in values.iter().zip(&addresses) {
+            k.ld_global_nc_to(v, at);
+        }
+    });
+    let live = k.setp(Cmp::Gt, sum, 0.0f32);
+    Slot {
+        max,
+        sum,
+        values,
+        live,
+    }
 }
 
 pub fn merge(head_dim: u32, threads: u32, name: &str) -> String {
@@ -79,21 +90,6 @@ pub fn merge(head_dim: u32, threads: u32, name: &str) -> String {
     let first = k.mul(row, slots);
     let records = k.global_index(partials, first, 4 * layout.record);
 
-    k.comment("M: the largest m of the partials that saw items");
-    let best = k.mov(f32::NEG_INFINITY);
-    for_each_slot(&mut k, records, slots, &layout, |k, slot| {
-        let larger = k.max(best, slot.max);
-        update_if(k, best, larger, slot.live);
-    });
-    k.comment("the denominator: sum of l * exp(m - M)");
-    let total = k.mov(0.0f32);
-    for_each_slot(&mut k, records, slots, &layout, |k, slot| {
-        let w = k.exp_diff(slot.max, best);
-        let term = k.mul(slot.sum, w);
-        let sum = k.add(total, term);
-        update_if(k, total, sum, slot.live);
-    });
-    k.comment("out = sum of exp(m - M) / total * out_s; each thread a static set of channels");
     let per_thread = head_dim.div_ceil(threads);
     let channels: Vec<Reg<U32>> = (0..per_thread)
         .map(|c| {
@@ -101,18 +97,56 @@ pub fn merge(head_dim: u32, threads: u32, name: &str) -> String {
             k.min(d, head_dim - 1)
         })
         .collect();
-    let acc: Vec<Reg<F32>> = (0..per_thread).map(|_| k.mov(0.0f32)).collect();
-    for_each_slot(&mut k, records, slots, &layout, |k, slot| {
-        let e = k.exp_diff(slot.max, best);
-        let w = k.div_f32(e, total);
-        for (&d, &o) in channels.iter().zip(&acc) {
-            let at = k.global_index(slot.record.base, d, 4);
-            let x = k.ld_global_nc::<F32>(Global::at(at).plus(slot.record.offset));
+    k.comment("one pass, SLOTS_IN_FLIGHT records at a time: running M, then");
+    k.comment("total = sum of l * exp(m - M) and acc = sum of exp(m - M) * out_s");
+    let best = k.mov(f32::NEG_INFINITY);
+    let total = k.mov(0.0f32);
+    let acc: Vec<Reg<F32>> = channels.iter().map(|_| k.mov(0.0f32)).collect();
+    let s = k.mov(0u32);
+    let (top, end) = (k.label(), k.label());
+    k.place(top);
+    let done = k.setp(Cmp::Ge, s, slots);
+    k.bra_if(done, true, end);
+    let group: Vec<Slot> = (0..SLOTS_IN_FLIGHT)
+        .map(|j| {
+            let at = k.add(s, j);
+            load_slot(&mut k, records, at, slots, &channels, &layout)
+        })
+        .collect();
+    let next = k.mov(best);
+    for slot in &group {
+        let larger = k.max(next, slot.max);
+        update_if(&mut k, next, larger, slot.live);
+    }
+    // Equal references (−∞ before any live slot) keep the sums as they are.
+    let decay = k.exp_diff(best, next);
+    let same = k.setp(Cmp::Eq, best, next);
+    let decay = k.selp(1.0f32, decay, same);
+    k.mul_to(total, total, decay);
+    for &o in &acc {
+        k.mul_to(o, o, decay);
+    }
+    for slot in &group {
+        let w = k.exp_diff(slot.max, next);
+        let term = k.mul(slot.sum, w);
+        let sum = k.add(total, term);
+        update_if(&mut k, total, sum, slot.live);
+        for (&o, &x) in acc.iter().zip(&slot.values) {
             let term = k.mul(w, x);
             let sum = k.add(o, term);
-            update_if(k, o, sum, slot.live);
+            update_if(&mut k, o, sum, slot.live);
         }
-    });
+    }
+    k.assign(best, next);
+    k.add_to(s, s, SLOTS_IN_FLIGHT);
+    k.bra(top);
+    k.place(end);
+    k.comment("out = acc / total; zeros when no partial saw an item");
+    let any = k.setp(Cmp::Gt, total, 0.0f32);
+    for &o in &acc {
+        let scaled = k.div_f32(o, total);
+        update_if(&mut k, o, scaled, any);
+    }
     let out_row = k.mul(row, head_dim);
     for (c, &o) in acc.iter().enumerate() {
         let d = k.add(tid, c as u32 * threads);
