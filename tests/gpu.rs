@@ -5,6 +5,8 @@
 
 mod common;
 
+use std::io::Write;
+
 use common::{assert_rows_close, bundled, cache_and_queries, fresh_seed};
 use kvcc::compiler::back::interp::{Interpreter, Options};
 use kvcc::compiler::Format;
@@ -17,7 +19,10 @@ fn gpu(test: &str) -> Option<CudaExecutor> {
             panic!("{test}: KVCC_REQUIRE_GPU is set but {error}")
         }
         Err(error) => {
-            eprintln!(
+            // To the stderr handle: the harness hides `eprintln!` of passing
+            // tests, and a skip must show in a plain `cargo test`.
+            let _ = writeln!(
+                std::io::stderr(),
                 "SKIPPED {test}: {error} (GPU tests run for real on a machine with an NVIDIA GPU)"
             );
             None

@@ -7,6 +7,7 @@
 // Each test that includes this module uses part of it.
 #![allow(dead_code)]
 
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -22,7 +23,9 @@ pub fn find_or_skip(test: &str) -> Option<PathBuf> {
             "{test}: KVCC_REQUIRE_PTXAS=1 but no ptxas was found (set KVCC_PTXAS, put ptxas on \
              PATH, or `python3 -m pip install nvidia-cuda-nvcc`)"
         );
-        eprintln!(
+        // To the stderr handle: the harness hides `eprintln!` of passing tests.
+        let _ = writeln!(
+            std::io::stderr(),
             "{test}: SKIPPED: no ptxas (set KVCC_PTXAS, put ptxas on PATH, or \
              `python3 -m pip install nvidia-cuda-nvcc`)"
         );
