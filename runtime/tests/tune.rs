@@ -162,6 +162,43 @@ fn a_winner_that_loses_the_confirmation_leaves_the_default() {
 }
 
 #[test]
+fn winners_of_related_entries_seed_a_search() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cache = TuneCache::open(&dir.path().join("t.json"));
+    let f = spec(8, 64);
+    let key = TuneKey::new(&h200(), &f, 0, shape());
+    assert!(cache.related_winners(&key).is_empty());
+    // The key's own entry is no seed; the same tier at another context, and
+    // a stale entry (other generated code), are.
+    cache.insert(entry(&f, 0, &h200(), 64));
+    assert!(cache.related_winners(&key).is_empty());
+    let mut at_8k = entry(&f, 0, &h200(), 128);
+    at_8k.key = TuneKey::new(&h200(), &f, 0, ShapeBucket::of(8, 32, 8, 8192));
+    cache.insert(at_8k.clone());
+    let edited = spec(4, 64);
+    let mut stale = entry(&edited, 0, &h200(), 256);
+    stale.key.shape = ShapeBucket::of(8, 32, 8, 131072);
+    cache.insert(stale.clone());
+    assert_eq!(
+        cache.related_winners(&key),
+        vec![at_8k.winner, stale.winner]
+    );
+    // Another tier, GPU or query group seeds nothing.
+    let mut other_driver = h200();
+    other_driver.driver_version = 12080;
+    for unrelated in [
+        TuneKey::new(&h200(), &f, 1, shape()),
+        TuneKey::new(&other_driver, &f, 0, shape()),
+        TuneKey::new(&h200(), &f, 0, ShapeBucket::of(8, 32, 32, 32768)),
+    ] {
+        assert!(
+            cache.related_winners(&unrelated).is_empty(),
+            "{unrelated:?}"
+        );
+    }
+}
+
+#[test]
 fn a_spec_change_invalidates_the_entry() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("tune.json");

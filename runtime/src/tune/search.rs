@@ -155,22 +155,32 @@ impl Space {
     }
 
     /// Candidates a search is expected to measure (for a progress bar): every
-    /// point when exhaustive, two passes over the moves for descent.
+    /// point when exhaustive; for descent, the seeds and two passes over the
+    /// moves per descent (a second one starts from the fastest seed).
     pub fn expected_trials(
         &self,
         default: KernelConfig,
+        seeds: usize,
         strategy: Strategy,
         exhaustive_limit: usize,
     ) -> usize {
         match strategy.resolve(self, exhaustive_limit) {
             Strategy::Descent => {
-                2 * MOVES
-                    .iter()
-                    .map(|axes| axes.iter().map(|&a| self.len(a)).product::<usize>())
-                    .sum::<usize>()
+                seeds
+                    + if seeds > 0 { 4 } else { 2 }
+                        * MOVES
+                            .iter()
+                            .map(|axes| axes.iter().map(|&a| self.len(a)).product::<usize>())
+                            .sum::<usize>()
             }
             _ => self.all(default).len(),
         }
+    }
+
+    /// Whether every axis of `config` takes one of the space's values.
+    pub fn contains(&self, config: &KernelConfig) -> bool {
+        let c = config.normalized();
+        (0..AXES).all(|axis| (0..self.len(axis)).any(|i| self.set(c, axis, i) == c))
     }
 
     /// Every point, deduplicated after normalization.
@@ -202,9 +212,9 @@ pub enum Strategy {
     /// Exhaustive when the space has at most `exhaustive_limit` points, else descent.
     Auto,
     Exhaustive,
-    /// Coordinate descent from the default: sweep one move's axes at a time
-    /// with the others at the best so far; repeat until a pass changes
-    /// nothing.
+    /// Coordinate descent from the default, and again from the fastest
+    /// seed: sweep one move's axes at a time with the others at the best so
+    /// far; repeat until a pass changes nothing.
     Descent,
 }
 
@@ -252,9 +262,14 @@ pub struct SearchReport {
 /// bounds pathological plateaus.
 const MAX_PASSES: usize = 4;
 
+/// Searches `space`, measuring `default` first. `seeds` (e.g. earlier
+/// winners of the tier) are measured next, and a descent from the fastest
+/// one follows the descent from the default: the result then depends less on
+/// either path, and is never slower than the default's descent or a seed.
 pub fn search(
     space: &Space,
     default: KernelConfig,
+    seeds: &[KernelConfig],
     strategy: Strategy,
     exhaustive_limit: usize,
     mut measure: impl FnMut(&KernelConfig) -> Measured,
@@ -281,19 +296,29 @@ pub fn search(
             }
         }
         Strategy::Descent => {
-            let mut current = trial(default.normalized(), &mut trials);
-            for _ in 0..MAX_PASSES {
-                let start = current;
-                for axes in MOVES {
-                    for config in space.sweep(trials[current].0, axes) {
-                        let t = trial(config, &mut trials);
-                        if faster(ms(&trials, t), ms(&trials, current)) {
-                            current = t;
+            let from_default = trial(default.normalized(), &mut trials);
+            let mut from_seed: Option<usize> = None;
+            for seed in seeds.iter().filter(|seed| space.contains(seed)) {
+                let t = trial(seed.normalized(), &mut trials);
+                if from_seed.is_none_or(|best| faster(ms(&trials, t), ms(&trials, best))) {
+                    from_seed = Some(t);
+                }
+            }
+            for start in std::iter::once(from_default).chain(from_seed) {
+                let mut current = start;
+                for _ in 0..MAX_PASSES {
+                    let pass_start = current;
+                    for axes in MOVES {
+                        for config in space.sweep(trials[current].0, axes) {
+                            let t = trial(config, &mut trials);
+                            if faster(ms(&trials, t), ms(&trials, current)) {
+                                current = t;
+                            }
                         }
                     }
-                }
-                if current == start {
-                    break;
+                    if current == pass_start {
+                        break;
+                    }
                 }
             }
         }
@@ -380,7 +405,7 @@ mod tests {
 
     #[test]
     fn exhaustive_search_finds_the_minimum() {
-        let report = search(&space(), default(), Strategy::Exhaustive, 0, cost);
+        let report = search(&space(), default(), &[], Strategy::Exhaustive, 0, cost);
         let (best, ms) = &report.trials[report.best.unwrap()];
         assert_eq!(report.trials[0].0, default());
         assert_eq!(report.trials.len(), space().all(default()).len());
@@ -392,12 +417,12 @@ mod tests {
 
     #[test]
     fn descent_finds_a_separable_minimum_with_few_candidates() {
-        let report = search(&space(), default(), Strategy::Auto, 64, cost);
+        let report = search(&space(), default(), &[], Strategy::Auto, 64, cost);
         assert_eq!(report.strategy, Strategy::Descent);
         let (best, ms) = &report.trials[report.best.unwrap()];
         assert_eq!(*ms.as_ref().unwrap(), 1.0, "{best}");
         // Two passes over the moves at most, a small part of the space.
-        let expected = space().expected_trials(default(), Strategy::Descent, 0);
+        let expected = space().expected_trials(default(), 0, Strategy::Descent, 0);
         assert!(
             report.trials.len() <= expected && expected < space().size() / 20,
             "{} candidates, {expected} expected",
@@ -418,13 +443,61 @@ mod tests {
                 _ => 1.0,
             } + if c.page_items == 128 { 0.0 } else { 0.1 })
         };
-        let report = search(&space(), default(), Strategy::Descent, 0, coupled);
+        let report = search(&space(), default(), &[], Strategy::Descent, 0, coupled);
         let (best, _) = report.trials[report.best.unwrap()];
         assert_eq!(
             (best.page_items, best.tile_items, best.splits),
             (128, Some(64), None)
         );
-        assert!(report.trials.len() <= space().expected_trials(default(), Strategy::Descent, 0));
+        assert!(report.trials.len() <= space().expected_trials(default(), 0, Strategy::Descent, 0));
+    }
+
+    #[test]
+    fn descent_runs_again_from_the_fastest_seed() {
+        // A minimum no single move reaches from the default: fewer warps pay
+        // only with small tiles and many splits (as KIVI int4 measured).
+        let hidden = |c: &KernelConfig| -> Measured {
+            Ok(match (c.warps, c.tile_items, c.splits) {
+                (2, Some(32), Some(16)) => 0.5,
+                (2, _, _) => 1.3,
+                _ => 1.0,
+            })
+        };
+        let best_of = |seeds: &[KernelConfig]| {
+            let report = search(&space(), default(), seeds, Strategy::Descent, 0, hidden);
+            assert_eq!(report.trials[0].0, default());
+            report.trials[report.best.unwrap()].clone()
+        };
+        assert_eq!(best_of(&[]).1, Ok(1.0));
+        let seed = KernelConfig {
+            warps: 2,
+            tile_items: Some(32),
+            splits: Some(16),
+            ..default()
+        };
+        assert_eq!(best_of(&[seed]), (seed, Ok(0.5)));
+        // The default's own descent still runs: a point it reaches wins over
+        // the seed's basin.
+        let both = |c: &KernelConfig| match (c.page_items, c.warps) {
+            (128, 4) => Ok(0.4),
+            _ => hidden(c),
+        };
+        let report = search(&space(), default(), &[seed], Strategy::Descent, 0, both);
+        let (best, ms) = &report.trials[report.best.unwrap()];
+        assert_eq!((best.page_items, best.warps, ms), (128, 4, &Ok(0.4)));
+        assert_eq!(report.trials[1].0, seed);
+        // Seeds outside the space are not measured.
+        let outside = KernelConfig { warps: 3, ..seed };
+        let report = search(
+            &space(),
+            default(),
+            &[outside],
+            Strategy::Descent,
+            0,
+            hidden,
+        );
+        assert!(report.trials.iter().all(|(c, _)| c.warps != 3));
+        assert!(!space().contains(&outside) && space().contains(&seed));
     }
 
     #[test]
@@ -438,7 +511,7 @@ mod tests {
             }
         };
         for strategy in [Strategy::Exhaustive, Strategy::Descent] {
-            let report = search(&space(), default(), strategy, 0, failing);
+            let report = search(&space(), default(), &[], strategy, 0, failing);
             let (best, _) = report.trials[report.best.unwrap()];
             assert_ne!(best.warps, 8);
             assert!(report
@@ -446,7 +519,7 @@ mod tests {
                 .iter()
                 .any(|(c, m)| c.warps == 8 && m.is_err()));
         }
-        let none = search(&space(), default(), Strategy::Descent, 0, |_| {
+        let none = search(&space(), default(), &[], Strategy::Descent, 0, |_| {
             Err("no".into())
         });
         assert_eq!(none.best, None);

@@ -212,6 +212,25 @@ impl TuneCache {
         }
     }
 
+    /// Winners of the other entries for `key`'s GPU, format, tier and query
+    /// group (other context buckets, batches or generated code), each once:
+    /// seeds for a search at `key`.
+    pub fn related_winners(&self, key: &TuneKey) -> Vec<KernelConfig> {
+        let mut winners = Vec::new();
+        for e in &self.entries {
+            let k = &e.key;
+            let related = k != key
+                && k.gpu == key.gpu
+                && k.format == key.format
+                && k.tier == key.tier
+                && k.shape.query_group() == key.shape.query_group();
+            if related && !winners.contains(&e.winner) {
+                winners.push(e.winner);
+            }
+        }
+        winners
+    }
+
     /// Adds `entry`, replacing one with the same key and dropping stale ones
     /// it supersedes.
     pub fn insert(&mut self, entry: Entry) {

@@ -1,7 +1,9 @@
 //! `kvcc tune` on the GPU: per tier and context, search the space around the
 //! default configuration, timing each candidate the way `kvcc bench` does, after
 //! checking its output against the interpreter (a fast wrong kernel never
-//! counts). Pages are re-encoded per page size. Results go to the tune cache.
+//! counts). The tier's winners at other shapes or for older code (the cache's
+//! related entries) seed the search. Pages are re-encoded per page size.
+//! Results go to the tune cache.
 
 use std::collections::HashMap;
 use std::time::Instant;
@@ -159,6 +161,7 @@ pub fn tune(
                 Found::Stale(_) => Origin::ReplacedStale,
                 _ => Origin::Swept,
             };
+            let seeds = cache.related_winners(&key);
             let mut sweep = Sweep {
                 gpu,
                 format,
@@ -169,7 +172,7 @@ pub fn tune(
                 copies: HashMap::new(),
                 kernels: HashMap::new(),
             };
-            let entry = sweep.run(key, progress)?;
+            let entry = sweep.run(key, &seeds, progress)?;
             cache.insert(entry.clone());
             cache.save()?;
             results.push(Tuned { entry, origin });
@@ -195,6 +198,7 @@ impl Sweep<'_> {
     fn run(
         &mut self,
         key: TuneKey,
+        seeds: &[KernelConfig],
         progress: &mut dyn FnMut(Progress),
     ) -> Result<Entry, Box<dyn std::error::Error>> {
         let started = Instant::now();
@@ -211,6 +215,7 @@ impl Sweep<'_> {
         let what = format!("{}/{} @{}", key.format, key.tier, self.context);
         let estimate = space.expected_trials(
             default,
+            seeds.len(),
             self.options.strategy,
             self.options.exhaustive_limit,
         );
@@ -218,6 +223,7 @@ impl Sweep<'_> {
         let report = search(
             &space,
             default,
+            seeds,
             self.options.strategy,
             self.options.exhaustive_limit,
             |config| {
