@@ -4,6 +4,8 @@
 //! steps, and several device copies of the cache rotated so L2 cannot serve
 //! repeated reads.
 
+use std::time::{Duration, Instant};
+
 use cudarc::driver::sys::CUevent_flags;
 use kvcc_compiler::back::interp::{DecodeError, Interpreter, Options as InterpOptions};
 use kvcc_compiler::Format;
@@ -16,6 +18,13 @@ use crate::synth::{synthesize, SynthOptions};
 
 /// Relative error above which a kernel's output is wrong (fp32 accumulation).
 pub const TOLERANCE: f64 = 1e-4;
+
+/// Least time the warm-up steps before a timing run back to back. The host's
+/// work before it (encoding pages, the interpreter's check) idles the GPU
+/// long enough for its clocks to drop, and a few steps did not bring them
+/// back: on an H200 a tune sweep's first candidate timed 8 % slower than the
+/// same kernel timed again later.
+const MIN_WARMUP: Duration = Duration::from_millis(50);
 
 /// Encodes eight full pages per kv head of tier `tier` (structured synthetic
 /// K/V, tables trained on them): the pages large caches are replicated from.
@@ -232,9 +241,18 @@ pub fn time_steps(
     iters: usize,
 ) -> Result<Timing, CudaError> {
     let copies = caches.len();
-    for i in 0..warmup {
+    // `warmup` steps, then more, each waited for, until MIN_WARMUP has passed.
+    let started = Instant::now();
+    let mut i = 0;
+    while i < warmup || started.elapsed() < MIN_WARMUP {
         let r = i % copies;
         steps[r].launch(gpu, kernels, &caches[r])?;
+        if i + 1 >= warmup {
+            gpu.stream
+                .synchronize()
+                .during(|| "waiting for a warm-up step".into())?;
+        }
+        i += 1;
     }
     let event = || {
         gpu.context
