@@ -22,8 +22,8 @@ pub const TOLERANCE: f64 = 1e-4;
 /// Least time the warm-up steps before a timing run back to back. The host's
 /// work before it (encoding pages, the interpreter's check) idles the GPU
 /// long enough for its clocks to drop, and a few steps did not bring them
-/// back: on an H200 a tune sweep's first candidate timed 8 % slower than the
-/// same kernel timed again later.
+/// back: on an H200 a tune sweep's first candidate timed up to 9 % slower
+/// than the same kernel timed again later.
 const MIN_WARMUP: Duration = Duration::from_millis(50);
 
 /// Encodes eight full pages per kv head of tier `tier` (structured synthetic

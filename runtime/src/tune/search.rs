@@ -304,14 +304,13 @@ pub fn search(
                     from_seed = Some(t);
                 }
             }
-            for start in std::iter::once(from_default).chain(from_seed) {
-                let mut current = start;
+            let mut descend = |mut current: usize, trials: &mut Vec<(KernelConfig, Measured)>| {
                 for _ in 0..MAX_PASSES {
                     let pass_start = current;
                     for axes in MOVES {
                         for config in space.sweep(trials[current].0, axes) {
-                            let t = trial(config, &mut trials);
-                            if faster(ms(&trials, t), ms(&trials, current)) {
+                            let t = trial(config, trials);
+                            if faster(ms(trials, t), ms(trials, current)) {
                                 current = t;
                             }
                         }
@@ -320,6 +319,10 @@ pub fn search(
                         break;
                     }
                 }
+            };
+            descend(from_default, &mut trials);
+            if let Some(seed) = from_seed {
+                descend(seed, &mut trials);
             }
         }
     }
