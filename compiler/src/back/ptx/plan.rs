@@ -154,7 +154,9 @@ pub struct Plan {
     pub score_units: u32,
     /// Whether the softmax is folded into the score phase (the score threads
     /// keep their logits, softmax reference and partial sums in registers):
-    /// when `score_units · score_head_block` registers per kind stay few.
+    /// when `score_units · score_head_block` registers per kind stay few. Not
+    /// with a tensor-core score: each warp then keeps its own softmax state
+    /// for its tokens (`skeleton/mma.rs`).
     pub fused_softmax: bool,
     /// The score's dot product split over adjacent lanes, each keeping its
     /// slice of the block's queries in registers (see [`ScoreSplit`]).
@@ -166,12 +168,16 @@ pub struct Plan {
     /// softmax fused) on the tensor cores; the accumulate partition is then
     /// unused, and so is the split score with a tensor-core score.
     pub mma: Option<MmaPlan>,
-    /// Two tile buffers, then the tile's logits (softmax weights after the
-    /// softmax phase): item `i`, head `h` at float `i * head_stride + h`, so
-    /// the accumulate phase loads a head block's weights as vectors.
+    /// The tile buffers.
     pub buffers: u32,
     /// Tile buffers: tiles `t + 1 .. t + stages - 1` load while tile `t` is computed.
     pub stages: u32,
+    /// The tile's logits (softmax weights after the softmax phase): item `i`,
+    /// head `h` at float `i * head_stride + h`, so the accumulate phase loads
+    /// a head block's weights as vectors. A tensor-core score keeps them in
+    /// registers (a softmax per warp); the area then holds each warp's
+    /// softmax state after the stream: warp `w`, head `h`'s reference at
+    /// float `w * head_stride + h`, its sum `warps * head_stride` floats on.
     pub logits: u32,
     /// Floats per item row of the logits: the head blocks' heads, rounded up to 4.
     pub head_stride: u32,
@@ -339,11 +345,14 @@ impl Plan {
 
         let stream_start = bump.0;
         let buffers = bump.take(options.stages * buffer_bytes);
-        let logits = bump.take(head_stride * 4 * tile_items);
         let mut mma = options
             .tensor_cores
             .then(|| super::mma::plan(module, group_max, tile_items, &key, &value))
             .flatten();
+        let logits = match mma.as_ref().is_some_and(|m| m.score.is_some()) {
+            true => bump.take(head_stride * 4 * 2 * options.warps),
+            false => bump.take(head_stride * 4 * tile_items),
+        };
         if let Some(m) = &mut mma {
             let staging = bump.take(m.staging_bytes(tile_items));
             m.place_staging(staging, tile_items);
@@ -400,7 +409,8 @@ impl Plan {
             score_units = split.units;
             fused_softmax = true;
         }
-        fused_softmax |= mma_score;
+        // A tensor-core score has its own softmax, per warp.
+        fused_softmax &= !mma_score;
         let register_accumulators = mma.is_none() && head_blocks * accumulate.channel_rounds == 1;
         Ok(Plan {
             threads,

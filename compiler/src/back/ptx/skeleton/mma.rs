@@ -15,10 +15,18 @@
 //!   power of two per step) as (head, part) columns. Each warp sums its own
 //!   steps in registers; the warps' sums meet in the accumulator array once,
 //!   after the stream.
+//!
+//! A warp's score and accumulate steps are the same tokens. With the score
+//! on the tensor cores, each warp keeps its own softmax reference and sums
+//! per head: a lane's C columns in both are one head's, so the decays stay
+//! in the lane, and the weights go from the score's C fragments to the
+//! accumulate's B fragments by shuffles: no barrier and no shared round trip
+//! between score and accumulate (twelfth round). The warps' states meet
+//! once, after the stream.
 
 use super::super::mma::{Element, Gather, MmaPlan, MmaScore, Rows, ROW_LANES, TILE};
 use super::super::plan::{Stream, CHUNK};
-use super::{FusedScore, Logits, Rescale, ScoreUnit, Skeleton, Tile};
+use super::{Rescale, Skeleton, Tile, RESCALE_SLACK_BITS};
 use crate::back::ptx::builder::{Cmp, Kernel, Pred, Reg, Shared, F32, U32};
 
 /// Binary exponent σ gives the largest scaled operand of a column: below
@@ -43,36 +51,67 @@ struct Lanes {
     low_part: Reg<Pred>,
 }
 
-/// A lane's tensor-core score state for the whole stream.
+/// A lane's tensor-core score and its warp's softmax, for the whole stream.
 pub(super) struct MmaScoreThread {
     lanes: Lanes,
     /// Per column tile: the lane's first query element and whether its B
     /// column's head exists.
     query_at: Vec<(Reg<U32>, Reg<Pred>)>,
-    /// The query fragments and 1/σ: for the whole stream, or (with header
-    /// scales) for the current page.
+    /// The query fragments and the C sums' factor to logits: for the whole
+    /// stream, or (with header scales) for the current page.
     queries: Queries,
     /// Byte offset of the lane's first key chunk in a tile's key stream.
     key_lane: Reg<U32>,
+    /// The lane's C row in the warp's first token tile (`16 · warp + row`).
+    key_row: Reg<U32>,
+    /// Per column tile: the warp's softmax state of the lane's C columns' head.
+    heads: Vec<WarpHead>,
+    /// With item scales: byte offset of the scale of the lane's first token
+    /// in the value rows.
+    scale_lane: Option<Reg<U32>>,
+    /// The lanes whose C rows are the lane's B tokens: `2 · quad` and
+    /// `2 · quad + 8`, then `2 · quad + 1` and `2 · quad + 9`.
+    sources: [Reg<U32>; 2],
+}
+
+/// A warp's softmax state of one head, as each lane of the head's C columns
+/// holds it.
+struct WarpHead {
+    /// Whether the head is one of the group's.
+    ok: Reg<Pred>,
+    /// The warp's reference, in log2 units (logits times log2 e).
+    reference: Reg<F32>,
+    /// The lane's sum of the weights against it.
+    sum: Reg<F32>,
+    /// With item scales: the weights' σ ([`WeightScale`]).
+    sigma: Option<Reg<F32>>,
 }
 
 /// A lane's tensor-core accumulate state for the whole stream.
 pub(super) struct MmaValues {
     lanes: Lanes,
-    /// Per column tile: the weights of the B column's head at the lane's
-    /// first token, and whether that head exists.
-    weights: Vec<(Reg<U32>, Reg<Pred>)>,
-    /// Per column tile: the C columns' head exists, its softmax state slot.
+    /// The weights' place in the logits rows when the score is not on the
+    /// tensor cores (they are then read from shared memory).
+    shared: Option<SharedWeights>,
+    /// Per column tile: whether the C columns' head exists.
     out_ok: Vec<Reg<Pred>>,
-    out_state: Vec<Reg<U32>>,
     /// Per column tile and channel tile: the output accumulators.
     acc: Vec<Vec<[Reg<F32>; 4]>>,
-    /// Per column tile, with item scales: the weights' running σ.
-    weight_scale: Vec<WeightScale>,
     /// Byte offset of the lane's value channels in its first token.
     value_lane: Reg<U32>,
     /// The lane's first token of a step (`16 · warp + 2 · quad`).
     token: Reg<U32>,
+}
+
+/// Softmax weights the score phase left in the logits rows.
+struct SharedWeights {
+    /// Per column tile: the weights of the B column's head at the lane's
+    /// first token, and whether that head exists.
+    columns: Vec<(Reg<U32>, Reg<Pred>)>,
+    /// Per column tile: the softmax state slot of the C columns' head.
+    state: Vec<Reg<U32>>,
+    /// Per column tile, with item scales: the weights' running σ.
+    scale: Vec<WeightScale>,
 }
 
 /// With item scales, the weights of a column tile have any magnitude: they
@@ -110,11 +149,12 @@ struct ExpandPass {
     row_stride: Reg<U32>,
 }
 
-/// B fragments of the score: per column tile, the lane's query pairs and 1/σ
-/// of the head of its C columns.
+/// B fragments of the score: per column tile, the lane's query pairs, and
+/// the factor from its C sums to logits in log2 units (1/σ of the C
+/// columns' head times the softmax scale times log2 e).
 struct Queries {
     pairs: Vec<Vec<Reg<U32>>>,
-    unscale: Vec<Reg<F32>>,
+    to_logits: Vec<Reg<F32>>,
 }
 
 impl Skeleton<'_> {
@@ -159,13 +199,16 @@ impl Skeleton<'_> {
         (clamped, k.mad_lo(clamped, 4u32, self.smem))
     }
 
-    /// The score's constant state and, per slot, column tile and row half,
-    /// a score unit: the logit of (token `16 · tile + row + 8 · half`, head
-    /// `4 · column tile + quad`).
-    pub(super) fn mma_score_setup(&self, k: &mut Kernel, m: &MmaPlan, s: &MmaScore) -> FusedScore {
+    /// The score's and the warp softmax's constant state.
+    pub(super) fn mma_score_setup(
+        &self,
+        k: &mut Kernel,
+        m: &MmaPlan,
+        s: &MmaScore,
+    ) -> MmaScoreThread {
         let plan = self.plan;
         k.comment(&format!(
-            "tensor-core score: {} token tile(s) per warp, {} column tile(s), {:?} keys",
+            "tensor-core score, softmax per warp: {} token tile(s) per warp, {} column tile(s), {:?} keys",
             self.mma_slots(m),
             m.column_tiles,
             s.key,
@@ -194,55 +237,42 @@ impl Skeleton<'_> {
                 pairs: (0..m.column_tiles)
                     .map(|_| (0..s.key_pairs()).map(|_| k.mov(0u32)).collect())
                     .collect(),
-                unscale: (0..m.column_tiles).map(|_| k.mov(zero)).collect(),
+                to_logits: (0..m.column_tiles).map(|_| k.mov(zero)).collect(),
             },
         };
-        let thread = MmaScoreThread {
+        let neg_inf = k.mov(f32::NEG_INFINITY);
+        // The largest σ: the first tile sets the real one.
+        let largest = k.mov(f32::from_bits(MAX_EXPONENT << 23));
+        let heads = (0..m.column_tiles)
+            .map(|ct| {
+                let head = k.add(lanes.quad, 4 * ct);
+                WarpHead {
+                    ok: k.setp(Cmp::Lt, head, self.group),
+                    reference: k.mov(neg_inf),
+                    sum: k.mov(zero),
+                    sigma: m.item_scale.map(|_| k.mov(largest)),
+                }
+            })
+            .collect();
+        let scale_lane = (m.item_scale).map(|bit| k.mad_lo(key_row, m.value_rows.stride, bit / 8));
+        let source = k.shl(lanes.quad, 3u32);
+        let source = k.add(source, row_head);
+        let sources = [source, k.add(source, 4u32)];
+        MmaScoreThread {
             lanes,
             query_at,
             queries,
             key_lane,
-        };
-
-        let logits = k.add(self.smem, plan.logits);
-        let row_bytes = 4 * plan.head_stride;
-        let tile_max = k.add(self.smem, plan.tile_max);
-        let mut units = Vec::new();
-        for j in 0..self.mma_slots(m) {
-            let slot_ok = self.mma_slot_ok(k, m, thread.lanes.warp, j);
-            for ct in 0..m.column_tiles {
-                let head = k.add(thread.lanes.quad, 4 * ct);
-                let head_ok = k.setp(Cmp::Lt, head, self.group);
-                let block_ok = match slot_ok {
-                    Some(slot) => k.and_pred(slot, head_ok),
-                    None => head_ok,
-                };
-                let (clamped, state) = self.mma_head_slot(k, head);
-                let column = k.mad_lo(clamped, 4u32, logits);
-                let max_at = k.mad_lo(clamped, 4u32, tile_max);
-                for half in 0..2 {
-                    let item = k.add(key_row, j * plan.warps * TILE + 8 * half);
-                    let row = k.mad_lo(item, row_bytes, column);
-                    units.push(ScoreUnit::one_head(
-                        k,
-                        head,
-                        item,
-                        block_ok,
-                        [row, max_at, state],
-                    ));
-                }
-            }
-        }
-        FusedScore {
-            units,
-            logits: Logits::Mma(thread),
+            key_row,
+            heads,
+            scale_lane,
+            sources,
         }
     }
 
     /// The accumulate's constant state: zero accumulators, the lane's
-    /// weights columns and value channels.
+    /// value channels and (with the weights in shared memory) their columns.
     pub(super) fn mma_values_setup(&self, k: &mut Kernel, m: &MmaPlan) -> MmaValues {
-        let plan = self.plan;
         k.comment(&format!(
             "tensor-core accumulate: {} step(s) per warp, {} column tile(s), {:?} values",
             self.mma_slots(m),
@@ -250,35 +280,61 @@ impl Skeleton<'_> {
             m.value
         ));
         let lanes = self.mma_lanes(k);
-        let row_head = k.shr(lanes.row, 1u32);
-        let logits = k.add(self.smem, plan.logits);
-        let row_bytes = 4 * plan.head_stride;
         let token = k.shl(lanes.quad, 1u32);
         let token = k.mad_lo(lanes.warp, TILE, token);
         let zero = k.mov(0.0f32);
-        let (mut weights, mut out_ok, mut out_state, mut acc) =
-            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let (mut out_ok, mut acc) = (Vec::new(), Vec::new());
         for ct in 0..m.column_tiles {
-            let head = k.add(row_head, 4 * ct);
-            let ok = k.setp(Cmp::Lt, head, self.group);
-            let (clamped, _) = self.mma_head_slot(k, head);
-            let column = k.mad_lo(clamped, 4u32, logits);
-            weights.push((k.mad_lo(token, row_bytes, column), ok));
             let out_head = k.add(lanes.quad, 4 * ct);
             out_ok.push(k.setp(Cmp::Lt, out_head, self.group));
-            out_state.push(self.mma_head_slot(k, out_head).1);
             acc.push(
                 (0..m.channel_tiles())
                     .map(|_| [0; 4].map(|_| k.mov(zero)))
                     .collect(),
             );
         }
+        let shared = m
+            .score
+            .is_none()
+            .then(|| self.mma_shared_weights(k, m, &lanes, token));
         let group_bytes = m.group_words() * 4;
         let channels = k.mad_lo(lanes.row, group_bytes, m.value_offset);
         let value_lane = k.mad_lo(token, m.value_rows.stride, channels);
+        MmaValues {
+            lanes,
+            shared,
+            out_ok,
+            acc,
+            value_lane,
+            token,
+        }
+    }
+
+    /// Where the lane finds its B weights in the logits rows, and its σs.
+    fn mma_shared_weights(
+        &self,
+        k: &mut Kernel,
+        m: &MmaPlan,
+        lanes: &Lanes,
+        token: Reg<U32>,
+    ) -> SharedWeights {
+        let plan = self.plan;
+        let row_head = k.shr(lanes.row, 1u32);
+        let logits = k.add(self.smem, plan.logits);
+        let row_bytes = 4 * plan.head_stride;
+        let (mut columns, mut state) = (Vec::new(), Vec::new());
+        for ct in 0..m.column_tiles {
+            let head = k.add(row_head, 4 * ct);
+            let ok = k.setp(Cmp::Lt, head, self.group);
+            let (clamped, _) = self.mma_head_slot(k, head);
+            let column = k.mad_lo(clamped, 4u32, logits);
+            columns.push((k.mad_lo(token, row_bytes, column), ok));
+            let out_head = k.add(lanes.quad, 4 * ct);
+            state.push(self.mma_head_slot(k, out_head).1);
+        }
         // The largest σ: the first tile sets the real one.
         let largest = k.mov(f32::from_bits(MAX_EXPONENT << 23));
-        let weight_scale = match m.item_scale {
+        let scale = match m.item_scale {
             Some(_) => (0..m.column_tiles)
                 .map(|_| WeightScale {
                     b: k.mov(largest),
@@ -287,21 +343,16 @@ impl Skeleton<'_> {
                 .collect(),
             None => Vec::new(),
         };
-        MmaValues {
-            lanes,
-            weights,
-            out_ok,
-            out_state,
-            acc,
-            weight_scale,
-            value_lane,
-            token,
+        SharedWeights {
+            columns,
+            state,
+            scale,
         }
     }
 
     /// The lane's query pairs of every column tile (times the header scales
     /// at `header` when the key has them) scaled by σ and split into parts,
-    /// and 1/σ of its C columns' heads.
+    /// and the factor from its C sums to logits in log2 units.
     fn mma_queries(
         &self,
         k: &mut Kernel,
@@ -317,8 +368,10 @@ impl Skeleton<'_> {
             let first = k.mad_lo(lanes.quad, 4 * chunk, h);
             k.add(first, 4 * slot0)
         });
+        let softmax_scale = k.ld_param(&self.p.softmax_scale);
+        let log2_scale = k.mul(softmax_scale, std::f32::consts::LOG2_E);
         let mut pairs = Vec::new();
-        let mut unscale = Vec::new();
+        let mut to_logits = Vec::new();
         for &(at, ok) in query_at {
             let mut elements = Vec::new();
             for c in 0..m.lane_chunks() {
@@ -335,7 +388,8 @@ impl Skeleton<'_> {
                     }
                 }
             }
-            let sigma = column_sigma(k, &elements);
+            // A B column's lanes: the four of its row.
+            let sigma = column_sigma(k, &elements, &[1, 2]);
             // Element i of the row is the lane's (i / 4·chunk)-th chunk's
             // (i % 4·chunk)-th: `elements` holds the chunks back to back.
             let position =
@@ -352,15 +406,18 @@ impl Skeleton<'_> {
             // 1/σ of head 4·ct + quad: lane 8·quad's B column is that head's.
             let inverse = unscale_of(k, sigma);
             let owner = k.shl(lanes.quad, 3u32);
-            unscale.push(k.shfl_idx(inverse, owner));
+            let inverse = k.shfl_idx(inverse, owner);
+            to_logits.push(k.mul(inverse, log2_scale));
         }
-        Queries { pairs, unscale }
+        Queries { pairs, to_logits }
     }
 
-    /// The unscaled logits of the warp's token tiles, one per unit of
-    /// [`Self::mma_setup`] in its order. Every lane runs every slot whose
-    /// tile exists (rows past the tile's items read stale bytes: an mma row
-    /// depends only on its own A row, and those logits are never used).
+    /// The logits (times the softmax scale, in log2 units) of the lane's C
+    /// entries, by slot, column tile and row half: token
+    /// `16 · (warp + slot · warps) + row + 8 · half`, head `4 · column tile +
+    /// quad`. Every lane runs every slot whose tile exists (rows past the
+    /// tile's items read stale bytes: an mma row depends only on its own A
+    /// row, and those logits are never used).
     pub(super) fn mma_logits(
         &self,
         k: &mut Kernel,
@@ -387,7 +444,7 @@ impl Skeleton<'_> {
             {
                 k.assign(*to, *from);
             }
-            for (to, from) in queries.unscale.iter().zip(&page.unscale) {
+            for (to, from) in queries.to_logits.iter().zip(&page.to_logits) {
                 k.assign(*to, *from);
             }
             k.place(later);
@@ -443,13 +500,13 @@ impl Skeleton<'_> {
                 }
             }
             k.place(skip);
-            for (acc, &unscale) in c.iter().zip(&queries.unscale) {
+            for (acc, &factor) in c.iter().zip(&queries.to_logits) {
                 for half in 0..2 {
                     let parts = acc
                         .iter()
                         .flat_map(|chain| [chain[2 * half], chain[2 * half + 1]]);
                     let scaled = parts.reduce(|sum, part| k.add(sum, part)).expect("a chain");
-                    logits.push(k.mul(scaled, unscale));
+                    logits.push(k.mul(scaled, factor));
                 }
             }
         }
@@ -584,8 +641,157 @@ impl Skeleton<'_> {
         k.bar_warp_sync();
     }
 
-    /// The tile's weighted values into the lane's accumulators; first, with
-    /// `rescale`, the accumulators times their head's decay.
+    /// One tile with the score on the tensor cores: the warp's logits, its
+    /// softmax, and its tokens' values times their weights.
+    pub(super) fn mma_tile(
+        &self,
+        k: &mut Kernel,
+        tile: &Tile,
+        score: &MmaScoreThread,
+        values: &MmaValues,
+    ) {
+        let logits = self.mma_logits(k, tile, score);
+        let parts = self.mma_softmax(k, tile, score, values, &logits);
+        let b = mma_exchange(k, score, &parts);
+        self.mma_products(k, tile, values, &b);
+    }
+
+    /// The warp's online softmax of the logits of [`Self::mma_logits`].
+    /// When a logit passes its head's reference by more than the slack in
+    /// some lane (a warp vote), the warp's references move to the tile's
+    /// maxima and the sums and accumulators decay; the weights are then
+    /// 2^(s − reference). Returns, per slot and column tile, the lane's two
+    /// weights (tokens `row` and `row + 8`), times the item scales and σ,
+    /// as f16 `[hi, lo]` pairs.
+    fn mma_softmax(
+        &self,
+        k: &mut Kernel,
+        tile: &Tile,
+        t: &MmaScoreThread,
+        values: &MmaValues,
+        logits: &[Reg<F32>],
+    ) -> Vec<Vec<[Reg<U32>; 2]>> {
+        let plan = self.plan;
+        let m = plan.mma.as_ref().expect("tensor-core plan");
+        let columns = t.heads.len();
+        // Logit i is of slot i / (2·columns), column tile i / 2 % columns and
+        // half i % 2: token (slot, half) is entry 2·slot + half.
+        let column_of = |i: usize| i / 2 % columns;
+        let token_of = |i: usize| i / (2 * columns) * 2 + i % 2;
+        k.comment("the warp's softmax of its tokens, against its running references");
+        let mut in_tile = Vec::new();
+        for j in 0..self.mma_slots(m) {
+            for half in 0..2 {
+                let token = k.add(t.key_row, j * plan.warps * TILE + 8 * half);
+                in_tile.push(k.setp(Cmp::Lt, token, tile.items));
+            }
+        }
+        let neg_inf = k.mov(f32::NEG_INFINITY);
+        let mut valid = Vec::new();
+        let mut scores = Vec::new();
+        let mut most: Vec<Option<Reg<F32>>> = vec![None; columns];
+        for (i, &logit) in logits.iter().enumerate() {
+            let ok = k.and_pred(in_tile[token_of(i)], t.heads[column_of(i)].ok);
+            let s = k.selp(logit, neg_inf, ok);
+            let best = &mut most[column_of(i)];
+            *best = Some(match *best {
+                None => s,
+                Some(b) => k.max(b, s),
+            });
+            valid.push(ok);
+            scores.push(s);
+        }
+        let most: Vec<Reg<F32>> = most.into_iter().map(|b| b.expect("a logit")).collect();
+        let mut over = None;
+        for (head, &best) in t.heads.iter().zip(&most) {
+            let limit = k.add(head.reference, RESCALE_SLACK_BITS);
+            let passes = k.setp(Cmp::Gt, best, limit);
+            over = Some(match over {
+                None => passes,
+                Some(p) => k.or_pred(p, passes),
+            });
+        }
+        let any = k.vote_any(over.expect("a column tile"));
+        let settled = k.label();
+        k.bra_if(any, false, settled);
+        k.comment("rare: the references move to the tile's maxima; sums and accumulators decay");
+        for ((head, &best), acc) in t.heads.iter().zip(&most).zip(&values.acc) {
+            // The head's lanes: the same quad in every row.
+            let mut best = best;
+            for mask in [4, 8, 16] {
+                let other = k.shfl_bfly(best, mask);
+                best = k.max(best, other);
+            }
+            let new = k.max(head.reference, best);
+            let decay = power_ratio(k, head.reference, new);
+            k.mul_to(head.sum, head.sum, decay);
+            scale_all(k, acc, decay);
+            k.assign(head.reference, new);
+        }
+        k.place(settled);
+
+        let mut weights = Vec::new();
+        for (i, &s) in scores.iter().enumerate() {
+            let head = &t.heads[column_of(i)];
+            let d = k.sub(s, head.reference);
+            let w = k.ex2(d);
+            // Also keeps 2^(−∞ + ∞) out of heads with no logits yet.
+            let w = k.selp(w, 0.0f32, valid[i]);
+            k.add_to(head.sum, head.sum, w);
+            weights.push(w);
+        }
+        if let Some(lane) = t.scale_lane {
+            let rows = self.mma_rows(k, tile, m.value_rows);
+            let rows = k.add(rows, lane);
+            // Rows past the tile's items are not read: past the last slot
+            // they are outside the buffers.
+            let scales: Vec<Reg<F32>> = (0..in_tile.len() as u32)
+                .map(|token| {
+                    let offset =
+                        ((token / 2) * plan.warps * TILE + 8 * (token % 2)) * m.value_rows.stride;
+                    let bits = k.mov(0u32);
+                    k.guarded(in_tile[token as usize], true, |k| {
+                        let loaded = k.ld_shared_narrow(Shared::at(rows).plus(offset.into()), 16);
+                        k.assign(bits, loaded);
+                    });
+                    let half = k.low16(bits);
+                    k.f16_to_f32(half)
+                })
+                .collect();
+            for (i, w) in weights.iter_mut().enumerate() {
+                *w = k.mul(*w, scales[token_of(i)]);
+            }
+            let mut tiles = Vec::new();
+            let mut sigmas = Vec::new();
+            for (ct, head) in t.heads.iter().enumerate() {
+                let column: Vec<Reg<F32>> = (0..weights.len())
+                    .filter(|&i| column_of(i) == ct)
+                    .map(|i| weights[i])
+                    .collect();
+                tiles.push(column_sigma(k, &column, &[4, 8, 16]));
+                sigmas.push(head.sigma.expect("σ with item scales"));
+            }
+            lower_sigmas(k, &values.acc, &sigmas, &tiles);
+            for (i, w) in weights.iter_mut().enumerate() {
+                *w = k.mul(*w, sigmas[column_of(i)]);
+            }
+        }
+        weights
+            .chunks(2 * columns)
+            .map(|slot| {
+                slot.chunks(2)
+                    .map(|pair| {
+                        let (hi, lo) = f16_parts(k, pair[0], pair[1]);
+                        [hi, lo]
+                    })
+                    .collect()
+            })
+            .collect()
+    }
+
+    /// The tile's weighted values into the lane's accumulators, the weights
+    /// read from the logits rows; first, with `rescale`, the accumulators
+    /// times their head's decay.
     pub(super) fn mma_accumulate(
         &self,
         k: &mut Kernel,
@@ -595,35 +801,26 @@ impl Skeleton<'_> {
     ) {
         let plan = self.plan;
         let m = plan.mma.as_ref().expect("tensor-core plan");
+        let shared = t.shared.as_ref().expect("weights in the logits rows");
         let kept = k.label();
         if let Rescale::When(p) = rescale {
             k.bra_if(p, false, kept);
         }
-        for (acc, &state) in t.acc.iter().zip(&t.out_state) {
+        for (acc, &state) in t.acc.iter().zip(&shared.state) {
             let decay = k.ld_shared::<F32>(Shared::at(state).plus(plan.decay.into()));
-            for c in acc.iter().flatten() {
-                k.mul_to(*c, *c, decay);
-            }
+            scale_all(k, acc, decay);
         }
         k.place(kept);
         let stride = m.value_rows.stride;
         let row_bytes = 4 * plan.head_stride;
         let items = self.mma_rows(k, tile, m.value_rows);
-        let lane_base = k.add(items, t.value_lane);
         let token_rows = k.mad_lo(t.token, stride, items);
-        // The lane's tokens of a step: 2·quad + {0, 1, 8, 9}.
-        let steps = [0u32, 1, 8, 9];
-        let slots = self.mma_slots(m);
-        let slot_ok: Vec<Option<Reg<Pred>>> = (0..slots)
-            .map(|j| self.mma_slot_ok(k, m, t.lanes.warp, j))
-            .collect();
         // Per slot and column tile: the lane's 4 weights (times the item
         // scales; zero past the tile's items and for heads the group lacks).
-        let mut valid = Vec::new();
         let mut weights = Vec::new();
-        for j in 0..slots {
+        for j in 0..self.mma_slots(m) {
             let first = j * plan.warps * TILE;
-            let ok: Vec<Reg<Pred>> = steps
+            let ok: Vec<Reg<Pred>> = STEP_TOKENS
                 .iter()
                 .map(|&d| {
                     let token = k.add(t.token, first + d);
@@ -633,7 +830,7 @@ impl Skeleton<'_> {
             // Rows past the tile's items are not read: past the last slot
             // they are outside the buffers.
             let scales: Option<Vec<Reg<F32>>> = m.item_scale.map(|bit| {
-                steps
+                STEP_TOKENS
                     .iter()
                     .zip(&ok)
                     .map(|(&d, &ok)| {
@@ -649,13 +846,11 @@ impl Skeleton<'_> {
                     })
                     .collect()
             });
-            let per_column: Vec<Vec<Reg<F32>>> = t
-                .weights
-                .iter()
+            let per_column: Vec<Vec<Reg<F32>>> = (shared.columns.iter())
                 .map(|&(column, head_ok)| {
-                    (0..steps.len())
+                    (0..STEP_TOKENS.len())
                         .map(|i| {
-                            let offset = (first + steps[i]) * row_bytes;
+                            let offset = (first + STEP_TOKENS[i]) * row_bytes;
                             let w = k.mov(0.0f32);
                             k.guarded(ok[i], true, |k| {
                                 let at = Shared::at(column).plus(offset.into());
@@ -671,40 +866,55 @@ impl Skeleton<'_> {
                         .collect()
                 })
                 .collect();
-            valid.push(ok);
             weights.push(per_column);
         }
         if m.item_scale.is_some() {
-            self.mma_weight_scale(k, t, &weights);
+            self.mma_weight_scale(k, t, shared, &weights);
         }
-        for j in 0..slots as usize {
+        let b: Vec<Vec<[Reg<U32>; 2]>> = weights
+            .iter()
+            .map(|slot| {
+                slot.iter()
+                    .enumerate()
+                    .map(|(ct, w)| {
+                        let w: Vec<Reg<F32>> = match shared.scale.get(ct) {
+                            Some(scale) => w.iter().map(|&x| k.mul(x, scale.b)).collect(),
+                            None => w.clone(),
+                        };
+                        [
+                            f16_part(k, w[0], w[1], t.lanes.low_part),
+                            f16_part(k, w[2], w[3], t.lanes.low_part),
+                        ]
+                    })
+                    .collect()
+            })
+            .collect();
+        self.mma_products(k, tile, t, &b);
+    }
+
+    /// The tile's values times the weights' B fragments `b` (per slot and
+    /// column tile) into the lane's accumulators.
+    fn mma_products(&self, k: &mut Kernel, tile: &Tile, t: &MmaValues, b: &[Vec<[Reg<U32>; 2]>]) {
+        let plan = self.plan;
+        let m = plan.mma.as_ref().expect("tensor-core plan");
+        let stride = m.value_rows.stride;
+        let items = self.mma_rows(k, tile, m.value_rows);
+        let lane_base = k.add(items, t.value_lane);
+        for (j, b) in (0u32..).zip(b) {
             let skip = k.label();
-            if let Some(ok) = slot_ok[j] {
+            if let Some(ok) = self.mma_slot_ok(k, m, t.lanes.warp, j) {
                 k.bra_if(ok, false, skip);
             }
-            let first = j as u32 * plan.warps * TILE;
-            let b: Vec<[Reg<U32>; 2]> = weights[j]
+            let first = j * plan.warps * TILE;
+            let values: Vec<TokenWords> = STEP_TOKENS
                 .iter()
-                .enumerate()
-                .map(|(ct, w)| {
-                    let w: Vec<Reg<F32>> = match t.weight_scale.get(ct) {
-                        Some(scale) => w.iter().map(|&x| k.mul(x, scale.b)).collect(),
-                        None => w.clone(),
-                    };
-                    [
-                        f16_part(k, w[0], w[1], t.lanes.low_part),
-                        f16_part(k, w[2], w[3], t.lanes.low_part),
-                    ]
-                })
-                .collect();
-            let values: Vec<TokenWords> = steps
-                .iter()
-                .zip(&valid[j])
-                .map(|(&d, &ok)| {
+                .map(|&d| {
                     let mut token = self.mma_value_words(k, m, lane_base, (first + d) * stride);
                     // Stale f16 rows past the tile's items may hold any bits
                     // (0 · NaN poisons a sum); integers are always finite.
                     if m.value == Element::Half {
+                        let at = k.add(t.token, first + d);
+                        let ok = k.setp(Cmp::Lt, at, tile.items);
                         token.words = token.words.iter().map(|&w| k.selp(w, 0u32, ok)).collect();
                     }
                     token
@@ -729,39 +939,27 @@ impl Skeleton<'_> {
     /// Lowers each column's running σ to what the tile's weights allow
     /// (largest weight times σ below 2^15), rescaling the accumulators when
     /// any lane's σ drops.
-    fn mma_weight_scale(&self, k: &mut Kernel, t: &MmaValues, weights: &[Vec<Vec<Reg<F32>>>]) {
-        let mut factors = Vec::new();
-        let mut dropped = None;
-        for (ct, scale) in t.weight_scale.iter().enumerate() {
+    fn mma_weight_scale(
+        &self,
+        k: &mut Kernel,
+        t: &MmaValues,
+        shared: &SharedWeights,
+        weights: &[Vec<Vec<Reg<F32>>>],
+    ) {
+        let mut tiles = Vec::new();
+        for (ct, scale) in shared.scale.iter().enumerate() {
             let column: Vec<Reg<F32>> =
                 weights.iter().flat_map(|w| w[ct].iter().copied()).collect();
-            let tile = column_sigma(k, &column);
+            // A B column's lanes: the four of its row.
+            let tile = column_sigma(k, &column, &[1, 2]);
             let b = k.min(scale.b, tile);
             k.assign(scale.b, b);
             // Lane 8·quad's B column is the head of this lane's C columns.
             let owner = k.shl(t.lanes.quad, 3u32);
-            let tile_c = k.shfl_idx(tile, owner);
-            let lower = k.setp(Cmp::Lt, tile_c, scale.c);
-            let inverse = unscale_of(k, scale.c);
-            let ratio = k.mul(tile_c, inverse);
-            factors.push(k.selp(ratio, 1.0f32, lower));
-            let c = k.min(scale.c, tile_c);
-            k.assign(scale.c, c);
-            dropped = Some(match dropped {
-                None => lower,
-                Some(d) => k.or_pred(d, lower),
-            });
+            tiles.push(k.shfl_idx(tile, owner));
         }
-        let Some(dropped) = dropped else { return };
-        let any = k.vote_any(dropped);
-        let kept = k.label();
-        k.bra_if(any, false, kept);
-        for (acc, &factor) in t.acc.iter().zip(&factors) {
-            for c in acc.iter().flatten() {
-                k.mul_to(*c, *c, factor);
-            }
-        }
-        k.place(kept);
+        let sigmas: Vec<Reg<F32>> = shared.scale.iter().map(|scale| scale.c).collect();
+        lower_sigmas(k, &t.acc, &sigmas, &tiles);
     }
 
     /// The words of one token's channels of the lane's group, `offset` bytes
@@ -810,6 +1008,71 @@ impl Skeleton<'_> {
         TokenWords { words, skew: 0 }
     }
 
+    /// After the stream (all threads past its last barrier): each head's
+    /// reference becomes the largest of the warps'; each warp's sums and
+    /// accumulators are scaled to it (and the accumulators by 1/σ), and the
+    /// head's reference and sum go to its softmax state.
+    pub(super) fn mma_warp_finish(&self, k: &mut Kernel, t: &MmaScoreThread, v: &MmaValues) {
+        let plan = self.plan;
+        k.comment("the warps' softmax states meet: one reference per head");
+        let area = k.add(self.smem, plan.logits);
+        let warp_bytes = 4 * plan.head_stride;
+        let sums = i64::from(plan.warps * warp_bytes);
+        let top = k.setp(Cmp::Eq, t.lanes.row, 0u32);
+        let mut slots = Vec::new();
+        for (ct, head) in (0u32..).zip(&t.heads) {
+            let index = k.add(t.lanes.quad, 4 * ct);
+            let (clamped, state) = self.mma_head_slot(k, index);
+            let slot = k.mad_lo(clamped, 4u32, area);
+            let mine = k.mad_lo(t.lanes.warp, warp_bytes, slot);
+            let mut sum = head.sum;
+            for mask in [4, 8, 16] {
+                let other = k.shfl_bfly(sum, mask);
+                sum = k.add(sum, other);
+            }
+            let writer = k.and_pred(top, head.ok);
+            k.guarded(writer, true, |k| {
+                k.st_shared(Shared::at(mine), head.reference);
+                k.st_shared(Shared::at(mine).plus(sums), sum);
+            });
+            slots.push((slot, state));
+        }
+        k.bar_sync();
+        let first_warp = k.setp(Cmp::Eq, t.lanes.warp, 0u32);
+        let leader = k.and_pred(first_warp, top);
+        for ((head, (slot, state)), acc) in t.heads.iter().zip(slots).zip(&v.acc) {
+            let at = |w: u32| Shared::at(slot).plus(i64::from(w * warp_bytes));
+            let references: Vec<Reg<F32>> =
+                (0..plan.warps).map(|w| k.ld_shared::<F32>(at(w))).collect();
+            let most = (references.iter().copied())
+                .reduce(|a, b| k.max(a, b))
+                .expect("a warp");
+            let factor = power_ratio(k, head.reference, most);
+            let factor = match head.sigma {
+                Some(sigma) => {
+                    let inverse = unscale_of(k, sigma);
+                    k.mul(factor, inverse)
+                }
+                None => factor,
+            };
+            scale_all(k, acc, factor);
+            k.comment("the head's softmax state, from the first warp's lanes of row 0");
+            let owner = k.and_pred(leader, head.ok);
+            let skip = k.label();
+            k.bra_if(owner, false, skip);
+            let total = k.mov(0.0f32);
+            for (w, &reference) in (0u32..).zip(&references) {
+                let sum = k.ld_shared::<F32>(at(w).plus(sums));
+                let ratio = power_ratio(k, reference, most);
+                k.fma_to(total, sum, ratio, total);
+            }
+            let max = k.mul(most, std::f32::consts::LN_2);
+            k.st_shared(Shared::at(state).plus(plan.max.into()), max);
+            k.st_shared(Shared::at(state).plus(plan.sum.into()), total);
+            k.place(skip);
+        }
+    }
+
     /// After the stream: each warp in turn adds its sums (the two parts of
     /// each head) into the accumulator array, which starts at zero.
     pub(super) fn mma_store(&self, k: &mut Kernel, t: &MmaValues) {
@@ -829,7 +1092,9 @@ impl Skeleton<'_> {
                 let clamped = k.min(head, plan.group_max - 1);
                 let row = k.mad_lo(clamped, acc_stride, acc_base);
                 let row = k.mad_lo(channel0, 4u32, row);
-                let unscale = t.weight_scale.get(ct).map(|scale| unscale_of(k, scale.c));
+                let unscale = (t.shared.as_ref())
+                    .and_then(|shared| shared.scale.get(ct))
+                    .map(|scale| unscale_of(k, scale.c));
                 for (tile_index, c) in (0u32..).zip(acc) {
                     for half in 0..2u32 {
                         let at = Shared::at(row).plus(i64::from(4 * (2 * tile_index + half)));
@@ -868,16 +1133,16 @@ fn copy_group(k: &mut Kernel, from: Reg<U32>, to: Reg<U32>, bytes: u32, words: b
     }
 }
 
-/// σ = 2^(14 − e) for the largest |x| = 2^e·(1.…) of a B column (over the
-/// four lanes of the lane's row): the column's scaled values stay in f16's
-/// range whatever their magnitude.
-fn column_sigma(k: &mut Kernel, values: &[Reg<F32>]) -> Reg<F32> {
+/// σ = 2^(14 − e) for the largest |x| = 2^e·(1.…) of a B column (its values
+/// in the lanes the butterfly `masks` reach): the column's scaled values stay
+/// in f16's range whatever their magnitude.
+fn column_sigma(k: &mut Kernel, values: &[Reg<F32>], masks: &[u32]) -> Reg<F32> {
     let mut most = k.abs_f32(values[0]);
     for &x in &values[1..] {
         let a = k.abs_f32(x);
         most = k.max(most, a);
     }
-    for mask in [1, 2] {
+    for &mask in masks {
         let other = k.shfl_bfly(most, mask);
         most = k.max(most, other);
     }
@@ -898,15 +1163,100 @@ fn unscale_of(k: &mut Kernel, sigma: Reg<F32>) -> Reg<F32> {
     k.bitcast::<U32, F32>(inverse)
 }
 
-/// The hi (or, with `low`, lo) f16 parts of `(a, b)`, `a` in the low half:
-/// hi = f16(x), lo = f16(x − hi), so hi + lo is x to about 2⁻²² relative.
-fn f16_part(k: &mut Kernel, a: Reg<F32>, b: Reg<F32>, low: Reg<Pred>) -> Reg<U32> {
+/// The hi and lo f16 parts of `(a, b)`, `a` in the low halves: hi = f16(x),
+/// lo = f16(x − hi), so hi + lo is x to about 2⁻²² relative.
+fn f16_parts(k: &mut Kernel, a: Reg<F32>, b: Reg<F32>) -> (Reg<U32>, Reg<U32>) {
     let high = k.pack_f16x2(a, b);
     let (ha, hb) = k.split_halves(high);
     let (fa, fb) = (k.f16_to_f32(ha), k.f16_to_f32(hb));
     let (ra, rb) = (k.sub(a, fa), k.sub(b, fb));
-    let rest = k.pack_f16x2(ra, rb);
+    (high, k.pack_f16x2(ra, rb))
+}
+
+/// The hi (or, with `low`, lo) part of [`f16_parts`].
+fn f16_part(k: &mut Kernel, a: Reg<F32>, b: Reg<F32>, low: Reg<Pred>) -> Reg<U32> {
+    let (high, rest) = f16_parts(k, a, b);
     k.selp(rest, high, low)
+}
+
+/// The accumulate's B fragments from the score lanes' weight parts
+/// ([`Skeleton::mma_softmax`]), per slot and column tile: lane `(row, quad)`
+/// takes head `row / 2`'s tokens `2 · quad + {0, 1, 8, 9}`, hi parts on even
+/// rows and lo parts on odd ones, from the two lanes whose C rows they are.
+fn mma_exchange(
+    k: &mut Kernel,
+    t: &MmaScoreThread,
+    parts: &[Vec<[Reg<U32>; 2]>],
+) -> Vec<Vec<[Reg<U32>; 2]>> {
+    k.comment("the weights from the score's C fragments to the accumulate's B fragments");
+    let mut b = Vec::new();
+    for slot in parts {
+        let mut columns = Vec::new();
+        for &[hi, lo] in slot {
+            let mut from = Vec::new();
+            for &source in &t.sources {
+                let high = k.shfl_idx(hi, source);
+                let low = k.shfl_idx(lo, source);
+                from.push(k.selp(low, high, t.lanes.low_part));
+            }
+            // Tokens (2·quad, 2·quad + 1) from the sources' row halves 0,
+            // then (2·quad + 8, 2·quad + 9) from their halves 1.
+            columns.push([
+                k.prmt(from[0], from[1], 0x5410),
+                k.prmt(from[0], from[1], 0x7632),
+            ]);
+        }
+        b.push(columns);
+    }
+    b
+}
+
+/// Lowers each column tile's σ to its tile's where that is smaller; when any
+/// lane's σ drops, the accumulators of its C columns' head take the ratio.
+fn lower_sigmas(
+    k: &mut Kernel,
+    acc: &[Vec<[Reg<F32>; 4]>],
+    sigmas: &[Reg<F32>],
+    tiles: &[Reg<F32>],
+) {
+    let mut factors = Vec::new();
+    let mut dropped = None;
+    for (&sigma, &tile) in sigmas.iter().zip(tiles) {
+        let lower = k.setp(Cmp::Lt, tile, sigma);
+        let inverse = unscale_of(k, sigma);
+        let ratio = k.mul(tile, inverse);
+        factors.push(k.selp(ratio, 1.0f32, lower));
+        let new = k.min(sigma, tile);
+        k.assign(sigma, new);
+        dropped = Some(match dropped {
+            None => lower,
+            Some(d) => k.or_pred(d, lower),
+        });
+    }
+    let Some(dropped) = dropped else { return };
+    let any = k.vote_any(dropped);
+    let kept = k.label();
+    k.bra_if(any, false, kept);
+    for (acc, &factor) in acc.iter().zip(&factors) {
+        scale_all(k, acc, factor);
+    }
+    k.place(kept);
+}
+
+/// Every accumulator of `acc` times `factor`.
+fn scale_all(k: &mut Kernel, acc: &[[Reg<F32>; 4]], factor: Reg<F32>) {
+    for c in acc.iter().flatten() {
+        k.mul_to(*c, *c, factor);
+    }
+}
+
+/// 2^(from − to) for references in log2 units, 1 when they are equal (also
+/// when both are −∞: a head with no logits yet).
+fn power_ratio(k: &mut Kernel, from: Reg<F32>, to: Reg<F32>) -> Reg<F32> {
+    let d = k.sub(from, to);
+    let ratio = k.ex2(d);
+    let same = k.setp(Cmp::Eq, from, to);
+    k.selp(1.0f32, ratio, same)
 }
 
 /// The f16 pairs of one word of key elements, in [`MmaPlan::key_element`]
@@ -932,6 +1282,10 @@ fn word_pairs(k: &mut Kernel, element: Element, w: Reg<U32>) -> Vec<Reg<U32>> {
         }
     }
 }
+
+/// The lane's tokens of an accumulate step, from its first: `2 · quad + {0,
+/// 1, 8, 9}`.
+const STEP_TOKENS: [u32; 4] = [0, 1, 8, 9];
 
 /// One token's value words: the lane group's channels start `skew` bytes
 /// into the first.

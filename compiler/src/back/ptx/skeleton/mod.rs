@@ -23,7 +23,6 @@ use crate::layout::Side;
 use crate::valid::{ModuleInfo, ValidModule};
 
 mod mma;
-use mma::MmaScoreThread;
 
 /// The dynamic shared memory symbol of every kvcc module.
 pub const SHARED_SYMBOL: &str = "kvcc_smem";
@@ -650,6 +649,8 @@ impl<'a> Skeleton<'a> {
             .register_accumulators
             .then(|| self.accumulate_setup(k, None, None));
         let values = plan.mma.as_ref().map(|m| self.mma_values_setup(k, m));
+        let warp_score =
+            (plan.mma.as_ref()).and_then(|m| Some(self.mma_score_setup(k, m, m.score.as_ref()?)));
         let expand = (plan.mma.as_ref()).and_then(|m| self.mma_expand_setup(k, m));
         let t = k.mov(0u32);
         let last = k.sub(self.tiles, 1u32);
@@ -703,20 +704,24 @@ impl<'a> Skeleton<'a> {
         if let Some(expand) = &expand {
             self.mma_expand(k, &tile, expand);
         }
-        let rescale = match &fused {
-            Some(fused) => Rescale::When(self.score_fused(k, &tile, fused)),
-            None => {
-                self.score(k, &tile);
-                k.bar_sync();
-                self.softmax(k, items);
-                k.bar_sync();
-                Rescale::Always
+        if let (Some(score), Some(values)) = (&warp_score, &values) {
+            self.mma_tile(k, &tile, score, values);
+        } else {
+            let rescale = match &fused {
+                Some(fused) => Rescale::When(self.score_fused(k, &tile, fused)),
+                None => {
+                    self.score(k, &tile);
+                    k.bar_sync();
+                    self.softmax(k, items);
+                    k.bar_sync();
+                    Rescale::Always
+                }
+            };
+            match (&values, &registers) {
+                (Some(values), _) => self.mma_accumulate(k, &tile, values, rescale),
+                (None, Some(acc)) => self.accumulate_items(k, &tile, acc, Some(rescale)),
+                (None, None) => self.accumulate(k, &tile, rescale),
             }
-        };
-        match (&values, &registers) {
-            (Some(values), _) => self.mma_accumulate(k, &tile, values, rescale),
-            (None, Some(acc)) => self.accumulate_items(k, &tile, acc, Some(rescale)),
-            (None, None) => self.accumulate(k, &tile, rescale),
         }
         k.place(done);
         k.add_to(t, t, 1u32);
@@ -728,6 +733,9 @@ impl<'a> Skeleton<'a> {
             self.accumulate_store(k, acc, None);
         }
         if let Some(values) = &values {
+            if let Some(score) = &warp_score {
+                self.mma_warp_finish(k, score, values);
+            }
             self.mma_store(k, values);
         }
         match &fused {
@@ -743,9 +751,6 @@ impl<'a> Skeleton<'a> {
     /// whole stream. Computed once before the page loop.
     fn score_setup(&self, k: &mut Kernel) -> FusedScore {
         let plan = self.plan;
-        if let Some((m, score)) = plan.mma.as_ref().and_then(|m| Some((m, m.score.as_ref()?))) {
-            return self.mma_score_setup(k, m, score);
-        }
         if let Some(split) = &plan.score_split {
             return self.split_setup(k, split);
         }
@@ -987,7 +992,6 @@ impl<'a> Skeleton<'a> {
         let unit_logits = match &fused.logits {
             Logits::Program => None,
             Logits::Split(sp) => Some(self.split_logits(k, tile, sp, &tables)),
-            Logits::Mma(t) => Some(self.mma_logits(k, tile, t)),
         };
         let items_base = k.add(tile.buf, plan.key.buffer_offset);
         let scale = k.ld_param(&self.p.softmax_scale);
@@ -1695,9 +1699,11 @@ enum Rescale {
     When(Reg<Pred>),
 }
 
-/// How far (in natural-log units) a logit may exceed the softmax reference
-/// before the reference moves: weights stay below 2^8.
-const RESCALE_SLACK: f32 = 8.0 * std::f32::consts::LN_2;
+/// How far (in log2 units) a logit may exceed the softmax reference before
+/// the reference moves: weights stay below 2^8.
+const RESCALE_SLACK_BITS: f32 = 8.0;
+/// [`RESCALE_SLACK_BITS`] in natural-log units.
+const RESCALE_SLACK: f32 = RESCALE_SLACK_BITS * std::f32::consts::LN_2;
 
 /// [`order_key`] of −∞.
 const ORDER_KEY_NEG_INF: u32 = !0xFF80_0000;
@@ -1709,11 +1715,11 @@ struct FusedScore {
 }
 
 impl FusedScore {
-    /// Heads per unit: a split or tensor-core score's units are one-head units.
+    /// Heads per unit: a split score's units are one-head units.
     fn head_block(&self, plan: &Plan) -> u32 {
         match self.logits {
             Logits::Program => plan.score_head_block,
-            Logits::Split(_) | Logits::Mma(_) => 1,
+            Logits::Split(_) => 1,
         }
     }
 }
@@ -1724,8 +1730,6 @@ enum Logits {
     Program,
     /// The score split over lanes ([`ScoreSplit`]), one per unit.
     Split(SplitScore),
-    /// The tensor cores, one per unit (`mma.rs`).
-    Mma(MmaScoreThread),
 }
 
 /// A split score's per-thread state ([`Skeleton::split_setup`]).
@@ -1765,7 +1769,7 @@ struct ScoreUnit {
 }
 
 impl ScoreUnit {
-    /// A unit of one head (split and tensor-core scores): `head`'s logit of
+    /// A unit of one head (split scores): `head`'s logit of
     /// `item`, its weight at `row`, the head's tile maximum at `max_at` and
     /// softmax state at `state`.
     fn one_head(
