@@ -719,6 +719,12 @@ impl Kernel {
         self.line(format_args!("cvt.rn.f32.u32 {d}, {a}"));
         d
     }
+    /// The nearest integer (ties to even).
+    pub fn f32_to_s32(&mut self, a: Reg<F32>) -> Reg<S32> {
+        let d = self.reg();
+        self.line(format_args!("cvt.rni.s32.f32 {d}, {a}"));
+        d
+    }
     pub fn s32_to_f32(&mut self, a: Reg<S32>) -> Reg<F32> {
         let d = self.reg();
         self.line(format_args!("cvt.rn.f32.s32 {d}, {a}"));
@@ -791,6 +797,12 @@ impl Kernel {
         self.line(format_args!("prmt.b32 {d}, {a}, {b}, 0x{selector:04X}"));
         d
     }
+    /// [`Self::prmt`] with the selector in a register.
+    pub fn prmt_by(&mut self, a: Reg<U32>, b: Reg<U32>, selector: Reg<U32>) -> Reg<U32> {
+        let d = self.reg();
+        self.line(format_args!("prmt.b32 {d}, {a}, {b}, {selector}"));
+        d
+    }
     /// Any function of three words bit by bit (`lop3.b32`; `lut` is the truth
     /// table over the operands' bit patterns 0xF0, 0xCC, 0xAA).
     pub fn lop3(
@@ -838,6 +850,26 @@ impl Kernel {
         let [b0, b1] = b.map(|r| self.bitcast::<U32, B32>(r));
         self.line(format_args!(
             "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {{{c0}, {c1}, {c2}, {c3}}}, \
+             {{{a0}, {a1}, {a2}, {a3}}}, {{{b0}, {b1}}}, {{{c0}, {c1}, {c2}, {c3}}}"
+        ));
+    }
+
+    /// `acc += a · b` on the tensor cores: `m16n8k32`, four 8-bit integers
+    /// per register (A two's complement when `signed_a`, else unsigned; B
+    /// two's complement), exact s32 sums.
+    pub fn mma_i8_s32(
+        &mut self,
+        acc: [Reg<S32>; 4],
+        a: [Reg<U32>; 4],
+        b: [Reg<U32>; 2],
+        signed_a: bool,
+    ) {
+        let [c0, c1, c2, c3] = acc;
+        let [a0, a1, a2, a3] = a.map(|r| self.bitcast::<U32, B32>(r));
+        let [b0, b1] = b.map(|r| self.bitcast::<U32, B32>(r));
+        let a_type = if signed_a { "s8" } else { "u8" };
+        self.line(format_args!(
+            "mma.sync.aligned.m16n8k32.row.col.s32.{a_type}.s8.s32 {{{c0}, {c1}, {c2}, {c3}}}, \
              {{{a0}, {a1}, {a2}, {a3}}}, {{{b0}, {b1}}}, {{{c0}, {c1}, {c2}, {c3}}}"
         ));
     }

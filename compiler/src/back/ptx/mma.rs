@@ -11,7 +11,11 @@
 //! f32 operands enter as two f16 parts, `x = hi + lo` to about 2⁻²²
 //! relative, so every product is exact and the sums are f32: the
 //! interpreter's results within the backends' tolerance, at a fraction of
-//! the per-thread fma chains' instructions.
+//! the per-thread fma chains' instructions. Integer keys score on the
+//! integer tensor cores instead (`m16n8k32`, twelfth round): 8-bit codes as
+//! stored, 4-bit codes as 16 times the code by one or two bit operations,
+//! and the query as a 24-bit integer of three signed bytes; the s32 sums
+//! are exact.
 //!
 //! Bitmap fields of f16 groups (MosaicKV) qualify too: their elements are
 //! stored f16 numbers, but at data-dependent places (a group's slot is the
@@ -27,14 +31,16 @@ use crate::ir::{ArrayDecl, BinaryOp, Expr, Function, Handle, Input, Literal, Mod
 use crate::layout::{round_up, CodecLayout, FieldLayout, TransformLayout};
 use crate::spec::BitmapElem;
 
-/// Rows (tokens or channels) of one `m16n8k16` tile, and its reduction depth.
+/// Rows (tokens or channels) of one `m16n8k16` tile, and its reduction depth
+/// (an integer `m16n8k32` step is two of them deep).
 pub const TILE: u32 = 16;
 /// Columns of one tile: (head, part) pairs, so 4 heads per tile.
 pub const COLUMNS: u32 = 8;
 /// Lanes sharing one fragment row (`lane % 4`), each loading 16 bytes of it.
 pub const ROW_LANES: u32 = 4;
 
-/// How an item element becomes an exact f16.
+/// How an item element enters the tensor cores: as an exact f16 (values,
+/// f16 keys) or an 8-bit integer (integer keys).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Element {
     /// Stored f16 bits.
@@ -49,11 +55,6 @@ impl Element {
             Element::Half => 16,
             Element::Int { bits, .. } => bits,
         }
-    }
-
-    /// f16 pairs one 32-bit word of elements gives.
-    pub fn pairs_per_word(self) -> u32 {
-        16 / self.bits()
     }
 }
 
@@ -198,9 +199,20 @@ impl MmaPlan {
 }
 
 impl MmaScore {
-    /// Reduction steps of the score (16 key elements each).
+    /// Reduction steps of the score: `m16n8k16` steps of 16 f16 elements, or
+    /// (integer keys) `m16n8k32` steps of 32 8-bit integers.
     pub fn key_steps(&self) -> u32 {
-        self.key_dims / TILE
+        // Each of a row's 4 lanes holds two registers of a step.
+        self.key_dims / (ROW_LANES * 2 * self.register_elements())
+    }
+
+    /// Key elements in one fragment register: two f16, or four 8-bit
+    /// integers (4-bit codes enter as 8-bit integers, 16 times the code).
+    pub fn register_elements(&self) -> u32 {
+        match self.key {
+            Element::Half => 2,
+            Element::Int { .. } => 4,
+        }
     }
 
     /// Key elements in one lane's 16-byte chunk.
@@ -213,23 +225,34 @@ impl MmaScore {
         self.key_dims / self.chunk_elements() / ROW_LANES
     }
 
-    /// f16 pairs a lane holds of a key row: two per reduction step.
-    pub fn key_pairs(&self) -> u32 {
+    /// B tiles of the queries per column tile: f16 keys take a query as two
+    /// f16 parts in one, integer keys as three bytes in two.
+    pub fn query_tiles(&self) -> u32 {
+        match self.key {
+            Element::Half => 1,
+            Element::Int { .. } => 2,
+        }
+    }
+
+    /// Fragment registers a lane holds of a key row: two per reduction step.
+    pub fn key_registers(&self) -> u32 {
         2 * self.key_steps()
     }
 
-    /// Key element of half `e` of the `l`-th pair a lane with `quad == 0`
-    /// holds (lane `quad` holds the element `chunk_elements · quad` further).
-    /// Pair `l` is pair `r` of word `w` of the lane's chunk `c`; the pairs of
-    /// a word are its elements `r` and `r + 16 / bits` (f16: the word's two
-    /// halves; 8-bit: bytes 0, 2 then 1, 3; 4-bit: nibbles 0, 4 … 3, 7). Pair
-    /// `2 · s` is the lane's `{a0, a1}` of reduction step `s`, `2 · s + 1` its
-    /// `{a4, a5}`.
-    pub fn key_element(&self, l: u32, e: u32) -> u32 {
-        let per_word = self.key.pairs_per_word();
-        let (c, rest) = (l / (4 * per_word), l % (4 * per_word));
-        let (w, r) = (rest / per_word, rest % per_word);
-        ROW_LANES * self.chunk_elements() * c + 2 * per_word * w + r + e * per_word
+    /// Key element of part `e` of the `r`-th fragment register a lane with
+    /// `quad == 0` holds of a key row (lane `quad` holds the element
+    /// `chunk_elements · quad` further). The registers are the words of the
+    /// lane's chunks in order (f16: halves; 8-bit: bytes), but a 4-bit word
+    /// gives two: its low nibbles, then its high ones. Register `2 · s` is
+    /// the lane's `a0` of reduction step `s`, `2 · s + 1` its `a2`.
+    pub fn key_element(&self, r: u32, e: u32) -> u32 {
+        let per_chunk = self.chunk_elements() / self.register_elements();
+        let (c, x) = (r / per_chunk, r % per_chunk);
+        let within = match self.key {
+            Element::Int { bits: 4, .. } => 8 * (x / 2) + 2 * e + x % 2,
+            _ => self.register_elements() * x + e,
+        };
+        ROW_LANES * self.chunk_elements() * c + within
     }
 }
 
@@ -577,9 +600,9 @@ mod tests {
             let m = score_of(element);
             let mut seen = vec![0; 128];
             for quad in 0..ROW_LANES {
-                for l in 0..m.key_pairs() {
-                    for e in 0..2 {
-                        seen[(m.key_element(l, e) + m.chunk_elements() * quad) as usize] += 1;
+                for r in 0..m.key_registers() {
+                    for e in 0..m.register_elements() {
+                        seen[(m.key_element(r, e) + m.chunk_elements() * quad) as usize] += 1;
                     }
                 }
             }

@@ -1,20 +1,22 @@
 //! The score and accumulate phases on the tensor cores, for the tiers
 //! `back/ptx/mma.rs` admits (docs/ptx-backend.md, seventh round).
 //!
-//! `m16n8k16` fragments, lane `4 · row + quad` of a warp:
+//! `m16n8k16` fragments (integer keys: `m16n8k32`), lane `4 · row + quad`
+//! of a warp:
 //! - score, per 16-token tile of the warp: `S = K · Q'ᵀ`. A = the tile's key
 //!   rows (tokens × elements, a reduction step's elements in the lanes' load
-//!   order, [`MmaPlan::key_element`]); B = the queries (times the page's
-//!   header scales) as columns (head, part): times a power of two σ per
-//!   head, split into f16 `hi + lo` parts, so a head's two columns sum to
-//!   its logit times σ.
+//!   order, [`MmaScore::key_element`]); B = the queries (times the page's
+//!   header scales) times a power of two σ per head, as columns (head,
+//!   part): f16 `hi + lo` parts, so a head's two columns sum to its logit
+//!   times σ; or, for integer keys, the three bytes of an integer
+//!   ([`Queries`]).
 //! - accumulate, per 16-token step of the warp: `Oᵀ += Vᵀ · P'ᵀ`. A = value
 //!   channels × tokens (row `r` of channel tile `t` is channel `2 · t + r / 8`
 //!   of lane group `r % 8`'s channels, two tokens per register by byte
-//!   permutes); B = the softmax weights (times the items' scales, then a
-//!   power of two per step) as (head, part) columns. Each warp sums its own
-//!   steps in registers; the warps' sums meet in the accumulator array once,
-//!   after the stream.
+//!   permutes); B = the softmax weights (times the items' scales and a
+//!   power of two σ) as (head, part) columns. Each warp sums its own steps
+//!   in registers; the warps' sums meet in the accumulator array once, after
+//!   the stream.
 //!
 //! A warp's score and accumulate steps are the same tokens. With the score
 //! on the tensor cores, each warp keeps its own softmax reference and sums
@@ -27,11 +29,14 @@
 use super::super::mma::{Element, Gather, MmaPlan, MmaScore, Rows, ROW_LANES, TILE};
 use super::super::plan::{Stream, CHUNK};
 use super::{Rescale, Skeleton, Tile, RESCALE_SLACK_BITS};
-use crate::back::ptx::builder::{Cmp, Kernel, Pred, Reg, Shared, F32, U32};
+use crate::back::ptx::builder::{Cmp, Kernel, Pred, Reg, Shared, F32, S32, U32};
 
 /// Binary exponent σ gives the largest scaled operand of a column: below
 /// f16's 65504, and the low parts of the others well inside f16's range.
-const SCALED_EXPONENT: u32 = 14;
+const HALF_EXPONENT: u32 = 14;
+/// The same for queries as integers: below 2^22, so their top byte
+/// `d0` of [`Queries`] stays within ±64.
+const INT_EXPONENT: u32 = 21;
 /// Independent accumulator chains of a score tile's `mma.sync`s on f16 rows:
 /// one chain waits a full tensor-core latency per 16 elements. Integer keys
 /// keep one chain: their conversions fill that wait, and a second chain's
@@ -83,8 +88,6 @@ struct WarpHead {
     reference: Reg<F32>,
     /// The lane's sum of the weights against it.
     sum: Reg<F32>,
-    /// With item scales: the weights' σ ([`WeightScale`]).
-    sigma: Option<Reg<F32>>,
 }
 
 /// A lane's tensor-core accumulate state for the whole stream.
@@ -97,6 +100,8 @@ pub(super) struct MmaValues {
     out_ok: Vec<Reg<Pred>>,
     /// Per column tile and channel tile: the output accumulators.
     acc: Vec<Vec<[Reg<F32>; 4]>>,
+    /// With item scales: the weights' running σ ([`Skeleton::mma_item_sigma`]).
+    sigma: Option<Reg<F32>>,
     /// Byte offset of the lane's value channels in its first token.
     value_lane: Reg<U32>,
     /// The lane's first token of a step (`16 · warp + 2 · quad`).
@@ -110,20 +115,6 @@ struct SharedWeights {
     columns: Vec<(Reg<U32>, Reg<Pred>)>,
     /// Per column tile: the softmax state slot of the C columns' head.
     state: Vec<Reg<U32>>,
-    /// Per column tile, with item scales: the weights' running σ.
-    scale: Vec<WeightScale>,
-}
-
-/// With item scales, the weights of a column tile have any magnitude: they
-/// enter the tensor cores times a power of two σ, the same for the whole
-/// stream until a tile's weights would leave f16's range with it; then σ
-/// drops to that tile's and the accumulators are rescaled (as the softmax
-/// rescales them when its reference moves). The accumulators hold the sums
-/// times σ of their head.
-struct WeightScale {
-    /// σ of the lane's B column's head, and of its C columns' head.
-    b: Reg<F32>,
-    c: Reg<F32>,
 }
 
 /// A lane's part in the bitmap expansion, for the whole stream.
@@ -149,12 +140,91 @@ struct ExpandPass {
     row_stride: Reg<U32>,
 }
 
-/// B fragments of the score: per column tile, the lane's query pairs, and
-/// the factor from its C sums to logits in log2 units (1/σ of the C
-/// columns' head times the softmax scale times log2 e).
+/// B fragments of the score, and per column tile the factor from its C
+/// sums to logits in log2 units (1/σ of the C columns' head times the
+/// softmax scale times log2 e, over 16 for 4-bit codes).
 struct Queries {
-    pairs: Vec<Vec<Reg<U32>>>,
+    /// Per column tile and B tile: the lane's registers, two per reduction
+    /// step. f16 keys: one B tile, columns (head, hi / lo part). Integer
+    /// keys: the query times σ as a 24-bit integer of three signed bytes,
+    /// `d0 · 2^16 + d1 · 2^8 + d2`, in two B tiles: columns (head, d0 / d1),
+    /// then (head, d2 / nothing).
+    tiles: Vec<Vec<Vec<Reg<U32>>>>,
     to_logits: Vec<Reg<F32>>,
+}
+
+/// A slot's score sums per column tile: f16 keys in `HALF_SCORE_CHAINS`
+/// chains of f32 accumulators taking the steps in turn; integer keys in one
+/// s32 accumulator per B tile (sums exact).
+enum ScoreSums {
+    Half(Vec<Vec<[Reg<F32>; 4]>>),
+    Int {
+        signed: bool,
+        sums: Vec<Vec<[Reg<S32>; 4]>>,
+    },
+}
+
+impl ScoreSums {
+    fn new(k: &mut Kernel, score: &MmaScore, column_tiles: u32) -> ScoreSums {
+        let tiles = |k: &mut Kernel, per_tile: u32| {
+            (0..column_tiles)
+                .map(|_| {
+                    (0..per_tile)
+                        .map(|_| [0; 4].map(|_| k.mov(0.0f32)))
+                        .collect()
+                })
+                .collect()
+        };
+        match score.key {
+            Element::Half => ScoreSums::Half(tiles(k, HALF_SCORE_CHAINS.min(score.key_steps()))),
+            Element::Int { signed, .. } => ScoreSums::Int {
+                signed,
+                sums: (0..column_tiles)
+                    .map(|_| {
+                        (0..score.query_tiles())
+                            .map(|_| [0; 4].map(|_| k.mov(0i32)))
+                            .collect()
+                    })
+                    .collect(),
+            },
+        }
+    }
+
+    /// Reduction step `s` with A fragment `a` and the queries' B tiles.
+    fn step(&mut self, k: &mut Kernel, s: usize, a: [Reg<U32>; 4], b: &[Vec<Vec<Reg<U32>>>]) {
+        let fragment = |tile: &[Reg<U32>]| [tile[2 * s], tile[2 * s + 1]];
+        match self {
+            ScoreSums::Half(sums) => {
+                for (chains, b) in sums.iter().zip(b) {
+                    k.mma_f16_f32(chains[s % chains.len()], a, fragment(&b[0]));
+                }
+            }
+            ScoreSums::Int { signed, sums } => {
+                for (tiles, b) in sums.iter().zip(b) {
+                    for (&acc, b) in tiles.iter().zip(b) {
+                        k.mma_i8_s32(acc, a, fragment(b), *signed);
+                    }
+                }
+            }
+        }
+    }
+
+    /// The sum of column tile `ct`'s C row half `half` (times the queries' σ).
+    fn logit(&self, k: &mut Kernel, ct: usize, half: usize) -> Reg<F32> {
+        let (first, second) = (2 * half, 2 * half + 1);
+        match self {
+            ScoreSums::Half(sums) => (sums[ct].iter())
+                .flat_map(|chain| [chain[first], chain[second]])
+                .reduce(|sum, part| k.add(sum, part))
+                .expect("a chain"),
+            ScoreSums::Int { sums, .. } => {
+                let [high, middle] = [first, second].map(|i| k.s32_to_f32(sums[ct][0][i]));
+                let low = k.s32_to_f32(sums[ct][1][first]);
+                let sum = k.fma(middle, 256.0f32, low);
+                k.fma(high, 65536.0f32, sum)
+            }
+        }
+    }
 }
 
 impl Skeleton<'_> {
@@ -234,15 +304,17 @@ impl Skeleton<'_> {
             None => self.mma_queries(k, s, &lanes, &query_at, None),
             // Set by each page's first tile.
             Some(_) => Queries {
-                pairs: (0..m.column_tiles)
-                    .map(|_| (0..s.key_pairs()).map(|_| k.mov(0u32)).collect())
+                tiles: (0..m.column_tiles)
+                    .map(|_| {
+                        (0..s.query_tiles())
+                            .map(|_| (0..s.key_registers()).map(|_| k.mov(0u32)).collect())
+                            .collect()
+                    })
                     .collect(),
                 to_logits: (0..m.column_tiles).map(|_| k.mov(zero)).collect(),
             },
         };
         let neg_inf = k.mov(f32::NEG_INFINITY);
-        // The largest σ: the first tile sets the real one.
-        let largest = k.mov(f32::from_bits(MAX_EXPONENT << 23));
         let heads = (0..m.column_tiles)
             .map(|ct| {
                 let head = k.add(lanes.quad, 4 * ct);
@@ -250,7 +322,6 @@ impl Skeleton<'_> {
                     ok: k.setp(Cmp::Lt, head, self.group),
                     reference: k.mov(neg_inf),
                     sum: k.mov(zero),
-                    sigma: m.item_scale.map(|_| k.mov(largest)),
                 }
             })
             .collect();
@@ -297,6 +368,8 @@ impl Skeleton<'_> {
             .score
             .is_none()
             .then(|| self.mma_shared_weights(k, m, &lanes, token));
+        // The largest σ: the first tile sets the real one.
+        let sigma = (m.item_scale).map(|_| k.mov(f32::from_bits(MAX_EXPONENT << 23)));
         let group_bytes = m.group_words() * 4;
         let channels = k.mad_lo(lanes.row, group_bytes, m.value_offset);
         let value_lane = k.mad_lo(token, m.value_rows.stride, channels);
@@ -305,12 +378,13 @@ impl Skeleton<'_> {
             shared,
             out_ok,
             acc,
+            sigma,
             value_lane,
             token,
         }
     }
 
-    /// Where the lane finds its B weights in the logits rows, and its σs.
+    /// Where the lane finds its B weights in the logits rows.
     fn mma_shared_weights(
         &self,
         k: &mut Kernel,
@@ -332,22 +406,7 @@ impl Skeleton<'_> {
             let out_head = k.add(lanes.quad, 4 * ct);
             state.push(self.mma_head_slot(k, out_head).1);
         }
-        // The largest σ: the first tile sets the real one.
-        let largest = k.mov(f32::from_bits(MAX_EXPONENT << 23));
-        let scale = match m.item_scale {
-            Some(_) => (0..m.column_tiles)
-                .map(|_| WeightScale {
-                    b: k.mov(largest),
-                    c: k.mov(largest),
-                })
-                .collect(),
-            None => Vec::new(),
-        };
-        SharedWeights {
-            columns,
-            state,
-            scale,
-        }
+        SharedWeights { columns, state }
     }
 
     /// The lane's query pairs of every column tile (times the header scales
@@ -370,7 +429,7 @@ impl Skeleton<'_> {
         });
         let softmax_scale = k.ld_param(&self.p.softmax_scale);
         let log2_scale = k.mul(softmax_scale, std::f32::consts::LOG2_E);
-        let mut pairs = Vec::new();
+        let mut tiles = Vec::new();
         let mut to_logits = Vec::new();
         for &(at, ok) in query_at {
             let mut elements = Vec::new();
@@ -388,28 +447,77 @@ impl Skeleton<'_> {
                     }
                 }
             }
-            // A B column's lanes: the four of its row.
-            let sigma = column_sigma(k, &elements, &[1, 2]);
             // Element i of the row is the lane's (i / 4·chunk)-th chunk's
             // (i % 4·chunk)-th: `elements` holds the chunks back to back.
             let position =
                 |i: u32| (i / (ROW_LANES * chunk) * chunk + i % (ROW_LANES * chunk)) as usize;
-            pairs.push(
-                (0..m.key_pairs())
-                    .map(|l| {
-                        let [a, b] = [0, 1].map(|e| elements[position(m.key_element(l, e))]);
-                        let (a, b) = (k.mul(a, sigma), k.mul(b, sigma));
-                        f16_part(k, a, b, lanes.low_part)
-                    })
-                    .collect(),
-            );
+            let of_register = |r: u32| -> Vec<usize> {
+                (0..m.register_elements())
+                    .map(|e| position(m.key_element(r, e)))
+                    .collect()
+            };
+            // A B column's lanes: the four of its row.
+            let (sigma, column_tiles, code_scale) = match m.key {
+                Element::Half => {
+                    let sigma = column_sigma(k, &elements, &[1, 2], HALF_EXPONENT);
+                    let scaled: Vec<Reg<F32>> = elements.iter().map(|&x| k.mul(x, sigma)).collect();
+                    let pairs = (0..m.key_registers())
+                        .map(|r| {
+                            let at = of_register(r);
+                            f16_part(k, scaled[at[0]], scaled[at[1]], lanes.low_part)
+                        })
+                        .collect();
+                    (sigma, vec![pairs], 1.0)
+                }
+                Element::Int { bits, .. } => {
+                    let sigma = column_sigma(k, &elements, &[1, 2], INT_EXPONENT);
+                    // Q = d0 · 2^16 + d1 · 2^8 + d2 with signed bytes: d2 is
+                    // Q's byte 0, d1 byte 1 of Q + 2^7, d0 byte 2 of Q +
+                    // 2^15 + 2^7 (each carry rounds the digits above).
+                    let odd = lanes.low_part;
+                    let carry = k.selp(0x80u32, 0x8080u32, odd);
+                    let byte = k.selp(0x51u32, 0x62u32, odd);
+                    let even = k.selp(0u32, u32::MAX, odd);
+                    let digits: Vec<[Reg<U32>; 2]> = (elements.iter())
+                        .map(|&x| {
+                            let scaled = k.mul(x, sigma);
+                            let q = k.f32_to_s32(scaled);
+                            let q = k.bitcast::<S32, U32>(q);
+                            [k.add(q, carry), q]
+                        })
+                        .collect();
+                    let tiles = [(byte, None), (k.mov(0x40u32), Some(even))]
+                        .into_iter()
+                        .enumerate()
+                        .map(|(tile, (selector, mask))| {
+                            (0..m.key_registers())
+                                .map(|r| {
+                                    let at = of_register(r);
+                                    let [a, b, c, d] = [0, 1, 2, 3].map(|i| digits[at[i]][tile]);
+                                    let low = k.prmt_by(a, b, selector);
+                                    let high = k.prmt_by(c, d, selector);
+                                    let packed = k.prmt(low, high, 0x5410);
+                                    match mask {
+                                        Some(mask) => k.and(packed, mask),
+                                        None => packed,
+                                    }
+                                })
+                                .collect()
+                        })
+                        .collect();
+                    // 4-bit codes enter as 16 times the code.
+                    (sigma, tiles, 1.0 / (1u32 << (8 - bits)) as f32)
+                }
+            };
+            tiles.push(column_tiles);
             // 1/σ of head 4·ct + quad: lane 8·quad's B column is that head's.
             let inverse = unscale_of(k, sigma);
             let owner = k.shl(lanes.quad, 3u32);
             let inverse = k.shfl_idx(inverse, owner);
-            to_logits.push(k.mul(inverse, log2_scale));
+            let factor = k.mul(log2_scale, code_scale);
+            to_logits.push(k.mul(inverse, factor));
         }
-        Queries { pairs, to_logits }
+        Queries { tiles, to_logits }
     }
 
     /// The logits (times the softmax scale, in log2 units) of the lane's C
@@ -436,12 +544,9 @@ impl Skeleton<'_> {
                 k.bra_if(page_start, false, later);
             }
             let page = self.mma_queries(k, score, &t.lanes, &t.query_at, Some(tile.header));
-            for (to, from) in queries
-                .pairs
-                .iter()
-                .flatten()
-                .zip(page.pairs.iter().flatten())
-            {
+            let registers = |q: &Queries| q.tiles.iter().flatten().flatten().copied().collect();
+            let (to, from): (Vec<Reg<U32>>, Vec<Reg<U32>>) = (registers(queries), registers(&page));
+            for (to, from) in to.iter().zip(&from) {
                 k.assign(*to, *from);
             }
             for (to, from) in queries.to_logits.iter().zip(&page.to_logits) {
@@ -452,22 +557,9 @@ impl Skeleton<'_> {
         let stride = m.key_rows.stride;
         let base = self.mma_rows(k, tile, m.key_rows);
         let lane_base = k.add(base, t.key_lane);
-        let zero = k.mov(0.0f32);
         let mut logits = Vec::new();
-        let chains = match score.key {
-            Element::Half => HALF_SCORE_CHAINS.min(score.key_steps()) as usize,
-            Element::Int { .. } => 1,
-        };
         for j in 0..self.mma_slots(m) {
-            // Per column tile, `chains` accumulators taking the reduction
-            // steps in turn.
-            let c: Vec<Vec<[Reg<F32>; 4]>> = (0..m.column_tiles)
-                .map(|_| {
-                    (0..chains)
-                        .map(|_| [k.mov(zero), k.mov(zero), k.mov(zero), k.mov(zero)])
-                        .collect()
-                })
-                .collect();
+            let mut sums = ScoreSums::new(k, score, m.column_tiles);
             let skip = k.label();
             if let Some(ok) = self.mma_slot_ok(k, m, t.lanes.warp, j) {
                 k.bra_if(ok, false, skip);
@@ -484,7 +576,7 @@ impl Skeleton<'_> {
                         .collect();
                     words
                         .into_iter()
-                        .flat_map(|w| word_pairs(k, score.key, w))
+                        .flat_map(|w| key_registers(k, score.key, w))
                         .collect()
                 })
                 .collect();
@@ -495,18 +587,13 @@ impl Skeleton<'_> {
                     rows[0][2 * s + 1],
                     rows[1][2 * s + 1],
                 ];
-                for (acc, q) in c.iter().zip(&queries.pairs) {
-                    k.mma_f16_f32(acc[s % chains], a, [q[2 * s], q[2 * s + 1]]);
-                }
+                sums.step(k, s, a, &queries.tiles);
             }
             k.place(skip);
-            for (acc, &factor) in c.iter().zip(&queries.to_logits) {
+            for (ct, &factor) in queries.to_logits.iter().enumerate() {
                 for half in 0..2 {
-                    let parts = acc
-                        .iter()
-                        .flat_map(|chain| [chain[2 * half], chain[2 * half + 1]]);
-                    let scaled = parts.reduce(|sum, part| k.add(sum, part)).expect("a chain");
-                    logits.push(k.mul(scaled, factor));
+                    let sum = sums.logit(k, ct, half);
+                    logits.push(k.mul(sum, factor));
                 }
             }
         }
@@ -650,97 +737,18 @@ impl Skeleton<'_> {
         score: &MmaScoreThread,
         values: &MmaValues,
     ) {
-        let logits = self.mma_logits(k, tile, score);
-        let parts = self.mma_softmax(k, tile, score, values, &logits);
-        let b = mma_exchange(k, score, &parts);
-        self.mma_products(k, tile, values, &b);
-    }
-
-    /// The warp's online softmax of the logits of [`Self::mma_logits`].
-    /// When a logit passes its head's reference by more than the slack in
-    /// some lane (a warp vote), the warp's references move to the tile's
-    /// maxima and the sums and accumulators decay; the weights are then
-    /// 2^(s − reference). Returns, per slot and column tile, the lane's two
-    /// weights (tokens `row` and `row + 8`), times the item scales and σ,
-    /// as f16 `[hi, lo]` pairs.
-    fn mma_softmax(
-        &self,
-        k: &mut Kernel,
-        tile: &Tile,
-        t: &MmaScoreThread,
-        values: &MmaValues,
-        logits: &[Reg<F32>],
-    ) -> Vec<Vec<[Reg<U32>; 2]>> {
         let plan = self.plan;
         let m = plan.mma.as_ref().expect("tensor-core plan");
-        let columns = t.heads.len();
-        // Logit i is of slot i / (2·columns), column tile i / 2 % columns and
-        // half i % 2: token (slot, half) is entry 2·slot + half.
-        let column_of = |i: usize| i / 2 % columns;
-        let token_of = |i: usize| i / (2 * columns) * 2 + i % 2;
-        k.comment("the warp's softmax of its tokens, against its running references");
+        // Per (slot, row half): whether the lane's C row is one of the tile's.
         let mut in_tile = Vec::new();
         for j in 0..self.mma_slots(m) {
             for half in 0..2 {
-                let token = k.add(t.key_row, j * plan.warps * TILE + 8 * half);
+                let token = k.add(score.key_row, j * plan.warps * TILE + 8 * half);
                 in_tile.push(k.setp(Cmp::Lt, token, tile.items));
             }
         }
-        let neg_inf = k.mov(f32::NEG_INFINITY);
-        let mut valid = Vec::new();
-        let mut scores = Vec::new();
-        let mut most: Vec<Option<Reg<F32>>> = vec![None; columns];
-        for (i, &logit) in logits.iter().enumerate() {
-            let ok = k.and_pred(in_tile[token_of(i)], t.heads[column_of(i)].ok);
-            let s = k.selp(logit, neg_inf, ok);
-            let best = &mut most[column_of(i)];
-            *best = Some(match *best {
-                None => s,
-                Some(b) => k.max(b, s),
-            });
-            valid.push(ok);
-            scores.push(s);
-        }
-        let most: Vec<Reg<F32>> = most.into_iter().map(|b| b.expect("a logit")).collect();
-        let mut over = None;
-        for (head, &best) in t.heads.iter().zip(&most) {
-            let limit = k.add(head.reference, RESCALE_SLACK_BITS);
-            let passes = k.setp(Cmp::Gt, best, limit);
-            over = Some(match over {
-                None => passes,
-                Some(p) => k.or_pred(p, passes),
-            });
-        }
-        let any = k.vote_any(over.expect("a column tile"));
-        let settled = k.label();
-        k.bra_if(any, false, settled);
-        k.comment("rare: the references move to the tile's maxima; sums and accumulators decay");
-        for ((head, &best), acc) in t.heads.iter().zip(&most).zip(&values.acc) {
-            // The head's lanes: the same quad in every row.
-            let mut best = best;
-            for mask in [4, 8, 16] {
-                let other = k.shfl_bfly(best, mask);
-                best = k.max(best, other);
-            }
-            let new = k.max(head.reference, best);
-            let decay = power_ratio(k, head.reference, new);
-            k.mul_to(head.sum, head.sum, decay);
-            scale_all(k, acc, decay);
-            k.assign(head.reference, new);
-        }
-        k.place(settled);
-
-        let mut weights = Vec::new();
-        for (i, &s) in scores.iter().enumerate() {
-            let head = &t.heads[column_of(i)];
-            let d = k.sub(s, head.reference);
-            let w = k.ex2(d);
-            // Also keeps 2^(−∞ + ∞) out of heads with no logits yet.
-            let w = k.selp(w, 0.0f32, valid[i]);
-            k.add_to(head.sum, head.sum, w);
-            weights.push(w);
-        }
-        if let Some(lane) = t.scale_lane {
+        // The item scales and σ first: they do not wait for the score.
+        let scales = (score.scale_lane).map(|lane| {
             let rows = self.mma_rows(k, tile, m.value_rows);
             let rows = k.add(rows, lane);
             // Rows past the tile's items are not read: past the last slot
@@ -758,35 +766,13 @@ impl Skeleton<'_> {
                     k.f16_to_f32(half)
                 })
                 .collect();
-            for (i, w) in weights.iter_mut().enumerate() {
-                *w = k.mul(*w, scales[token_of(i)]);
-            }
-            let mut tiles = Vec::new();
-            let mut sigmas = Vec::new();
-            for (ct, head) in t.heads.iter().enumerate() {
-                let column: Vec<Reg<F32>> = (0..weights.len())
-                    .filter(|&i| column_of(i) == ct)
-                    .map(|i| weights[i])
-                    .collect();
-                tiles.push(column_sigma(k, &column, &[4, 8, 16]));
-                sigmas.push(head.sigma.expect("σ with item scales"));
-            }
-            lower_sigmas(k, &values.acc, &sigmas, &tiles);
-            for (i, w) in weights.iter_mut().enumerate() {
-                *w = k.mul(*w, sigmas[column_of(i)]);
-            }
-        }
-        weights
-            .chunks(2 * columns)
-            .map(|slot| {
-                slot.chunks(2)
-                    .map(|pair| {
-                        let (hi, lo) = f16_parts(k, pair[0], pair[1]);
-                        [hi, lo]
-                    })
-                    .collect()
-            })
-            .collect()
+            // The warp's tokens: rows of the lanes of one quad.
+            self.mma_item_sigma(k, values, &scales, &[4, 8, 16])
+        });
+        let logits = self.mma_logits(k, tile, score);
+        let parts = mma_softmax(k, score, values, &logits, &in_tile, scales.as_deref());
+        let b = mma_exchange(k, score, &parts);
+        self.mma_products(k, tile, values, &b);
     }
 
     /// The tile's weighted values into the lane's accumulators, the weights
@@ -815,80 +801,70 @@ impl Skeleton<'_> {
         let row_bytes = 4 * plan.head_stride;
         let items = self.mma_rows(k, tile, m.value_rows);
         let token_rows = k.mad_lo(t.token, stride, items);
-        // Per slot and column tile: the lane's 4 weights (times the item
-        // scales; zero past the tile's items and for heads the group lacks).
-        let mut weights = Vec::new();
-        for j in 0..self.mma_slots(m) {
-            let first = j * plan.warps * TILE;
-            let ok: Vec<Reg<Pred>> = STEP_TOKENS
-                .iter()
-                .map(|&d| {
-                    let token = k.add(t.token, first + d);
-                    k.setp(Cmp::Lt, token, tile.items)
-                })
-                .collect();
-            // Rows past the tile's items are not read: past the last slot
-            // they are outside the buffers.
-            let scales: Option<Vec<Reg<F32>>> = m.item_scale.map(|bit| {
-                STEP_TOKENS
-                    .iter()
-                    .zip(&ok)
-                    .map(|(&d, &ok)| {
-                        let offset = (first + d) * stride + bit / 8;
-                        let bits = k.mov(0u32);
-                        k.guarded(ok, true, |k| {
-                            let at = Shared::at(token_rows).plus(offset.into());
-                            let loaded = k.ld_shared_narrow(at, 16);
-                            k.assign(bits, loaded);
-                        });
-                        let half = k.low16(bits);
-                        k.f16_to_f32(half)
-                    })
-                    .collect()
-            });
-            let per_column: Vec<Vec<Reg<F32>>> = (shared.columns.iter())
-                .map(|&(column, head_ok)| {
-                    (0..STEP_TOKENS.len())
-                        .map(|i| {
-                            let offset = (first + STEP_TOKENS[i]) * row_bytes;
-                            let w = k.mov(0.0f32);
-                            k.guarded(ok[i], true, |k| {
-                                let at = Shared::at(column).plus(offset.into());
-                                let loaded = k.ld_shared::<F32>(at);
-                                k.assign(w, loaded);
-                            });
-                            let w = match &scales {
-                                Some(s) => k.mul(w, s[i]),
-                                None => w,
-                            };
-                            k.selp(w, 0.0f32, head_ok)
-                        })
-                        .collect()
-                })
-                .collect();
-            weights.push(per_column);
-        }
-        if m.item_scale.is_some() {
-            self.mma_weight_scale(k, t, shared, &weights);
-        }
-        let b: Vec<Vec<[Reg<U32>; 2]>> = weights
-            .iter()
-            .map(|slot| {
-                slot.iter()
-                    .enumerate()
-                    .map(|(ct, w)| {
-                        let w: Vec<Reg<F32>> = match shared.scale.get(ct) {
-                            Some(scale) => w.iter().map(|&x| k.mul(x, scale.b)).collect(),
-                            None => w.clone(),
-                        };
-                        [
-                            f16_part(k, w[0], w[1], t.lanes.low_part),
-                            f16_part(k, w[2], w[3], t.lanes.low_part),
-                        ]
+        let slots = self.mma_slots(m);
+        let ok: Vec<Vec<Reg<Pred>>> = (0..slots)
+            .map(|j| {
+                (STEP_TOKENS.iter())
+                    .map(|&d| {
+                        let token = k.add(t.token, j * plan.warps * TILE + d);
+                        k.setp(Cmp::Lt, token, tile.items)
                     })
                     .collect()
             })
             .collect();
+        // Per slot, the lane's 4 tokens' item scales times σ. Rows past the
+        // tile's items are not read: past the last slot they are outside the
+        // buffers.
+        let scales: Option<Vec<Reg<F32>>> = m.item_scale.map(|bit| {
+            let scales: Vec<Reg<F32>> = (0..slots)
+                .flat_map(|j| STEP_TOKENS.iter().map(move |&d| (j, d)))
+                .zip(ok.iter().flatten())
+                .map(|((j, d), &ok)| {
+                    let offset = (j * plan.warps * TILE + d) * stride + bit / 8;
+                    let bits = k.mov(0u32);
+                    k.guarded(ok, true, |k| {
+                        let at = Shared::at(token_rows).plus(offset.into());
+                        let loaded = k.ld_shared_narrow(at, 16);
+                        k.assign(bits, loaded);
+                    });
+                    let half = k.low16(bits);
+                    k.f16_to_f32(half)
+                })
+                .collect();
+            // The warp's tokens: quads of the lanes of one row.
+            self.mma_item_sigma(k, t, &scales, &[1, 2])
+        });
+        // Per slot and column tile: the lane's 4 weights (times the item
+        // scales and σ; zero past the tile's items and for heads the group
+        // lacks) as B fragments.
+        let mut b = Vec::new();
+        for j in 0..slots {
+            let first = j * plan.warps * TILE;
+            let mut columns = Vec::new();
+            for &(column, head_ok) in &shared.columns {
+                let w: Vec<Reg<F32>> = (0..STEP_TOKENS.len())
+                    .map(|i| {
+                        let offset = (first + STEP_TOKENS[i]) * row_bytes;
+                        let w = k.mov(0.0f32);
+                        k.guarded(ok[j as usize][i], true, |k| {
+                            let at = Shared::at(column).plus(offset.into());
+                            let loaded = k.ld_shared::<F32>(at);
+                            k.assign(w, loaded);
+                        });
+                        let w = match &scales {
+                            Some(s) => k.mul(w, s[STEP_TOKENS.len() * j as usize + i]),
+                            None => w,
+                        };
+                        k.selp(w, 0.0f32, head_ok)
+                    })
+                    .collect();
+                columns.push([
+                    f16_part(k, w[0], w[1], t.lanes.low_part),
+                    f16_part(k, w[2], w[3], t.lanes.low_part),
+                ]);
+            }
+            b.push(columns);
+        }
         self.mma_products(k, tile, t, &b);
     }
 
@@ -936,30 +912,33 @@ impl Skeleton<'_> {
         }
     }
 
-    /// Lowers each column's running σ to what the tile's weights allow
-    /// (largest weight times σ below 2^15), rescaling the accumulators when
-    /// any lane's σ drops.
-    fn mma_weight_scale(
+    /// The weights' σ for a tile whose tokens' item scales are `scales`
+    /// (the warp's tokens in the lanes the butterfly `masks` reach): the
+    /// largest weight is 2^8 ([`RESCALE_SLACK_BITS`]), so σ of the largest
+    /// scale times 2^8 keeps every weight times its scale in f16's range.
+    /// The running σ only drops; when it does, the accumulators take the
+    /// ratio. Returns the scales times σ.
+    fn mma_item_sigma(
         &self,
         k: &mut Kernel,
         t: &MmaValues,
-        shared: &SharedWeights,
-        weights: &[Vec<Vec<Reg<F32>>>],
-    ) {
-        let mut tiles = Vec::new();
-        for (ct, scale) in shared.scale.iter().enumerate() {
-            let column: Vec<Reg<F32>> =
-                weights.iter().flat_map(|w| w[ct].iter().copied()).collect();
-            // A B column's lanes: the four of its row.
-            let tile = column_sigma(k, &column, &[1, 2]);
-            let b = k.min(scale.b, tile);
-            k.assign(scale.b, b);
-            // Lane 8·quad's B column is the head of this lane's C columns.
-            let owner = k.shl(t.lanes.quad, 3u32);
-            tiles.push(k.shfl_idx(tile, owner));
+        scales: &[Reg<F32>],
+        masks: &[u32],
+    ) -> Vec<Reg<F32>> {
+        let sigma = t.sigma.expect("σ with item scales");
+        let tile = column_sigma(k, scales, masks, HALF_EXPONENT - RESCALE_SLACK_BITS as u32);
+        let lower = k.setp(Cmp::Lt, tile, sigma);
+        let kept = k.label();
+        // σ is the same in every lane: so is the branch.
+        k.bra_if(lower, false, kept);
+        let inverse = unscale_of(k, sigma);
+        let ratio = k.mul(tile, inverse);
+        for acc in &t.acc {
+            scale_all(k, acc, ratio);
         }
-        let sigmas: Vec<Reg<F32>> = shared.scale.iter().map(|scale| scale.c).collect();
-        lower_sigmas(k, &t.acc, &sigmas, &tiles);
+        k.assign(sigma, tile);
+        k.place(kept);
+        scales.iter().map(|&s| k.mul(s, sigma)).collect()
     }
 
     /// The words of one token's channels of the lane's group, `offset` bytes
@@ -1048,13 +1027,6 @@ impl Skeleton<'_> {
                 .reduce(|a, b| k.max(a, b))
                 .expect("a warp");
             let factor = power_ratio(k, head.reference, most);
-            let factor = match head.sigma {
-                Some(sigma) => {
-                    let inverse = unscale_of(k, sigma);
-                    k.mul(factor, inverse)
-                }
-                None => factor,
-            };
             scale_all(k, acc, factor);
             k.comment("the head's softmax state, from the first warp's lanes of row 0");
             let owner = k.and_pred(leader, head.ok);
@@ -1092,9 +1064,7 @@ impl Skeleton<'_> {
                 let clamped = k.min(head, plan.group_max - 1);
                 let row = k.mad_lo(clamped, acc_stride, acc_base);
                 let row = k.mad_lo(channel0, 4u32, row);
-                let unscale = (t.shared.as_ref())
-                    .and_then(|shared| shared.scale.get(ct))
-                    .map(|scale| unscale_of(k, scale.c));
+                let unscale = t.sigma.map(|sigma| unscale_of(k, sigma));
                 for (tile_index, c) in (0u32..).zip(acc) {
                     for half in 0..2u32 {
                         let at = Shared::at(row).plus(i64::from(4 * (2 * tile_index + half)));
@@ -1133,10 +1103,10 @@ fn copy_group(k: &mut Kernel, from: Reg<U32>, to: Reg<U32>, bytes: u32, words: b
     }
 }
 
-/// σ = 2^(14 − e) for the largest |x| = 2^e·(1.…) of a B column (its values
-/// in the lanes the butterfly `masks` reach): the column's scaled values stay
-/// in f16's range whatever their magnitude.
-fn column_sigma(k: &mut Kernel, values: &[Reg<F32>], masks: &[u32]) -> Reg<F32> {
+/// σ = 2^(`exponent` − e) for the largest |x| = 2^e·(1.…) of a B column (its
+/// values in the lanes the butterfly `masks` reach): the column's scaled
+/// values stay below 2^(`exponent` + 1) whatever their magnitude.
+fn column_sigma(k: &mut Kernel, values: &[Reg<F32>], masks: &[u32], exponent: u32) -> Reg<F32> {
     let mut most = k.abs_f32(values[0]);
     for &x in &values[1..] {
         let a = k.abs_f32(x);
@@ -1147,8 +1117,8 @@ fn column_sigma(k: &mut Kernel, values: &[Reg<F32>], masks: &[u32]) -> Reg<F32> 
         most = k.max(most, other);
     }
     let bits = k.bitcast::<F32, U32>(most);
-    let exponent = k.shr(bits, 23u32);
-    let field = k.sub(2 * BIAS + SCALED_EXPONENT, exponent);
+    let biased = k.shr(bits, 23u32);
+    let field = k.sub(2 * BIAS + exponent, biased);
     let field = k.min(field, MAX_EXPONENT);
     let sigma = k.shl(field, 23u32);
     k.bitcast::<U32, F32>(sigma)
@@ -1179,8 +1149,102 @@ fn f16_part(k: &mut Kernel, a: Reg<F32>, b: Reg<F32>, low: Reg<Pred>) -> Reg<U32
     k.selp(rest, high, low)
 }
 
+/// The warp's online softmax of the logits of [`Skeleton::mma_logits`].
+/// When a logit passes its head's reference by more than the slack in
+/// some lane (a warp vote), the warp's references move to the tile's
+/// maxima and the sums and accumulators decay; the weights are then
+/// 2^(s − reference). Returns, per slot and column tile, the lane's two
+/// weights (tokens `row` and `row + 8`), times the item scales and σ
+/// ([`Skeleton::mma_item_sigma`]), as f16 `[hi, lo]` pairs. `in_tile` and
+/// `scales` are per (slot, row half) of the lane's C rows.
+fn mma_softmax(
+    k: &mut Kernel,
+    t: &MmaScoreThread,
+    values: &MmaValues,
+    logits: &[Reg<F32>],
+    in_tile: &[Reg<Pred>],
+    scales: Option<&[Reg<F32>]>,
+) -> Vec<Vec<[Reg<U32>; 2]>> {
+    let columns = t.heads.len();
+    // Logit i is of slot i / (2·columns), column tile i / 2 % columns and
+    // half i % 2: token (slot, half) is entry 2·slot + half.
+    let column_of = |i: usize| i / 2 % columns;
+    let token_of = |i: usize| i / (2 * columns) * 2 + i % 2;
+    k.comment("the warp's softmax of its tokens, against its running references");
+    let neg_inf = k.mov(f32::NEG_INFINITY);
+    let mut valid = Vec::new();
+    let mut scores = Vec::new();
+    let mut most: Vec<Option<Reg<F32>>> = vec![None; columns];
+    for (i, &logit) in logits.iter().enumerate() {
+        let ok = k.and_pred(in_tile[token_of(i)], t.heads[column_of(i)].ok);
+        let s = k.selp(logit, neg_inf, ok);
+        let best = &mut most[column_of(i)];
+        *best = Some(match *best {
+            None => s,
+            Some(b) => k.max(b, s),
+        });
+        valid.push(ok);
+        scores.push(s);
+    }
+    let most: Vec<Reg<F32>> = most.into_iter().map(|b| b.expect("a logit")).collect();
+    let mut over = None;
+    for (head, &best) in t.heads.iter().zip(&most) {
+        let limit = k.add(head.reference, RESCALE_SLACK_BITS);
+        let passes = k.setp(Cmp::Gt, best, limit);
+        over = Some(match over {
+            None => passes,
+            Some(p) => k.or_pred(p, passes),
+        });
+    }
+    let any = k.vote_any(over.expect("a column tile"));
+    let settled = k.label();
+    k.bra_if(any, false, settled);
+    k.comment("rare: the references move to the tile's maxima; sums and accumulators decay");
+    for ((head, &best), acc) in t.heads.iter().zip(&most).zip(&values.acc) {
+        // The head's lanes: the same quad in every row.
+        let mut best = best;
+        for mask in [4, 8, 16] {
+            let other = k.shfl_bfly(best, mask);
+            best = k.max(best, other);
+        }
+        let new = k.max(head.reference, best);
+        let decay = power_ratio(k, head.reference, new);
+        k.mul_to(head.sum, head.sum, decay);
+        scale_all(k, acc, decay);
+        k.assign(head.reference, new);
+    }
+    k.place(settled);
+
+    let mut weights = Vec::new();
+    for (i, &s) in scores.iter().enumerate() {
+        let head = &t.heads[column_of(i)];
+        let d = k.sub(s, head.reference);
+        let w = k.ex2(d);
+        // Also keeps 2^(−∞ + ∞) out of heads with no logits yet.
+        let w = k.selp(w, 0.0f32, valid[i]);
+        k.add_to(head.sum, head.sum, w);
+        weights.push(w);
+    }
+    if let Some(scales) = scales {
+        for (i, w) in weights.iter_mut().enumerate() {
+            *w = k.mul(*w, scales[token_of(i)]);
+        }
+    }
+    weights
+        .chunks(2 * columns)
+        .map(|slot| {
+            slot.chunks(2)
+                .map(|pair| {
+                    let (hi, lo) = f16_parts(k, pair[0], pair[1]);
+                    [hi, lo]
+                })
+                .collect()
+        })
+        .collect()
+}
+
 /// The accumulate's B fragments from the score lanes' weight parts
-/// ([`Skeleton::mma_softmax`]), per slot and column tile: lane `(row, quad)`
+/// ([`mma_softmax`]), per slot and column tile: lane `(row, quad)`
 /// takes head `row / 2`'s tokens `2 · quad + {0, 1, 8, 9}`, hi parts on even
 /// rows and lo parts on odd ones, from the two lanes whose C rows they are.
 fn mma_exchange(
@@ -1211,38 +1275,6 @@ fn mma_exchange(
     b
 }
 
-/// Lowers each column tile's σ to its tile's where that is smaller; when any
-/// lane's σ drops, the accumulators of its C columns' head take the ratio.
-fn lower_sigmas(
-    k: &mut Kernel,
-    acc: &[Vec<[Reg<F32>; 4]>],
-    sigmas: &[Reg<F32>],
-    tiles: &[Reg<F32>],
-) {
-    let mut factors = Vec::new();
-    let mut dropped = None;
-    for (&sigma, &tile) in sigmas.iter().zip(tiles) {
-        let lower = k.setp(Cmp::Lt, tile, sigma);
-        let inverse = unscale_of(k, sigma);
-        let ratio = k.mul(tile, inverse);
-        factors.push(k.selp(ratio, 1.0f32, lower));
-        let new = k.min(sigma, tile);
-        k.assign(sigma, new);
-        dropped = Some(match dropped {
-            None => lower,
-            Some(d) => k.or_pred(d, lower),
-        });
-    }
-    let Some(dropped) = dropped else { return };
-    let any = k.vote_any(dropped);
-    let kept = k.label();
-    k.bra_if(any, false, kept);
-    for (acc, &factor) in acc.iter().zip(&factors) {
-        scale_all(k, acc, factor);
-    }
-    k.place(kept);
-}
-
 /// Every accumulator of `acc` times `factor`.
 fn scale_all(k: &mut Kernel, acc: &[[Reg<F32>; 4]], factor: Reg<F32>) {
     for c in acc.iter().flatten() {
@@ -1259,27 +1291,17 @@ fn power_ratio(k: &mut Kernel, from: Reg<F32>, to: Reg<F32>) -> Reg<F32> {
     k.selp(1.0f32, ratio, same)
 }
 
-/// The f16 pairs of one word of key elements, in [`MmaPlan::key_element`]
-/// order.
-fn word_pairs(k: &mut Kernel, element: Element, w: Reg<U32>) -> Vec<Reg<U32>> {
+/// The fragment registers of one word of key elements
+/// ([`MmaScore::key_element`]): f16 pairs and bytes as they are; 4-bit codes
+/// as the bytes' high nibbles, 16 times the code (low nibbles, then high).
+fn key_registers(k: &mut Kernel, element: Element, w: Reg<U32>) -> Vec<Reg<U32>> {
+    const HIGH_NIBBLES: u32 = 0xF0F0_F0F0;
     match element {
-        Element::Half => vec![w],
-        Element::Int { bits: 8, signed } => {
-            let odd = k.shr(w, 8u32);
-            vec![
-                int_pair(k, w, 8, signed, false),
-                int_pair(k, odd, 8, signed, false),
-            ]
+        Element::Int { bits: 4, .. } => {
+            let low = k.shl(w, 4u32);
+            vec![k.and(low, HIGH_NIBBLES), k.and(w, HIGH_NIBBLES)]
         }
-        Element::Int { bits, signed } => {
-            let odd = k.shr(w, 8u32);
-            vec![
-                int_pair(k, w, bits, signed, false),
-                int_pair(k, w, bits, signed, true),
-                int_pair(k, odd, bits, signed, false),
-                int_pair(k, odd, bits, signed, true),
-            ]
-        }
+        _ => vec![w],
     }
 }
 
