@@ -751,19 +751,12 @@ impl Skeleton<'_> {
         let scales = (score.scale_lane).map(|lane| {
             let rows = self.mma_rows(k, tile, m.value_rows);
             let rows = k.add(rows, lane);
-            // Rows past the tile's items are not read: past the last slot
-            // they are outside the buffers.
             let scales: Vec<Reg<F32>> = (0..in_tile.len() as u32)
                 .map(|token| {
                     let offset =
                         ((token / 2) * plan.warps * TILE + 8 * (token % 2)) * m.value_rows.stride;
-                    let bits = k.mov(0u32);
-                    k.guarded(in_tile[token as usize], true, |k| {
-                        let loaded = k.ld_shared_narrow(Shared::at(rows).plus(offset.into()), 16);
-                        k.assign(bits, loaded);
-                    });
-                    let half = k.low16(bits);
-                    k.f16_to_f32(half)
+                    let at = Shared::at(rows).plus(offset.into());
+                    item_scale(k, at, in_tile[token as usize])
                 })
                 .collect();
             // The warp's tokens: rows of the lanes of one quad.
@@ -812,23 +805,14 @@ impl Skeleton<'_> {
                     .collect()
             })
             .collect();
-        // Per slot, the lane's 4 tokens' item scales times σ. Rows past the
-        // tile's items are not read: past the last slot they are outside the
-        // buffers.
+        // Per slot, the lane's 4 tokens' item scales times σ.
         let scales: Option<Vec<Reg<F32>>> = m.item_scale.map(|bit| {
             let scales: Vec<Reg<F32>> = (0..slots)
                 .flat_map(|j| STEP_TOKENS.iter().map(move |&d| (j, d)))
                 .zip(ok.iter().flatten())
                 .map(|((j, d), &ok)| {
                     let offset = (j * plan.warps * TILE + d) * stride + bit / 8;
-                    let bits = k.mov(0u32);
-                    k.guarded(ok, true, |k| {
-                        let at = Shared::at(token_rows).plus(offset.into());
-                        let loaded = k.ld_shared_narrow(at, 16);
-                        k.assign(bits, loaded);
-                    });
-                    let half = k.low16(bits);
-                    k.f16_to_f32(half)
+                    item_scale(k, Shared::at(token_rows).plus(offset.into()), ok)
                 })
                 .collect();
             // The warp's tokens: quads of the lanes of one row.
@@ -1273,6 +1257,18 @@ fn mma_exchange(
         b.push(columns);
     }
     b
+}
+
+/// The f16 item scale at `at` (0 where `ok` fails: rows past the tile's
+/// items are not read, past the last slot they are outside the buffers).
+fn item_scale(k: &mut Kernel, at: Shared, ok: Reg<Pred>) -> Reg<F32> {
+    let bits = k.mov(0u32);
+    k.guarded(ok, true, |k| {
+        let loaded = k.ld_shared_narrow(at, 16);
+        k.assign(bits, loaded);
+    });
+    let half = k.low16(bits);
+    k.f16_to_f32(half)
 }
 
 /// Every accumulator of `acc` times `factor`.
