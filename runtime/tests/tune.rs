@@ -36,6 +36,14 @@ fn h200() -> GpuId {
     }
 }
 
+/// The H200 under another driver: another GPU key.
+fn other_driver() -> GpuId {
+    GpuId {
+        driver_version: 12080,
+        ..h200()
+    }
+}
+
 fn shape() -> ShapeBucket {
     ShapeBucket::of(8, 32, 8, 32768)
 }
@@ -124,11 +132,9 @@ fn entries_round_trip_and_are_found_by_key() {
     assert_eq!(reopened.entries()[0].candidates.len(), 4);
     assert!(reopened.entries()[0].candidates[2].skipped.is_some());
     // Another tier, GPU, driver or shape bucket misses.
-    let mut other_driver = h200();
-    other_driver.driver_version = 12080;
     for miss in [
         TuneKey::new(&h200(), &f, 1, shape()),
-        TuneKey::new(&other_driver, &f, 0, shape()),
+        TuneKey::new(&other_driver(), &f, 0, shape()),
         TuneKey::new(&h200(), &f, 0, ShapeBucket::of(8, 32, 8, 8192)),
         TuneKey::new(&h200(), &f, 0, ShapeBucket::of(32, 32, 8, 32768)),
     ] {
@@ -184,11 +190,9 @@ fn winners_of_related_entries_seed_a_search() {
         vec![at_8k.winner, stale.winner]
     );
     // Another tier, GPU or query group seeds nothing.
-    let mut other_driver = h200();
-    other_driver.driver_version = 12080;
     for unrelated in [
         TuneKey::new(&h200(), &f, 1, shape()),
-        TuneKey::new(&other_driver, &f, 0, shape()),
+        TuneKey::new(&other_driver(), &f, 0, shape()),
         TuneKey::new(&h200(), &f, 0, ShapeBucket::of(8, 32, 32, 32768)),
     ] {
         assert!(

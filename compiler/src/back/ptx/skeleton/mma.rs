@@ -39,8 +39,7 @@ const HALF_EXPONENT: u32 = 14;
 const INT_EXPONENT: u32 = 21;
 /// Independent accumulator chains of a score tile's `mma.sync`s on f16 rows:
 /// one chain waits a full tensor-core latency per 16 elements. Integer keys
-/// keep one chain: their conversions fill that wait, and a second chain's
-/// registers made KIVI 1 % slower (H200, eleventh round).
+/// have one chain per B tile ([`ScoreSums`]).
 const HALF_SCORE_CHAINS: u32 = 2;
 /// f32 exponent bias and largest finite biased exponent.
 const BIAS: u32 = 127;
@@ -82,8 +81,6 @@ pub(super) struct MmaScoreThread {
 /// A warp's softmax state of one head, as each lane of the head's C columns
 /// holds it.
 struct WarpHead {
-    /// Whether the head is one of the group's.
-    ok: Reg<Pred>,
     /// The warp's reference, in log2 units (logits times log2 e).
     reference: Reg<F32>,
     /// The lane's sum of the weights against it.
@@ -96,7 +93,7 @@ pub(super) struct MmaValues {
     /// The weights' place in the logits rows when the score is not on the
     /// tensor cores (they are then read from shared memory).
     shared: Option<SharedWeights>,
-    /// Per column tile: whether the C columns' head exists.
+    /// Per column tile: whether the C columns' head (the score's, too) exists.
     out_ok: Vec<Reg<Pred>>,
     /// Per column tile and channel tile: the output accumulators.
     acc: Vec<Vec<[Reg<F32>; 4]>>,
@@ -316,13 +313,9 @@ impl Skeleton<'_> {
         };
         let neg_inf = k.mov(f32::NEG_INFINITY);
         let heads = (0..m.column_tiles)
-            .map(|ct| {
-                let head = k.add(lanes.quad, 4 * ct);
-                WarpHead {
-                    ok: k.setp(Cmp::Lt, head, self.group),
-                    reference: k.mov(neg_inf),
-                    sum: k.mov(zero),
-                }
+            .map(|_| WarpHead {
+                reference: k.mov(neg_inf),
+                sum: k.mov(zero),
             })
             .collect();
         let scale_lane = (m.item_scale).map(|bit| k.mad_lo(key_row, m.value_rows.stride, bit / 8));
@@ -427,8 +420,13 @@ impl Skeleton<'_> {
             let first = k.mad_lo(lanes.quad, 4 * chunk, h);
             k.add(first, 4 * slot0)
         });
+        // Logits in log2 units; 4-bit codes enter as 16 times the code.
+        let code_scale = match m.key {
+            Element::Int { bits, .. } => 1.0 / (1u32 << (8 - bits)) as f32,
+            Element::Half => 1.0,
+        };
         let softmax_scale = k.ld_param(&self.p.softmax_scale);
-        let log2_scale = k.mul(softmax_scale, std::f32::consts::LOG2_E);
+        let factor = k.mul(softmax_scale, std::f32::consts::LOG2_E * code_scale);
         let mut tiles = Vec::new();
         let mut to_logits = Vec::new();
         for &(at, ok) in query_at {
@@ -457,7 +455,7 @@ impl Skeleton<'_> {
                     .collect()
             };
             // A B column's lanes: the four of its row.
-            let (sigma, column_tiles, code_scale) = match m.key {
+            let (sigma, column_tiles) = match m.key {
                 Element::Half => {
                     let sigma = column_sigma(k, &elements, &[1, 2], HALF_EXPONENT);
                     let scaled: Vec<Reg<F32>> = elements.iter().map(|&x| k.mul(x, sigma)).collect();
@@ -467,9 +465,9 @@ impl Skeleton<'_> {
                             f16_part(k, scaled[at[0]], scaled[at[1]], lanes.low_part)
                         })
                         .collect();
-                    (sigma, vec![pairs], 1.0)
+                    (sigma, vec![pairs])
                 }
-                Element::Int { bits, .. } => {
+                Element::Int { .. } => {
                     let sigma = column_sigma(k, &elements, &[1, 2], INT_EXPONENT);
                     // Q = d0 · 2^16 + d1 · 2^8 + d2 with signed bytes: d2 is
                     // Q's byte 0, d1 byte 1 of Q + 2^7, d0 byte 2 of Q +
@@ -505,8 +503,7 @@ impl Skeleton<'_> {
                                 .collect()
                         })
                         .collect();
-                    // 4-bit codes enter as 16 times the code.
-                    (sigma, tiles, 1.0 / (1u32 << (8 - bits)) as f32)
+                    (sigma, tiles)
                 }
             };
             tiles.push(column_tiles);
@@ -514,7 +511,6 @@ impl Skeleton<'_> {
             let inverse = unscale_of(k, sigma);
             let owner = k.shl(lanes.quad, 3u32);
             let inverse = k.shfl_idx(inverse, owner);
-            let factor = k.mul(log2_scale, code_scale);
             to_logits.push(k.mul(inverse, factor));
         }
         Queries { tiles, to_logits }
@@ -983,7 +979,7 @@ impl Skeleton<'_> {
         let sums = i64::from(plan.warps * warp_bytes);
         let top = k.setp(Cmp::Eq, t.lanes.row, 0u32);
         let mut slots = Vec::new();
-        for (ct, head) in (0u32..).zip(&t.heads) {
+        for ((ct, head), &head_ok) in (0u32..).zip(&t.heads).zip(&v.out_ok) {
             let index = k.add(t.lanes.quad, 4 * ct);
             let (clamped, state) = self.mma_head_slot(k, index);
             let slot = k.mad_lo(clamped, 4u32, area);
@@ -993,7 +989,7 @@ impl Skeleton<'_> {
                 let other = k.shfl_bfly(sum, mask);
                 sum = k.add(sum, other);
             }
-            let writer = k.and_pred(top, head.ok);
+            let writer = k.and_pred(top, head_ok);
             k.guarded(writer, true, |k| {
                 k.st_shared(Shared::at(mine), head.reference);
                 k.st_shared(Shared::at(mine).plus(sums), sum);
@@ -1003,7 +999,8 @@ impl Skeleton<'_> {
         k.bar_sync();
         let first_warp = k.setp(Cmp::Eq, t.lanes.warp, 0u32);
         let leader = k.and_pred(first_warp, top);
-        for ((head, (slot, state)), acc) in t.heads.iter().zip(slots).zip(&v.acc) {
+        let per_head = t.heads.iter().zip(slots).zip(&v.acc).zip(&v.out_ok);
+        for (((head, (slot, state)), acc), &head_ok) in per_head {
             let at = |w: u32| Shared::at(slot).plus(i64::from(w * warp_bytes));
             let references: Vec<Reg<F32>> =
                 (0..plan.warps).map(|w| k.ld_shared::<F32>(at(w))).collect();
@@ -1013,7 +1010,7 @@ impl Skeleton<'_> {
             let factor = power_ratio(k, head.reference, most);
             scale_all(k, acc, factor);
             k.comment("the head's softmax state, from the first warp's lanes of row 0");
-            let owner = k.and_pred(leader, head.ok);
+            let owner = k.and_pred(leader, head_ok);
             let skip = k.label();
             k.bra_if(owner, false, skip);
             let total = k.mov(0.0f32);
@@ -1160,7 +1157,7 @@ fn mma_softmax(
     let mut scores = Vec::new();
     let mut most: Vec<Option<Reg<F32>>> = vec![None; columns];
     for (i, &logit) in logits.iter().enumerate() {
-        let ok = k.and_pred(in_tile[token_of(i)], t.heads[column_of(i)].ok);
+        let ok = k.and_pred(in_tile[token_of(i)], values.out_ok[column_of(i)]);
         let s = k.selp(logit, neg_inf, ok);
         let best = &mut most[column_of(i)];
         *best = Some(match *best {
