@@ -32,6 +32,12 @@ impl Gpu {
             return Err(CudaError::NoDevice);
         }
         let context = CudaContext::new(0).during(|| "creating a context on GPU 0".into())?;
+        // Without this, every buffer argument of every launch records and
+        // waits on events (cudarc's multi-stream bookkeeping): a dozen driver
+        // calls before each kernel starts, GPU idle meanwhile.
+        // SAFETY: every allocation, copy, launch and free goes through the one
+        // stream below, in order, so no slice needs cross-stream tracking.
+        unsafe { context.disable_event_tracking() };
         let stream = context.new_stream().during(|| "creating a stream".into())?;
         let name = context.name().during(|| "reading the device name".into())?;
         let compute_capability = context
