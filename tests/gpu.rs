@@ -165,6 +165,20 @@ fn gpu_tuning_space_matches_interpreter_and_page_size_is_enforced() {
                 tensor_cores: false,
                 ..default
             },
+            KernelConfig {
+                pipeline: true,
+                ..default
+            },
+            // Pipelined with partial and empty tiles, a warp without a token
+            // tile and values loading two tiles ahead.
+            KernelConfig {
+                pipeline: true,
+                warps: 2,
+                tile_items: Some(16),
+                splits: Some(3),
+                stages: 3,
+                ..default
+            },
         ] {
             let configs = vec![config; format.tiers().len()];
             let kernels = FormatKernels::load_configs(gpu, &format, &configs, 4)

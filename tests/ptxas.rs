@@ -347,5 +347,6 @@ fn random_options(rng: &mut Rng, index: usize) -> Options {
         max_accumulators: rng.pick(&[4, 16, 32]),
         query_group: None,
         tensor_cores: rng.coin(),
+        pipeline: rng.coin(),
     }
 }

@@ -29,12 +29,15 @@ for s in "$@"; do
       ;;
     sanitize)
       step "compute-sanitizer memcheck + racecheck"
-      for tool in memcheck racecheck; do
-        compute-sanitizer --tool "$tool" --error-exitcode 9 .gpu/gpu-tests gpu_matches_interpreter_on_every_bundled_tier --test-threads 1 \
-          > "$out/sanitize-$tool.log" 2>&1
-        rc=$?
-        echo "$tool exit $rc: $(grep -E 'ERROR SUMMARY|test result' "$out/sanitize-$tool.log" | tr '\n' ' ')"
-        [ "$rc" -eq 0 ] || status=1
+      # The bundled tiers at the defaults, then the tuning space's other configurations (pipelined ones too).
+      for t in gpu_matches_interpreter_on_every_bundled_tier gpu_tuning_space_matches_interpreter_and_page_size_is_enforced; do
+        for tool in memcheck racecheck; do
+          compute-sanitizer --tool "$tool" --error-exitcode 9 .gpu/gpu-tests "$t" --test-threads 1 \
+            > "$out/sanitize-$tool-$t.log" 2>&1
+          rc=$?
+          echo "$tool $t exit $rc: $(grep -E 'SUMMARY|test result' "$out/sanitize-$tool-$t.log" | tr '\n' ' ')"
+          [ "$rc" -eq 0 ] || status=1
+        done
       done
       ;;
     ncu)

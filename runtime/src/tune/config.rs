@@ -24,6 +24,10 @@ pub struct KernelConfig {
     /// Score and accumulate on the tensor cores where the tier allows it.
     #[serde(default = "tensor_cores_on")]
     pub tensor_cores: bool,
+    /// Each tile's values accumulated during the next tile (tensor-core
+    /// scores only; entries written before the knob had none).
+    #[serde(default)]
+    pub pipeline: bool,
     /// Query heads per score / accumulate work unit.
     pub head_block: u32,
     /// Accumulator registers per thread in the accumulate phase.
@@ -43,6 +47,7 @@ impl KernelConfig {
             tile_items: options.tile_items,
             stages: options.stages,
             tensor_cores: options.tensor_cores,
+            pipeline: options.pipeline,
             head_block: options.head_block,
             max_accumulators: options.max_accumulators,
             splits: None,
@@ -57,6 +62,7 @@ impl KernelConfig {
             tile_items: self.tile_items,
             stages: self.stages,
             tensor_cores: self.tensor_cores,
+            pipeline: self.pipeline,
             head_block: self.head_block,
             max_accumulators: self.max_accumulators,
             query_group: Some(query_group),
@@ -108,7 +114,7 @@ pub fn with_page_items(format: &Format, items: u32) -> Result<Format, TuneError>
 }
 
 /// A short label for tables: `p64 w4 tile:page x2 mma hb8 acc32 splits:auto`
-/// (`fma` instead of `mma`: tensor cores off).
+/// (`fma` instead of `mma`: tensor cores off; `mma+pipe`: pipelined).
 impl fmt::Display for KernelConfig {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let opt =
@@ -120,7 +126,11 @@ impl fmt::Display for KernelConfig {
             self.warps,
             opt(self.tile_items, "page"),
             self.stages,
-            if self.tensor_cores { "mma" } else { "fma" },
+            match (self.tensor_cores, self.pipeline) {
+                (false, _) => "fma",
+                (true, false) => "mma",
+                (true, true) => "mma+pipe",
+            },
             self.head_block,
             self.max_accumulators,
             opt(self.splits, "auto")

@@ -21,18 +21,20 @@ pub struct Space {
     pub tensor_cores: Vec<bool>,
     pub head_block: Vec<u32>,
     pub max_accumulators: Vec<u32>,
+    #[serde(default)]
+    pub pipeline: Vec<bool>,
 }
 
 /// Axes (page, warps, splits, tile, stages, tensor cores, head block,
-/// accumulators): the fields of a [`KernelConfig`] the space sweeps.
-const AXES: usize = 8;
+/// accumulators, pipeline): the fields of a [`KernelConfig`] the space sweeps.
+const AXES: usize = 9;
 
 /// The axes coordinate descent sweeps together, in the order it visits
 /// them: page size and warps first (they change occupancy the most); tile
 /// and splits jointly, since a fixed split count suits one tile size only
 /// (on an H200, kivi int8 at 32K: 64-item tiles were 9 % slower than whole
 /// pages with 4 splits and 8 % faster with one wave's splits).
-const MOVES: [&[usize]; 7] = [&[0], &[1], &[3, 2], &[4], &[5], &[6], &[7]];
+const MOVES: [&[usize]; 8] = [&[0], &[1], &[3, 2], &[4], &[5], &[6], &[7], &[8]];
 
 impl Space {
     /// The standard space around `default`, with the page sizes to try.
@@ -64,11 +66,12 @@ impl Space {
             },
             head_block: with(vec![4, 8], default.head_block),
             max_accumulators: with(vec![16, 32], default.max_accumulators),
+            pipeline: vec![default.pipeline, !default.pipeline],
         }
     }
 
     /// The space without the values of the code-only axes (tensor cores,
-    /// head block, accumulators) that give the same kernel as `default`
+    /// head block, accumulators, pipeline) that give the same kernel as `default`
     /// (`same` says whether a configuration does): for a tier the tensor
     /// cores do not serve, or whose phases all run on them, such values
     /// would only time one kernel again under another label.
@@ -98,6 +101,13 @@ impl Space {
                     ..default
                 })
         });
+        self.pipeline.retain(|&v| {
+            v == default.pipeline
+                || !same(&KernelConfig {
+                    pipeline: v,
+                    ..default
+                })
+        });
         self
     }
 
@@ -110,7 +120,8 @@ impl Space {
             4 => self.stages.len(),
             5 => self.tensor_cores.len(),
             6 => self.head_block.len(),
-            _ => self.max_accumulators.len(),
+            7 => self.max_accumulators.len(),
+            _ => self.pipeline.len(),
         }
     }
 
@@ -125,7 +136,8 @@ impl Space {
             4 => c.stages = self.stages[i],
             5 => c.tensor_cores = self.tensor_cores[i],
             6 => c.head_block = self.head_block[i],
-            _ => c.max_accumulators = self.max_accumulators[i],
+            7 => c.max_accumulators = self.max_accumulators[i],
+            _ => c.pipeline = self.pipeline[i],
         }
         c.normalized()
     }
@@ -348,6 +360,7 @@ mod tests {
             tile_items: None,
             stages: 2,
             tensor_cores: true,
+            pipeline: false,
             head_block: 8,
             max_accumulators: 32,
             splits: None,
@@ -374,13 +387,13 @@ mod tests {
     #[test]
     fn the_space_holds_the_default_and_merges_equivalent_tiles() {
         let s = space();
-        assert_eq!(s.size(), 4 * 3 * 5 * 5 * 3 * 2 * 2 * 2);
+        assert_eq!(s.size(), 4 * 3 * 5 * 5 * 3 * 2 * 2 * 2 * 2);
         let all = s.all(default());
         assert_eq!(all[0], default());
         // Tiles of at least a page are the whole page: on 32-item pages, tiles
         // 32, 64 and 128 merge with the whole page (16 stays).
         let on = |items: u32| all.iter().filter(move |c| c.page_items == items).count();
-        let others = 3 * 5 * 3 * 2 * 2 * 2;
+        let others = 3 * 5 * 3 * 2 * 2 * 2 * 2;
         assert_eq!(on(32), 2 * others);
         assert_eq!(on(64), 3 * others);
         assert_eq!(on(128), 4 * others);
@@ -397,13 +410,14 @@ mod tests {
         assert_eq!(s.tensor_cores, vec![true]);
         assert_eq!(s.head_block, vec![8]);
         assert_eq!(s.max_accumulators, vec![16, 32]);
+        assert_eq!(s.pipeline, vec![false]);
         assert_eq!(s.all(default())[0], default());
         // Every code-only value changes the kernel: nothing is dropped.
         let all_differ = space().without_duplicates(default(), |c| *c == default());
         assert_eq!(all_differ, space());
-        // None does: each of the three axes keeps the default's value only.
+        // None does: each of the four axes keeps the default's value only.
         let none_differ = space().without_duplicates(default(), |_| true);
-        assert_eq!(none_differ.size(), space().size() / 8);
+        assert_eq!(none_differ.size(), space().size() / 16);
     }
 
     #[test]

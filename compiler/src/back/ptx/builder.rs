@@ -114,6 +114,12 @@ impl<T> Clone for Reg<T> {
     }
 }
 impl<T> Copy for Reg<T> {}
+impl<T> PartialEq for Reg<T> {
+    fn eq(&self, other: &Self) -> bool {
+        self.id == other.id
+    }
+}
+impl<T> Eq for Reg<T> {}
 impl<T: Type> std::fmt::Display for Reg<T> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "{}{}", T::PREFIX, self.id)

@@ -84,6 +84,10 @@ pub struct Options {
     /// qualifies (`mma.rs`: f16 keys and values read as stored); otherwise,
     /// and when off, per-thread fma chains.
     pub tensor_cores: bool,
+    /// With the score and its softmax per warp on the tensor cores: each
+    /// tile's values are accumulated during the next tile, next to its score
+    /// (more independent work per warp, more registers).
+    pub pipeline: bool,
 }
 
 impl Default for Options {
@@ -98,6 +102,7 @@ impl Default for Options {
             max_accumulators: 32,
             query_group: None,
             tensor_cores: true,
+            pipeline: false,
         }
     }
 }

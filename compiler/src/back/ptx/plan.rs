@@ -172,6 +172,9 @@ pub struct Plan {
     pub buffers: u32,
     /// Tile buffers: tiles `t + 1 .. t + stages - 1` load while tile `t` is computed.
     pub stages: u32,
+    /// Tile `t`'s values are accumulated during tile `t + 1` (only with a
+    /// tensor-core score: [`super::Options::pipeline`]).
+    pub pipelined: bool,
     /// The tile's logits (softmax weights after the softmax phase): item `i`,
     /// head `h` at float `i * head_stride + h`, so the accumulate phase loads
     /// a head block's weights as vectors. A tensor-core score keeps them in
@@ -444,6 +447,7 @@ impl Plan {
             mma,
             buffers,
             stages: options.stages,
+            pipelined: options.pipeline && mma_score,
             logits,
             head_stride,
             prefetch,

@@ -105,6 +105,22 @@ pub(super) struct MmaValues {
     token: Reg<U32>,
 }
 
+/// The pipelined stream's carried tile ([`Skeleton::mma_tile`]): its
+/// buffer, valid items and softmax weights, its values not yet accumulated.
+pub(super) struct Pending {
+    buf: Reg<U32>,
+    items: Reg<U32>,
+    /// Per (slot, column tile, row half), as [`mma_softmax`] returns them.
+    weights: Vec<Reg<F32>>,
+}
+
+impl Pending {
+    /// The tile's buffer and valid items.
+    pub(super) fn span(&self) -> (Reg<U32>, Reg<U32>) {
+        (self.buf, self.items)
+    }
+}
+
 /// Softmax weights the score phase left in the logits rows.
 struct SharedWeights {
     /// Per column tile: the weights of the B column's head at the lane's
@@ -119,11 +135,19 @@ pub(super) struct MmaExpand {
     passes: Vec<ExpandPass>,
     /// The lane's token in the warp's first token tile.
     token: Reg<U32>,
+    /// Lanes 16–31: the value side's, in a pass of both sides.
+    upper: Reg<Pred>,
 }
+
+/// A side's bitmap field, stream and staged rows, and its index (0: keys,
+/// 1: values).
+type ExpandSide<'a> = (Gather, &'a Stream, Rows, usize);
 
 /// One pass of the expansion: one side, or both sides with one shape.
 struct ExpandPass {
     gather: Gather,
+    /// The pass's sides (0: keys, 1: values): lanes 0–15 take the first.
+    sides: Vec<usize>,
     /// Whether groups are copied as 32-bit words (else halves).
     words: bool,
     /// The lanes that take part (0–15) when the pass has one side.
@@ -551,7 +575,7 @@ impl Skeleton<'_> {
             k.place(later);
         }
         let stride = m.key_rows.stride;
-        let base = self.mma_rows(k, tile, m.key_rows);
+        let base = self.mma_rows(k, tile.buf, m.key_rows);
         let lane_base = k.add(base, t.key_lane);
         let mut logits = Vec::new();
         for j in 0..self.mma_slots(m) {
@@ -596,11 +620,11 @@ impl Skeleton<'_> {
         logits
     }
 
-    /// Row 0 of a side's rows for this tile.
-    fn mma_rows(&self, k: &mut Kernel, tile: &Tile, rows: Rows) -> Reg<U32> {
+    /// Row 0 of a side's rows for the tile in buffer `buf`.
+    fn mma_rows(&self, k: &mut Kernel, buf: Reg<U32>, rows: Rows) -> Reg<U32> {
         match rows.staged {
             true => k.add(self.smem, rows.offset),
-            false => k.add(tile.buf, rows.offset),
+            false => k.add(buf, rows.offset),
         }
     }
 
@@ -611,12 +635,13 @@ impl Skeleton<'_> {
     /// with one shape, else the sides take turns on lanes 0–15.
     pub(super) fn mma_expand_setup(&self, k: &mut Kernel, m: &MmaPlan) -> Option<MmaExpand> {
         let plan = self.plan;
-        let sides: Vec<(Gather, &Stream, Rows)> = [
+        let sides: Vec<ExpandSide> = [
             (m.key_gather, &plan.key, m.key_rows),
             (m.value_gather, &plan.value, m.value_rows),
         ]
         .into_iter()
-        .filter_map(|(g, stream, rows)| Some((g?, stream, rows)))
+        .enumerate()
+        .filter_map(|(side, (g, stream, rows))| Some((g?, stream, rows, side)))
         .collect();
         if sides.is_empty() {
             return None;
@@ -624,7 +649,7 @@ impl Skeleton<'_> {
         let shared_shape = |a: Gather, b: Gather| {
             (a.groups, a.group_size, a.keep) == (b.groups, b.group_size, b.keep)
         };
-        let passes: Vec<Vec<(Gather, &Stream, Rows)>> = match sides[..] {
+        let passes: Vec<Vec<ExpandSide>> = match sides[..] {
             [a, b] if shared_shape(a.0, b.0) => vec![sides],
             _ => sides.into_iter().map(|side| vec![side]).collect(),
         };
@@ -638,18 +663,21 @@ impl Skeleton<'_> {
             .iter()
             .map(|pass| {
                 // The lane's side: its values, picked by `upper` with two sides.
-                let mut pick = |of: &dyn Fn(&(Gather, &Stream, Rows)) -> u32| match pass[..] {
+                let mut pick = |of: &dyn Fn(&ExpandSide) -> u32| match pass[..] {
                     [ref a, ref b] => k.selp(of(b), of(a), upper),
                     _ => k.mov(of(&pass[0])),
                 };
-                let mask_at = pick(&|(g, s, _)| s.buffer_offset + g.mask_bit / 8);
-                let elems_at = pick(&|(g, s, _)| s.buffer_offset + g.elems_bit / 8);
-                let item_stride = pick(&|(_, s, _)| s.shared_stride);
-                let row_at = pick(&|(_, _, r)| r.offset);
-                let row_stride = pick(&|(_, _, r)| r.stride);
+                let mask_at = pick(&|(g, s, _, _)| s.buffer_offset + g.mask_bit / 8);
+                let elems_at = pick(&|(g, s, _, _)| s.buffer_offset + g.elems_bit / 8);
+                let item_stride = pick(&|(_, s, _, _)| s.shared_stride);
+                let row_at = pick(&|(_, _, r, _)| r.offset);
+                let row_stride = pick(&|(_, _, r, _)| r.stride);
                 ExpandPass {
                     gather: pass[0].0,
-                    words: pass.iter().all(|(g, s, _)| g.word_copies(s.shared_stride)),
+                    sides: pass.iter().map(|side| side.3).collect(),
+                    words: pass
+                        .iter()
+                        .all(|(g, s, _, _)| g.word_copies(s.shared_stride)),
                     active: (pass.len() == 1).then_some(lower),
                     mask_at,
                     elems_at,
@@ -659,16 +687,27 @@ impl Skeleton<'_> {
                 }
             })
             .collect();
-        Some(MmaExpand { passes, token })
+        Some(MmaExpand {
+            passes,
+            token,
+            upper,
+        })
     }
 
     /// Expands the bitmap rows of the warp's token tiles into dense f16 rows
-    /// of the staging area. A lane zeroes its row, then walks the mask's set
+    /// of the staging area, each side from its tile (`tiles`: buffer and
+    /// items, keys then values; pipelined, the values are the tile before
+    /// the keys'). A lane zeroes its row, then walks the mask's set
     /// bits upwards, copying the packed group of rank `r` (at most
     /// `keep − 1`) to the bit's group. Only the warp reads its rows, so a
     /// warp barrier publishes them; the barrier that shows the next tile
     /// keeps them until every lane is done.
-    pub(super) fn mma_expand(&self, k: &mut Kernel, tile: &Tile, e: &MmaExpand) {
+    pub(super) fn mma_expand(
+        &self,
+        k: &mut Kernel,
+        e: &MmaExpand,
+        tiles: [(Reg<U32>, Reg<U32>); 2],
+    ) {
         let plan = self.plan;
         let m = plan.mma.as_ref().expect("tensor-core plan");
         k.comment("expand the warp's bitmap rows into dense f16 rows");
@@ -676,10 +715,17 @@ impl Skeleton<'_> {
         for pass in &e.passes {
             let g = pass.gather;
             let group_bytes = g.group_bytes();
+            let (buf, items) = match pass.sides[..] {
+                [lower, upper] if tiles[lower] != tiles[upper] => {
+                    let (a, b) = (tiles[lower], tiles[upper]);
+                    (k.selp(b.0, a.0, e.upper), k.selp(b.1, a.1, e.upper))
+                }
+                _ => tiles[pass.sides[0]],
+            };
             for j in 0..self.mma_slots(m) {
                 let skip = k.label();
                 let token = k.add(e.token, j * plan.warps * TILE);
-                let ok = k.setp(Cmp::Lt, token, tile.items);
+                let ok = k.setp(Cmp::Lt, token, items);
                 let ok = match pass.active {
                     Some(active) => k.and_pred(ok, active),
                     None => ok,
@@ -689,7 +735,7 @@ impl Skeleton<'_> {
                 for c in 0..g.dense_bytes().div_ceil(CHUNK) {
                     k.st_shared_v4::<U32>(Shared::at(row).plus(i64::from(CHUNK * c)), [zero; 4]);
                 }
-                let item = k.mad_lo(token, pass.item_stride, tile.buf);
+                let item = k.mad_lo(token, pass.item_stride, buf);
                 let first = k.add(item, pass.elems_at);
                 let last = k.add(first, (g.keep - 1) * group_bytes);
                 let source = k.mov(first);
@@ -724,44 +770,118 @@ impl Skeleton<'_> {
         k.bar_warp_sync();
     }
 
-    /// One tile with the score on the tensor cores: the warp's logits, its
-    /// softmax, and its tokens' values times their weights.
+    /// The pipeline's carried state, empty before the first tile. Its buffer
+    /// is tile −1's, whose values no copy writes while the first tile's
+    /// products read its (unused) rows.
+    pub(super) fn mma_pending_setup(&self, k: &mut Kernel, m: &MmaPlan) -> Pending {
+        let plan = self.plan;
+        let weights = self.mma_slots(m) * m.column_tiles * 2;
+        Pending {
+            buf: k.add(
+                self.smem,
+                plan.buffers + (plan.stages - 1) * plan.buffer_bytes,
+            ),
+            items: k.mov(0u32),
+            weights: (0..weights).map(|_| k.mov(0.0f32)).collect(),
+        }
+    }
+
+    /// Per (slot, row half): whether the lane's C row is one of the `items`
+    /// of its tile.
+    fn mma_rows_in(
+        &self,
+        k: &mut Kernel,
+        score: &MmaScoreThread,
+        items: Reg<U32>,
+    ) -> Vec<Reg<Pred>> {
+        let plan = self.plan;
+        let m = plan.mma.as_ref().expect("tensor-core plan");
+        (0..self.mma_slots(m))
+            .flat_map(|j| [0, 1].map(|half| (j, half)))
+            .map(|(j, half)| {
+                let token = k.add(score.key_row, j * plan.warps * TILE + 8 * half);
+                k.setp(Cmp::Lt, token, items)
+            })
+            .collect()
+    }
+
+    /// One tile with the score on the tensor cores. Unpipelined: the warp's
+    /// logits, its softmax, and its tokens' values times their weights.
+    /// Pipelined: the logits of this tile, the pending tile's values times
+    /// its weights, then this tile's softmax, whose weights become the
+    /// pending ones. The score and the products share no data, so ptxas
+    /// interleaves them; the products come before the softmax, whose decay
+    /// they must take.
     pub(super) fn mma_tile(
         &self,
         k: &mut Kernel,
         tile: &Tile,
+        pending: Option<&Pending>,
         score: &MmaScoreThread,
         values: &MmaValues,
     ) {
+        let in_tile = self.mma_rows_in(k, score, tile.items);
+        let Some(pending) = pending else {
+            // The item scales and σ first: they do not wait for the score.
+            let scales = self.mma_item_scales(k, score, values, tile.buf, &in_tile);
+            let logits = self.mma_logits(k, tile, score);
+            let weights = mma_softmax(k, score, values, &logits, &in_tile);
+            let parts = weight_parts(k, &weights, score.heads.len(), scales.as_deref());
+            let b = mma_exchange(k, score, &parts);
+            self.mma_products(k, tile.buf, tile.items, values, &b);
+            return;
+        };
+        let logits = self.mma_logits(k, tile, score);
+        self.mma_drain(k, pending, score, values);
+        let weights = mma_softmax(k, score, values, &logits, &in_tile);
+        for (&to, &from) in pending.weights.iter().zip(&weights) {
+            k.assign(to, from);
+        }
+        k.assign(pending.items, tile.items);
+        k.assign(pending.buf, tile.buf);
+    }
+
+    /// The pending tile's values times its weights (times its item scales
+    /// and σ, whose rescale of the accumulators comes first).
+    pub(super) fn mma_drain(
+        &self,
+        k: &mut Kernel,
+        pending: &Pending,
+        score: &MmaScoreThread,
+        values: &MmaValues,
+    ) {
+        let in_tile = self.mma_rows_in(k, score, pending.items);
+        let scales = self.mma_item_scales(k, score, values, pending.buf, &in_tile);
+        let parts = weight_parts(k, &pending.weights, score.heads.len(), scales.as_deref());
+        let b = mma_exchange(k, score, &parts);
+        self.mma_products(k, pending.buf, pending.items, values, &b);
+    }
+
+    /// With item scales: those of the lane's C rows of the tile in `buf`
+    /// (`in_tile` per slot and row half) times σ ([`Self::mma_item_sigma`]).
+    fn mma_item_scales(
+        &self,
+        k: &mut Kernel,
+        score: &MmaScoreThread,
+        values: &MmaValues,
+        buf: Reg<U32>,
+        in_tile: &[Reg<Pred>],
+    ) -> Option<Vec<Reg<F32>>> {
         let plan = self.plan;
         let m = plan.mma.as_ref().expect("tensor-core plan");
-        // Per (slot, row half): whether the lane's C row is one of the tile's.
-        let mut in_tile = Vec::new();
-        for j in 0..self.mma_slots(m) {
-            for half in 0..2 {
-                let token = k.add(score.key_row, j * plan.warps * TILE + 8 * half);
-                in_tile.push(k.setp(Cmp::Lt, token, tile.items));
-            }
-        }
-        // The item scales and σ first: they do not wait for the score.
-        let scales = (score.scale_lane).map(|lane| {
-            let rows = self.mma_rows(k, tile, m.value_rows);
-            let rows = k.add(rows, lane);
-            let scales: Vec<Reg<F32>> = (0..in_tile.len() as u32)
-                .map(|token| {
-                    let offset =
-                        ((token / 2) * plan.warps * TILE + 8 * (token % 2)) * m.value_rows.stride;
-                    let at = Shared::at(rows).plus(offset.into());
-                    item_scale(k, at, in_tile[token as usize])
-                })
-                .collect();
-            // The warp's tokens: rows of the lanes of one quad.
-            self.mma_item_sigma(k, values, &scales, &[4, 8, 16])
-        });
-        let logits = self.mma_logits(k, tile, score);
-        let parts = mma_softmax(k, score, values, &logits, &in_tile, scales.as_deref());
-        let b = mma_exchange(k, score, &parts);
-        self.mma_products(k, tile, values, &b);
+        let lane = score.scale_lane?;
+        let rows = self.mma_rows(k, buf, m.value_rows);
+        let rows = k.add(rows, lane);
+        let scales: Vec<Reg<F32>> = (0..in_tile.len() as u32)
+            .map(|token| {
+                let offset =
+                    ((token / 2) * plan.warps * TILE + 8 * (token % 2)) * m.value_rows.stride;
+                let at = Shared::at(rows).plus(offset.into());
+                item_scale(k, at, in_tile[token as usize])
+            })
+            .collect();
+        // The warp's tokens: rows of the lanes of one quad.
+        Some(self.mma_item_sigma(k, values, &scales, &[4, 8, 16]))
     }
 
     /// The tile's weighted values into the lane's accumulators, the weights
@@ -788,7 +908,7 @@ impl Skeleton<'_> {
         k.place(kept);
         let stride = m.value_rows.stride;
         let row_bytes = 4 * plan.head_stride;
-        let items = self.mma_rows(k, tile, m.value_rows);
+        let items = self.mma_rows(k, tile.buf, m.value_rows);
         let token_rows = k.mad_lo(t.token, stride, items);
         let slots = self.mma_slots(m);
         let ok: Vec<Vec<Reg<Pred>>> = (0..slots)
@@ -845,17 +965,25 @@ impl Skeleton<'_> {
             }
             b.push(columns);
         }
-        self.mma_products(k, tile, t, &b);
+        self.mma_products(k, tile.buf, tile.items, t, &b);
     }
 
-    /// The tile's values times the weights' B fragments `b` (per slot and
-    /// column tile) into the lane's accumulators.
-    fn mma_products(&self, k: &mut Kernel, tile: &Tile, t: &MmaValues, b: &[Vec<[Reg<U32>; 2]>]) {
+    /// The values of the tile in buffer `buf` (`items` of them) times the
+    /// weights' B fragments `b` (per slot and column tile) into the lane's
+    /// accumulators.
+    fn mma_products(
+        &self,
+        k: &mut Kernel,
+        buf: Reg<U32>,
+        items: Reg<U32>,
+        t: &MmaValues,
+        b: &[Vec<[Reg<U32>; 2]>],
+    ) {
         let plan = self.plan;
         let m = plan.mma.as_ref().expect("tensor-core plan");
         let stride = m.value_rows.stride;
-        let items = self.mma_rows(k, tile, m.value_rows);
-        let lane_base = k.add(items, t.value_lane);
+        let rows = self.mma_rows(k, buf, m.value_rows);
+        let lane_base = k.add(rows, t.value_lane);
         for (j, b) in (0u32..).zip(b) {
             let skip = k.label();
             if let Some(ok) = self.mma_slot_ok(k, m, t.lanes.warp, j) {
@@ -870,7 +998,7 @@ impl Skeleton<'_> {
                     // (0 · NaN poisons a sum); integers are always finite.
                     if m.value == Element::Half {
                         let at = k.add(t.token, first + d);
-                        let ok = k.setp(Cmp::Lt, at, tile.items);
+                        let ok = k.setp(Cmp::Lt, at, items);
                         token.words = token.words.iter().map(|&w| k.selp(w, 0u32, ok)).collect();
                     }
                     token
@@ -1134,30 +1262,25 @@ fn f16_part(k: &mut Kernel, a: Reg<F32>, b: Reg<F32>, low: Reg<Pred>) -> Reg<U32
 /// When a logit passes its head's reference by more than the slack in
 /// some lane (a warp vote), the warp's references move to the tile's
 /// maxima and the sums and accumulators decay; the weights are then
-/// 2^(s − reference). Returns, per slot and column tile, the lane's two
-/// weights (tokens `row` and `row + 8`), times the item scales and σ
-/// ([`Skeleton::mma_item_sigma`]), as f16 `[hi, lo]` pairs. `in_tile` and
-/// `scales` are per (slot, row half) of the lane's C rows.
+/// 2^(s − reference). Returns the lane's weights in the logits' order (per
+/// slot, column tile and row half: tokens `row` and `row + 8`). `in_tile`
+/// is per (slot, row half) of the lane's C rows.
 fn mma_softmax(
     k: &mut Kernel,
     t: &MmaScoreThread,
     values: &MmaValues,
     logits: &[Reg<F32>],
     in_tile: &[Reg<Pred>],
-    scales: Option<&[Reg<F32>]>,
-) -> Vec<Vec<[Reg<U32>; 2]>> {
+) -> Vec<Reg<F32>> {
     let columns = t.heads.len();
-    // Logit i is of slot i / (2·columns), column tile i / 2 % columns and
-    // half i % 2: token (slot, half) is entry 2·slot + half.
     let column_of = |i: usize| i / 2 % columns;
-    let token_of = |i: usize| i / (2 * columns) * 2 + i % 2;
     k.comment("the warp's softmax of its tokens, against its running references");
     let neg_inf = k.mov(f32::NEG_INFINITY);
     let mut valid = Vec::new();
     let mut scores = Vec::new();
     let mut most: Vec<Option<Reg<F32>>> = vec![None; columns];
     for (i, &logit) in logits.iter().enumerate() {
-        let ok = k.and_pred(in_tile[token_of(i)], values.out_ok[column_of(i)]);
+        let ok = k.and_pred(in_tile[token_of(i, columns)], values.out_ok[column_of(i)]);
         let s = k.selp(logit, neg_inf, ok);
         let best = &mut most[column_of(i)];
         *best = Some(match *best {
@@ -1206,12 +1329,31 @@ fn mma_softmax(
         k.add_to(head.sum, head.sum, w);
         weights.push(w);
     }
-    if let Some(scales) = scales {
-        for (i, w) in weights.iter_mut().enumerate() {
-            *w = k.mul(*w, scales[token_of(i)]);
-        }
-    }
     weights
+}
+
+/// The token (slot, row half), as entry `2 · slot + half`, of the `i`-th
+/// logit or weight: slot `i / (2 · columns)`, column tile `i / 2 % columns`,
+/// half `i % 2`.
+fn token_of(i: usize, columns: usize) -> usize {
+    i / (2 * columns) * 2 + i % 2
+}
+
+/// [`mma_softmax`]'s weights times the item scales (and σ, per token) as
+/// f16 `[hi, lo]` pairs, per slot and column tile.
+fn weight_parts(
+    k: &mut Kernel,
+    weights: &[Reg<F32>],
+    columns: usize,
+    scales: Option<&[Reg<F32>]>,
+) -> Vec<Vec<[Reg<U32>; 2]>> {
+    let scaled: Vec<Reg<F32>> = match scales {
+        Some(scales) => (weights.iter().enumerate())
+            .map(|(i, &w)| k.mul(w, scales[token_of(i, columns)]))
+            .collect(),
+        None => weights.to_vec(),
+    };
+    scaled
         .chunks(2 * columns)
         .map(|slot| {
             slot.chunks(2)

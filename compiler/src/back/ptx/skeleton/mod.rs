@@ -470,17 +470,31 @@ impl<'a> Skeleton<'a> {
     /// Tiles `0 .. stages - 1`, one `cp.async` group each (the first also
     /// holds the staged tables; groups past the split's tiles are empty, so
     /// the stream's wait counts stay uniform).
+    ///
+    /// Pipelined ([`Plan::pipelined`]): group `s` holds tile `s`'s header and
+    /// keys and tile `s − 1`'s values, which are read one tile later.
     fn issue_first_tiles(&self, k: &mut Kernel) {
+        let pipelined = self.plan.pipelined;
+        let whole = if pipelined { Part::Keys } else { Part::Whole };
         let zero = k.mov(0u32);
-        self.issue_tile(k, zero);
+        self.issue_tile(k, zero, whole);
         k.cp_async_commit();
         for s in 1..self.plan.stages - 1 {
             let t = k.mov(s);
             let past = k.setp(Cmp::Ge, t, self.tiles);
             let skip = k.label();
             k.bra_if(past, true, skip);
-            self.issue_tile(k, t);
+            self.issue_tile(k, t, whole);
             k.place(skip);
+            if pipelined {
+                // Tile s − 1 < s exists whenever tile s does not (tiles > 0).
+                let before = k.mov(s - 1);
+                let past = k.setp(Cmp::Ge, before, self.tiles);
+                let skip = k.label();
+                k.bra_if(past, true, skip);
+                self.issue_tile(k, before, Part::Values);
+                k.place(skip);
+            }
             k.cp_async_commit();
         }
     }
@@ -526,28 +540,35 @@ impl<'a> Skeleton<'a> {
         Global::at(k.global_index(self.page_ids, entry, 4))
     }
 
-    /// Issues the copies of tile `t` (header, key items, value items) into its buffer.
-    fn issue_tile(&self, k: &mut Kernel, t: Reg<U32>) {
+    /// Issues the copies of `part` of tile `t` into its buffer.
+    fn issue_tile(&self, k: &mut Kernel, t: Reg<U32>, part: Part) {
         let at = self.page_entry(k, t);
         let page_id = k.ld_global_nc::<U32>(at);
-        self.issue_tile_of(k, t, page_id);
+        self.issue_tile_of(k, t, page_id, part);
     }
 
     /// [`Self::issue_tile`] with the id of the tile's page already loaded.
-    fn issue_tile_of(&self, k: &mut Kernel, t: Reg<U32>, page_id: Reg<U32>) {
+    fn issue_tile_of(&self, k: &mut Kernel, t: Reg<U32>, page_id: Reg<U32>, part: Part) {
         let plan = self.plan;
         let page = k.global_index(self.pool, page_id, plan.page_bytes);
         let buf = self.buffer(k, t);
         let (first, len) = self.tile_span(k, t);
-        let header = plan.header_bytes / CHUNK;
-        self.copy(
-            k,
-            Op::Imm(header),
-            header,
-            Shared::at(buf),
-            Global::at(page),
-        );
-        for side in [Side::Key, Side::Value] {
+        if part != Part::Values {
+            let header = plan.header_bytes / CHUNK;
+            self.copy(
+                k,
+                Op::Imm(header),
+                header,
+                Shared::at(buf),
+                Global::at(page),
+            );
+        }
+        let sides: &[Side] = match part {
+            Part::Whole => &[Side::Key, Side::Value],
+            Part::Keys => &[Side::Key],
+            Part::Values => &[Side::Value],
+        };
+        for &side in sides {
             self.copy_stream(k, plan.stream(side), page, buf, first, len);
         }
     }
@@ -652,6 +673,11 @@ impl<'a> Skeleton<'a> {
         let warp_score =
             (plan.mma.as_ref()).and_then(|m| Some(self.mma_score_setup(k, m, m.score.as_ref()?)));
         let expand = (plan.mma.as_ref()).and_then(|m| self.mma_expand_setup(k, m));
+        // Pipelined, tile t's values accumulate during tile t + 1, next to its
+        // score: no dependency between the two, so one's latencies hide the other's.
+        let pending = (plan.mma.as_ref())
+            .filter(|_| plan.pipelined)
+            .map(|m| self.mma_pending_setup(k, m));
         let t = k.mov(0u32);
         let last = k.sub(self.tiles, 1u32);
         let lead = plan.stages - 1;
@@ -662,16 +688,37 @@ impl<'a> Skeleton<'a> {
             plan.stages
         ));
         let next_page = k.ld_global_nc::<U32>(at);
+        // Pipelined: the page of tile t + lead − 1, whose values load with
+        // tile t + lead's keys.
+        let value_page = pending.is_some().then(|| {
+            let behind = k.min(last, lead - 1);
+            let at = self.page_entry(k, behind);
+            k.ld_global_nc::<U32>(at)
+        });
         let top = k.label();
         k.place(top);
         k.comment("tile t is in, and every thread is done with tile t - 1");
         k.cp_async_wait(plan.stages - 2);
         k.bar_sync();
         let next = k.add(t, lead);
+        if let Some(value_page) = value_page {
+            let behind = k.add(t, lead - 1);
+            let exists = k.setp(Cmp::Lt, behind, self.tiles);
+            let skip = k.label();
+            k.bra_if(exists, false, skip);
+            self.issue_tile_of(k, behind, value_page, Part::Values);
+            k.place(skip);
+        }
         let more = k.setp(Cmp::Lt, next, self.tiles);
         let issued = k.label();
         k.bra_if(more, false, issued);
-        self.issue_tile_of(k, next, next_page);
+        match value_page {
+            Some(value_page) => {
+                self.issue_tile_of(k, next, next_page, Part::Keys);
+                k.assign(value_page, next_page);
+            }
+            None => self.issue_tile_of(k, next, next_page, Part::Whole),
+        }
         let after = k.add(t, lead + 1);
         let after = k.min(after, last);
         let at = self.page_entry(k, after);
@@ -692,8 +739,12 @@ impl<'a> Skeleton<'a> {
             }
         };
         let done = k.label();
-        let nothing = k.setp(Cmp::Eq, items, 0u32);
-        k.bra_if(nothing, true, done);
+        // Pipelined, an empty tile runs masked instead: the pending tile's
+        // values still accumulate.
+        if pending.is_none() {
+            let nothing = k.setp(Cmp::Eq, items, 0u32);
+            k.bra_if(nothing, true, done);
+        }
         let header = k.add(buf, 16u32);
         let tile = Tile {
             buf,
@@ -702,10 +753,14 @@ impl<'a> Skeleton<'a> {
             first,
         };
         if let Some(expand) = &expand {
-            self.mma_expand(k, &tile, expand);
+            let value_tile = match &pending {
+                Some(pending) => pending.span(),
+                None => (tile.buf, tile.items),
+            };
+            self.mma_expand(k, expand, [(tile.buf, tile.items), value_tile]);
         }
         if let (Some(score), Some(values)) = (&warp_score, &values) {
-            self.mma_tile(k, &tile, score, values);
+            self.mma_tile(k, &tile, pending.as_ref(), score, values);
         } else {
             let rescale = match &fused {
                 Some(fused) => Rescale::When(self.score_fused(k, &tile, fused)),
@@ -727,6 +782,16 @@ impl<'a> Skeleton<'a> {
         k.add_to(t, t, 1u32);
         let again = k.setp(Cmp::Lt, t, self.tiles);
         k.bra_if(again, true, top);
+        if let (Some(score), Some(values), Some(pending)) = (&warp_score, &values, &pending) {
+            k.comment("the last tile's values: every copy is in");
+            k.cp_async_wait(0);
+            k.bar_sync();
+            if let Some(expand) = &expand {
+                let no_keys = k.mov(0u32);
+                self.mma_expand(k, expand, [(pending.span().0, no_keys), pending.span()]);
+            }
+            self.mma_drain(k, pending, score, values);
+        }
         k.comment("every thread is done with the last tile");
         k.bar_sync();
         if let Some(acc) = &registers {
@@ -1688,6 +1753,14 @@ struct Tile {
     items: Reg<U32>,
     /// The tile's first item in its page (`None`: tiles are whole pages).
     first: Option<Reg<U32>>,
+}
+
+/// What of a tile a copy brings: the header goes with the keys.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Part {
+    Whole,
+    Keys,
+    Values,
 }
 
 /// How the accumulators take the tile's decay.
