@@ -826,9 +826,8 @@ impl Skeleton<'_> {
             let scales = self.mma_item_scales(k, score, values, tile.buf, &in_tile);
             let logits = self.mma_logits(k, tile, score);
             let weights = mma_softmax(k, score, values, &logits, &in_tile);
-            let parts = weight_parts(k, &weights, score.heads.len(), scales.as_deref());
-            let b = mma_exchange(k, score, &parts);
-            self.mma_products(k, tile.buf, tile.items, values, &b);
+            let span = (tile.buf, tile.items);
+            self.mma_weighted_products(k, score, values, span, &weights, scales);
             return;
         };
         let logits = self.mma_logits(k, tile, score);
@@ -852,9 +851,24 @@ impl Skeleton<'_> {
     ) {
         let in_tile = self.mma_rows_in(k, score, pending.items);
         let scales = self.mma_item_scales(k, score, values, pending.buf, &in_tile);
-        let parts = weight_parts(k, &pending.weights, score.heads.len(), scales.as_deref());
+        self.mma_weighted_products(k, score, values, pending.span(), &pending.weights, scales);
+    }
+
+    /// The values of the tile `span` (buffer, items) times its softmax
+    /// `weights` ([`mma_softmax`]'s order) and item `scales`: the weights'
+    /// f16 parts, moved to the accumulate's B fragments, into the products.
+    fn mma_weighted_products(
+        &self,
+        k: &mut Kernel,
+        score: &MmaScoreThread,
+        values: &MmaValues,
+        span: (Reg<U32>, Reg<U32>),
+        weights: &[Reg<F32>],
+        scales: Option<Vec<Reg<F32>>>,
+    ) {
+        let parts = weight_parts(k, weights, score.heads.len(), scales.as_deref());
         let b = mma_exchange(k, score, &parts);
-        self.mma_products(k, pending.buf, pending.items, values, &b);
+        self.mma_products(k, span.0, span.1, values, &b);
     }
 
     /// With item scales: those of the lane's C rows of the tile in `buf`

@@ -487,7 +487,7 @@ impl<'a> Skeleton<'a> {
             self.issue_tile(k, t, whole);
             k.place(skip);
             if pipelined {
-                // Tile s − 1 < s exists whenever tile s does not (tiles > 0).
+                // Tile s − 1's values: it may exist when tile s does not.
                 let before = k.mov(s - 1);
                 let past = k.setp(Cmp::Ge, before, self.tiles);
                 let skip = k.label();
@@ -702,12 +702,18 @@ impl<'a> Skeleton<'a> {
         k.bar_sync();
         let next = k.add(t, lead);
         if let Some(value_page) = value_page {
+            // With one tile ahead that is tile t itself, which exists.
             let behind = k.add(t, lead - 1);
-            let exists = k.setp(Cmp::Lt, behind, self.tiles);
-            let skip = k.label();
-            k.bra_if(exists, false, skip);
+            let skip = (lead > 1).then(|| {
+                let exists = k.setp(Cmp::Lt, behind, self.tiles);
+                let skip = k.label();
+                k.bra_if(exists, false, skip);
+                skip
+            });
             self.issue_tile_of(k, behind, value_page, Part::Values);
-            k.place(skip);
+            if let Some(skip) = skip {
+                k.place(skip);
+            }
         }
         let more = k.setp(Cmp::Lt, next, self.tiles);
         let issued = k.label();
