@@ -14,19 +14,27 @@ import sys
 import torch
 
 
-def timed(fn, sets, warmup, iters):
-    """Median milliseconds of fn(set) over `iters` runs, rotating through sets."""
+def timed(fn, sets, warmup, iters, queued):
+    """Median milliseconds of fn(set) over `iters` runs, rotating through sets.
+
+    Queued (as `kvcc bench --timing queued`): runs enqueued back to back, each
+    between its own events, so the host's launch work overlaps the run before
+    and the events time the GPU's work. Else each run is waited for first.
+    """
     for i in range(warmup):
         fn(sets[i % len(sets)])
     torch.cuda.synchronize()
-    times = []
+    events = []
     for i in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn(sets[i % len(sets)])
         end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
+        if not queued:
+            end.synchronize()
+        events.append((start, end))
+    torch.cuda.synchronize()
+    times = [start.elapsed_time(end) for start, end in events]
     return statistics.median(times), min(times), max(times)
 
 
@@ -52,7 +60,7 @@ def sdpa(args, ctx, sets):
         v.float().repeat_interleave(args.q_heads // args.kv_heads, 1))
     err = ((run(sets[0]).float() - ref).norm() / ref.norm()).item()
     assert err < 1e-2, f"SDPA error {err}"
-    return timed(run, sets, args.warmup, args.iters), err
+    return timed(run, sets, args.warmup, args.iters, args.timing == "queued"), err
 
 
 def flashinfer_decode(args, ctx, sets):
@@ -79,7 +87,7 @@ def flashinfer_decode(args, ctx, sets):
 
     def run(s):
         return wrapper.run(s[0], s[1])
-    return timed(run, paged, args.warmup, args.iters)
+    return timed(run, paged, args.warmup, args.iters, args.timing == "queued")
 
 
 def main():
@@ -93,9 +101,10 @@ def main():
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--fi-page", type=int, default=16)
+    p.add_argument("--timing", choices=["queued", "synced"], default="queued")
     p.add_argument("--json", required=True)
     args = p.parse_args()
-    results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": []}
+    results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "timing": args.timing, "rows": []}
     dense_bytes_per_token = 2 * 2 * args.dim  # K + V, f16, per kv head
     for ctx in [int(c) for c in args.ctx.split(",")]:
         sets = make_sets(args.batch, args.q_heads, args.kv_heads, ctx, args.dim, args.sets)

@@ -7,6 +7,7 @@ use clap::{Args, Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 use kvcc_compiler::Format;
 use kvcc_runtime::cli::{self, bench, check, demo, eval};
+use kvcc_runtime::cuda::measure::StepTiming;
 use kvcc_runtime::cuda::Gpu;
 use kvcc_runtime::exec::ExecutorKind;
 use kvcc_runtime::tensor_io::load_qkv;
@@ -101,6 +102,10 @@ enum Command {
         warmup: usize,
         #[arg(long, default_value_t = 50)]
         iters: usize,
+        /// queued: steps back to back, each step's events time the GPU's work;
+        /// synced: each step waited for, so the host's launch latency counts too.
+        #[arg(long, default_value = "queued")]
+        timing: StepTiming,
         /// JSON written by benches/gpu/baseline.py in the same session.
         #[arg(long)]
         baseline: Option<PathBuf>,
@@ -139,6 +144,10 @@ enum Command {
         warmup: usize,
         #[arg(long, default_value_t = 30)]
         iters: usize,
+        /// queued: steps back to back, each step's events time the GPU's work;
+        /// synced: each step waited for, so the host's launch latency counts too.
+        #[arg(long, default_value = "queued")]
+        timing: StepTiming,
         /// Least time a winner must save over the default (in the alternating
         /// confirmation) to replace it, as a fraction; below it is noise.
         #[arg(long, default_value_t = 0.01)]
@@ -261,6 +270,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             ctx,
             warmup,
             iters,
+            timing,
             baseline,
             no_tune,
             save,
@@ -278,6 +288,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                 contexts: ctx,
                 warmup,
                 iters,
+                timing,
                 tuned: !no_tune,
                 ..Default::default()
             };
@@ -300,6 +311,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             exhaustive_limit,
             warmup,
             iters,
+            timing,
             min_gain,
             force,
             save,
@@ -320,6 +332,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                 exhaustive_limit,
                 warmup,
                 iters,
+                timing,
                 min_gain,
                 force,
                 ..Default::default()

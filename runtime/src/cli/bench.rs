@@ -3,6 +3,7 @@
 //! (`benches/gpu/baseline.py`: PyTorch SDPA and FlashInfer).
 //!
 //! Method: CUDA events around each decode step (every tier kernel + merge),
+//! steps enqueued back to back as a serving loop runs them (`StepTiming`),
 //! warm-up first, median of `iters` steps, several device copies of the cache
 //! rotated so L2 cannot serve repeated reads, random (never zero) inputs, and the
 //! kernels' output checked against the interpreter before any time counts.
@@ -18,7 +19,7 @@ use serde::{Deserialize, Serialize};
 use crate::cache::PagedCache;
 
 use crate::cuda::measure::{
-    decode_steps, source_cache, time_steps, upload_copies, Reference, TOLERANCE,
+    decode_steps, source_cache, time_steps, upload_copies, Reference, StepTiming, TOLERANCE,
 };
 use crate::cuda::{FormatKernels, Gpu};
 use crate::table::Table;
@@ -34,6 +35,7 @@ pub struct BenchOptions {
     pub contexts: Vec<usize>,
     pub warmup: usize,
     pub iters: usize,
+    pub timing: StepTiming,
     /// L2-defeating rotation: at least this many bytes of distinct caches.
     pub rotate_bytes: u64,
     pub seed: u64,
@@ -50,6 +52,7 @@ impl Default for BenchOptions {
             contexts: vec![8192, 32768, 131072],
             warmup: 10,
             iters: 50,
+            timing: StepTiming::Queued,
             rotate_bytes: 512 << 20,
             seed: 11,
             tuned: true,
@@ -87,6 +90,8 @@ pub struct BenchReport {
     pub compute_capability: (i32, i32),
     pub driver_version: i32,
     pub shape: String,
+    /// How steps were timed ([`StepTiming::name`]).
+    pub timing: String,
     pub rows: Vec<BenchRow>,
     pub baselines: Option<Baselines>,
 }
@@ -96,6 +101,10 @@ pub struct BenchReport {
 pub struct Baselines {
     pub gpu: String,
     pub torch: String,
+    /// How its steps were timed ([`StepTiming::name`]); files from before the
+    /// field timed each call synced.
+    #[serde(default = "synced")]
+    pub timing: String,
     pub rows: Vec<BaselineRow>,
 }
 
@@ -106,6 +115,10 @@ pub struct BaselineRow {
     pub ms: Option<f64>,
     pub tb_per_s: Option<f64>,
     pub error: Option<String>,
+}
+
+fn synced() -> String {
+    StepTiming::Synced.name().into()
 }
 
 impl Baselines {
@@ -127,6 +140,19 @@ pub fn run(
     options: &BenchOptions,
     mut progress: impl FnMut(&str),
 ) -> Result<BenchReport, Box<dyn std::error::Error>> {
+    if let Some(b) = &baselines {
+        // Ratios only compare like with like: launch latency in both or in neither.
+        if b.timing != options.timing.name() {
+            return Err(format!(
+                "the baselines were timed {}, this run times {}: pass --timing {} or rerun baseline.py --timing {}",
+                b.timing,
+                options.timing.name(),
+                b.timing,
+                options.timing.name()
+            )
+            .into());
+        }
+    }
     let gpu = Gpu::open()?;
     let mut rows = Vec::new();
     for format in formats {
@@ -198,6 +224,7 @@ pub fn run(
                     &mut steps,
                     options.warmup,
                     options.iters,
+                    options.timing,
                 )?;
                 let bytes = caches[0].bytes_per_step as f64;
                 let bytes_per_token = bytes / (options.batch * options.kv_heads * context) as f64;
@@ -232,6 +259,7 @@ pub fn run(
             "batch {}, {} query heads, {} kv heads, contexts {:?}",
             options.batch, options.q_heads, options.kv_heads, options.contexts
         ),
+        timing: options.timing.name().into(),
         rows,
         baselines,
     })
@@ -279,7 +307,32 @@ pub fn render(report: &BenchReport) -> String {
             format!("baselines: torch {} on {}", b.torch, b.gpu)
         });
     format!(
-        "kvcc bench on {} (sm_{}{}, driver {}); {}; {}\nTB/s = bytes the layout says a step reads / median time; bar = 0.75 x dense bytes / format bytes\n{}",
-        report.gpu, report.compute_capability.0, report.compute_capability.1, report.driver_version, report.shape, baseline, table
+        "kvcc bench on {} (sm_{}{}, driver {}); {}; steps timed {}; {}\nTB/s = bytes the layout says a step reads / median time; bar = 0.75 x dense bytes / format bytes\n{}",
+        report.gpu, report.compute_capability.0, report.compute_capability.1, report.driver_version, report.shape, report.timing, baseline, table
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn baselines_timed_another_way_are_refused_before_any_gpu_work() {
+        // A file from before the timing field: its steps were timed synced.
+        let old: Baselines =
+            serde_json::from_str(r#"{"gpu": "H200", "torch": "2.11", "rows": []}"#).unwrap();
+        assert_eq!(old.timing, "synced");
+        let queued = BenchOptions::default();
+        let err = run(&[], Some(old.clone()), &queued, |_| {}).unwrap_err();
+        assert!(err.to_string().contains("timed synced"), "{err}");
+        let synced = BenchOptions {
+            timing: StepTiming::Synced,
+            ..BenchOptions::default()
+        };
+        // Same timing: the check passes and the run goes on to open the GPU
+        // (which a machine without one refuses with its own error).
+        if let Err(e) = run(&[], Some(old), &synced, |_| {}) {
+            assert!(!e.to_string().contains("timed synced"), "{e}");
+        }
+    }
 }

@@ -7,6 +7,7 @@
 use std::time::{Duration, Instant};
 
 use cudarc::driver::sys::CUevent_flags;
+use cudarc::driver::CudaEvent;
 use kvcc_compiler::back::interp::{DecodeError, Interpreter, Options as InterpOptions};
 use kvcc_compiler::Format;
 
@@ -230,6 +231,39 @@ pub struct Timing {
     pub max_ms: f64,
 }
 
+/// How timed steps meet the host.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum StepTiming {
+    /// Enqueued back to back, as a serving loop runs them: the host's launch
+    /// work overlaps the step before, so each step's events time the GPU's
+    /// work alone (kernels and the gaps between them).
+    #[default]
+    Queued,
+    /// Each step waited for before the next is launched: the events also
+    /// hold the host's launch latency, which the GPU idles through.
+    Synced,
+}
+
+impl StepTiming {
+    pub fn name(self) -> &'static str {
+        match self {
+            StepTiming::Queued => "queued",
+            StepTiming::Synced => "synced",
+        }
+    }
+}
+
+impl std::str::FromStr for StepTiming {
+    type Err = String;
+    fn from_str(s: &str) -> Result<StepTiming, String> {
+        match s {
+            "queued" => Ok(StepTiming::Queued),
+            "synced" => Ok(StepTiming::Synced),
+            _ => Err(format!("unknown timing `{s}`; use queued or synced")),
+        }
+    }
+}
+
 /// `warmup` untimed steps, then `iters` steps each between two CUDA events,
 /// rotating over the copies.
 pub fn time_steps(
@@ -239,6 +273,7 @@ pub fn time_steps(
     steps: &mut [DeviceDecode],
     warmup: usize,
     iters: usize,
+    timing: StepTiming,
 ) -> Result<Timing, CudaError> {
     let copies = caches.len();
     // `warmup` steps, then more, each waited for, until MIN_WARMUP has passed.
@@ -259,24 +294,39 @@ pub fn time_steps(
             .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
             .during(|| "creating an event".into())
     };
-    // One pair of events serves every step: each step is waited for before the next.
-    let (start, end) = (event()?, event()?);
-    let mut times = Vec::with_capacity(iters.max(1));
-    for i in 0..iters.max(1) {
+    let iters = iters.max(1);
+    // Queued steps need their own events; synced ones share one pair.
+    let pairs = match timing {
+        StepTiming::Queued => iters,
+        StepTiming::Synced => 1,
+    };
+    let events = (0..pairs)
+        .map(|_| Ok((event()?, event()?)))
+        .collect::<Result<Vec<_>, CudaError>>()?;
+    let elapsed = |(start, end): &(CudaEvent, CudaEvent)| {
+        end.synchronize()
+            .during(|| "waiting for a decode step".into())?;
+        start
+            .elapsed_ms(end)
+            .map(f64::from)
+            .during(|| "reading an event".into())
+    };
+    let mut times = Vec::with_capacity(iters);
+    for i in 0..iters {
         let r = i % copies;
+        let (start, end) = &events[i % pairs];
         start
             .record(&gpu.stream)
             .during(|| "recording an event".into())?;
         steps[r].launch(gpu, kernels, &caches[r])?;
         end.record(&gpu.stream)
             .during(|| "recording an event".into())?;
-        end.synchronize()
-            .during(|| "waiting for a decode step".into())?;
-        times.push(f64::from(
-            start
-                .elapsed_ms(&end)
-                .during(|| "reading an event".into())?,
-        ));
+        if timing == StepTiming::Synced {
+            times.push(elapsed(&events[0])?);
+        }
+    }
+    if timing == StepTiming::Queued {
+        times = events.iter().map(elapsed).collect::<Result<_, _>>()?;
     }
     times.sort_by(f64::total_cmp);
     Ok(Timing {

@@ -17,7 +17,7 @@ use super::store::{Candidate, Confirmation, Entry, Found, TuneCache};
 use super::{KernelConfig, ShapeBucket, TuneKey};
 use crate::cache::PagedCache;
 use crate::cuda::measure::{
-    decode_steps, source_cache, time_steps, upload_copies, Reference, Timing, TOLERANCE,
+    decode_steps, source_cache, time_steps, upload_copies, Reference, StepTiming, Timing, TOLERANCE,
 };
 use crate::cuda::{DeviceCache, FormatKernels, Gpu};
 
@@ -36,6 +36,7 @@ pub struct TuneOptions {
     pub exhaustive_limit: usize,
     pub warmup: usize,
     pub iters: usize,
+    pub timing: StepTiming,
     /// Alternating default/winner timings after the search.
     pub confirm_rounds: usize,
     /// Fraction of the default's time a winner must save in the confirmation to
@@ -61,6 +62,7 @@ impl Default for TuneOptions {
             exhaustive_limit: 48,
             warmup: 5,
             iters: 30,
+            timing: StepTiming::Queued,
             confirm_rounds: 3,
             min_gain: 0.01,
             rotate_bytes: 512 << 20,
@@ -344,6 +346,7 @@ impl Sweep<'_> {
             &mut steps,
             self.options.warmup,
             self.options.iters,
+            self.options.timing,
         )
         .map_err(|e| format!("launch: {e}"))
     }
