@@ -1,0 +1,117 @@
+// Copy paths from global to shared memory, timed alone: does the path (16-byte cp.async, as the
+// generated kernels copy, or cp.async.bulk) bound the DRAM throughput of a streaming decode?
+// Each CTA streams its own contiguous region tile by tile through two shared buffers, as the
+// dense kernel does, and reads every word of each tile once from shared memory (the consumer).
+// 1.08 GB per launch (a dense 32K step), four copies rotated, events around each launch, median
+// of 21 after 5 warm-ups. With 64 threads the consumer loop, not the copy, bounds the time.
+//
+//   nvcc -O3 -arch=sm_90a -std=c++17 -o copy_paths benches/gpu/copy_paths.cu && ./copy_paths
+//
+// H200, 2026-11-21 (docs/ptx-backend.md, fourteenth round): 16-byte cp.async into 272-byte
+// rows peaks at 4.20 TB/s (128 threads, 3 CTAs/SM, 16-32 KB tiles); a bulk copy per 256-byte
+// row at 4.04; bulk copies of contiguous half tiles at 4.40 (2-3 CTAs/SM, 32 KB tiles).
+#include <cstdio>
+#include <cstdint>
+#include <vector>
+#include <algorithm>
+#include <cuda_runtime.h>
+#define CK(x) do { cudaError_t err_ = (x); if (err_ != cudaSuccess) { printf("%s: %s\n", #x, cudaGetErrorString(err_)); exit(1);} } while (0)
+
+__device__ __forceinline__ unsigned smem_addr(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+
+// mode 0: cp.async 16 B per thread (padded rows of 256 B -> 272 B). mode 1: cp.async.bulk per 256-B row (padded).
+// mode 2: cp.async.bulk per contiguous half tile (unpadded).
+template <int MODE>
+__global__ void stream(const uint8_t* __restrict__ src, size_t per_cta, int tile_bytes, float* out) {
+  extern __shared__ __align__(128) uint8_t smem[];
+  const int rows = tile_bytes / 256;
+  const int buf_bytes = MODE == 2 ? tile_bytes : rows * 272;
+  __shared__ __align__(8) uint64_t bar[2];
+  const uint8_t* base = src + blockIdx.x * per_cta;
+  int tiles = per_cta / tile_bytes;
+  float acc = 0.f;
+  if (MODE != 0 && threadIdx.x == 0) {
+    for (int s = 0; s < 2; s++) asm volatile("mbarrier.init.shared.b64 [%0], 1;" :: "r"(smem_addr(&bar[s])));
+    asm volatile("fence.mbarrier_init.release.cluster;");
+  }
+  __syncthreads();
+  auto issue = [&](int t) {
+    uint8_t* buf = smem + (t & 1) * buf_bytes;
+    const uint8_t* g = base + (size_t)t * tile_bytes;
+    if (MODE == 0) {
+      for (int c = threadIdx.x; c < tile_bytes / 16; c += blockDim.x) {
+        int row = c / 16, part = c % 16;
+        asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;" :: "r"(smem_addr(buf + row * 272 + part * 16)), "l"(g + c * 16));
+      }
+      asm volatile("cp.async.commit_group;");
+    } else {
+      unsigned b = smem_addr(&bar[t & 1]);
+      if (threadIdx.x == 0) asm volatile("mbarrier.arrive.expect_tx.shared.b64 _, [%0], %1;" :: "r"(b), "r"(tile_bytes));
+      __syncwarp();
+      if (MODE == 1) {
+        for (int r = threadIdx.x; r < rows; r += blockDim.x)
+          asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], 256, [%2];" :: "r"(smem_addr(buf + r * 272)), "l"(g + r * 256), "r"(b) : "memory");
+      } else if (threadIdx.x == 0) {
+        int half = tile_bytes / 2;
+        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" :: "r"(smem_addr(buf)), "l"(g), "r"(half), "r"(b) : "memory");
+        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" :: "r"(smem_addr(buf + half)), "l"(g + half), "r"(half), "r"(b) : "memory");
+      }
+    }
+  };
+  // expect_tx must precede the copies' completion: issue from thread 0's warp after the arrive.
+  issue(0);
+  for (int t = 0; t < tiles; t++) {
+    if (MODE == 0) asm volatile("cp.async.wait_group 0;");
+    else {
+      unsigned b = smem_addr(&bar[t & 1]);
+      unsigned phase = (t >> 1) & 1;
+      asm volatile("{\n .reg .pred p;\n W: mbarrier.try_wait.parity.shared.b64 p, [%0], %1;\n @!p bra W;\n}" :: "r"(b), "r"(phase) : "memory");
+    }
+    __syncthreads();
+    if (t + 1 < tiles) issue(t + 1);
+    const uint8_t* buf = smem + (t & 1) * buf_bytes;
+    for (int i = threadIdx.x; i < buf_bytes / 4; i += blockDim.x) acc += ((const float*)buf)[i] * 1e-30f;
+  }
+  if (acc == 1.2345f) out[blockIdx.x] = acc;
+}
+
+int main() {
+  int sms; CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  const size_t total = 1078444800ull;  // dense 32K step's bytes
+  const int copies = 4;
+  std::vector<uint8_t*> bufs(copies);
+  for (auto& b : bufs) { CK(cudaMalloc(&b, total + (1 << 20))); CK(cudaMemset(b, 0x3c, total)); }
+  float* out; CK(cudaMalloc(&out, 1 << 20));
+  printf("%-24s %8s %6s %9s %7s\n", "mode", "ctas", "tileKB", "ms", "TB/s");
+  for (int mode = 0; mode < 3; mode++)
+  for (int threads : {64, 128})
+  for (int tile : {16384, 32768, 65536})
+  for (int per_sm : {1, 2, 3, 5}) {
+    int buf = mode == 2 ? tile : tile / 256 * 272;
+    int smem = 2 * buf;
+    if (smem * per_sm > 220 * 1024) continue;
+    int ctas = per_sm * sms;
+    size_t per_cta = total / ctas / tile * tile;
+    auto launch = [&](int r) {
+      if (mode == 0) stream<0><<<ctas, threads, smem>>>(bufs[r % copies], per_cta, tile, out);
+      if (mode == 1) stream<1><<<ctas, threads, smem>>>(bufs[r % copies], per_cta, tile, out);
+      if (mode == 2) stream<2><<<ctas, threads, smem>>>(bufs[r % copies], per_cta, tile, out);
+    };
+    CK(cudaFuncSetAttribute(stream<0>, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
+    CK(cudaFuncSetAttribute(stream<1>, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
+    CK(cudaFuncSetAttribute(stream<2>, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
+    for (int r = 0; r < 5; r++) launch(r);
+    CK(cudaDeviceSynchronize());
+    std::vector<cudaEvent_t> ev(42);
+    for (auto& e : ev) CK(cudaEventCreate(&e));
+    for (int r = 0; r < 21; r++) { CK(cudaEventRecord(ev[2 * r])); launch(r); CK(cudaEventRecord(ev[2 * r + 1])); }
+    CK(cudaDeviceSynchronize()); CK(cudaGetLastError());
+    std::vector<float> ms(21);
+    for (int r = 0; r < 21; r++) CK(cudaEventElapsedTime(&ms[r], ev[2 * r], ev[2 * r + 1]));
+    std::sort(ms.begin(), ms.end());
+    double bytes = (double)per_cta * ctas;
+    const char* names[] = {"cp.async16 padded", "bulk/row padded", "bulk/half-tile"};
+    printf("%-18s t%-4d %4d(%d/SM) %6d %9.4f %7.2f\n", names[mode], threads, ctas, per_sm, tile / 1024, ms[10], bytes / ms[10] / 1e9);
+    for (auto& e : ev) CK(cudaEventDestroy(e));
+  }
+}
