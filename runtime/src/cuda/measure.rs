@@ -265,7 +265,7 @@ impl std::str::FromStr for StepTiming {
 }
 
 /// `warmup` untimed steps, then `iters` steps each between two CUDA events,
-/// rotating over the copies.
+/// rotating over the copies, launched as `timing` says.
 pub fn time_steps(
     gpu: &Gpu,
     kernels: &FormatKernels,
