@@ -90,8 +90,7 @@ pub struct BenchReport {
     pub compute_capability: (i32, i32),
     pub driver_version: i32,
     pub shape: String,
-    /// How steps were timed ([`StepTiming::name`]).
-    pub timing: String,
+    pub timing: StepTiming,
     pub rows: Vec<BenchRow>,
     pub baselines: Option<Baselines>,
 }
@@ -101,10 +100,10 @@ pub struct BenchReport {
 pub struct Baselines {
     pub gpu: String,
     pub torch: String,
-    /// How its steps were timed ([`StepTiming::name`]); files from before the
-    /// field timed each call synced.
+    /// How its steps were timed; files from before the field timed each call
+    /// synced.
     #[serde(default = "synced")]
-    pub timing: String,
+    pub timing: StepTiming,
     pub rows: Vec<BaselineRow>,
 }
 
@@ -117,8 +116,8 @@ pub struct BaselineRow {
     pub error: Option<String>,
 }
 
-fn synced() -> String {
-    StepTiming::Synced.name().into()
+fn synced() -> StepTiming {
+    StepTiming::Synced
 }
 
 impl Baselines {
@@ -142,13 +141,10 @@ pub fn run(
 ) -> Result<BenchReport, Box<dyn std::error::Error>> {
     if let Some(b) = &baselines {
         // Ratios only compare like with like: launch latency in both or in neither.
-        if b.timing != options.timing.name() {
+        if b.timing != options.timing {
+            let (theirs, ours) = (b.timing.name(), options.timing.name());
             return Err(format!(
-                "the baselines were timed {}, this run times {}: pass --timing {} or rerun baseline.py --timing {}",
-                b.timing,
-                options.timing.name(),
-                b.timing,
-                options.timing.name()
+                "the baselines were timed {theirs}, this run times {ours}: pass --timing {theirs} or rerun baseline.py --timing {ours}"
             )
             .into());
         }
@@ -259,7 +255,7 @@ pub fn run(
             "batch {}, {} query heads, {} kv heads, contexts {:?}",
             options.batch, options.q_heads, options.kv_heads, options.contexts
         ),
-        timing: options.timing.name().into(),
+        timing: options.timing,
         rows,
         baselines,
     })
@@ -308,7 +304,7 @@ pub fn render(report: &BenchReport) -> String {
         });
     format!(
         "kvcc bench on {} (sm_{}{}, driver {}); {}; steps timed {}; {}\nTB/s = bytes the layout says a step reads / median time; bar = 0.75 x dense bytes / format bytes\n{}",
-        report.gpu, report.compute_capability.0, report.compute_capability.1, report.driver_version, report.shape, report.timing, baseline, table
+        report.gpu, report.compute_capability.0, report.compute_capability.1, report.driver_version, report.shape, report.timing.name(), baseline, table
     )
 }
 
@@ -321,7 +317,7 @@ mod tests {
         // A file from before the timing field: its steps were timed synced.
         let old: Baselines =
             serde_json::from_str(r#"{"gpu": "H200", "torch": "2.11", "rows": []}"#).unwrap();
-        assert_eq!(old.timing, "synced");
+        assert_eq!(old.timing, StepTiming::Synced);
         let queued = BenchOptions::default();
         let err = run(&[], Some(old.clone()), &queued, |_| {}).unwrap_err();
         assert!(err.to_string().contains("timed synced"), "{err}");

@@ -7,9 +7,9 @@
 use std::time::{Duration, Instant};
 
 use cudarc::driver::sys::CUevent_flags;
-use cudarc::driver::CudaEvent;
 use kvcc_compiler::back::interp::{DecodeError, Interpreter, Options as InterpOptions};
 use kvcc_compiler::Format;
+use serde::{Deserialize, Serialize};
 
 use super::{CudaError, DeviceCache, DeviceDecode, During, FormatKernels, Gpu};
 use crate::cache::{self, PagedCache};
@@ -232,12 +232,12 @@ pub struct Timing {
 }
 
 /// How timed steps meet the host.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum StepTiming {
     /// Enqueued back to back, as a serving loop runs them: the host's launch
     /// work overlaps the step before, so each step's events time the GPU's
     /// work alone (kernels and the gaps between them).
-    #[default]
     Queued,
     /// Each step waited for before the next is launched: the events also
     /// hold the host's launch latency, which the GPU idles through.
@@ -295,26 +295,11 @@ pub fn time_steps(
             .during(|| "creating an event".into())
     };
     let iters = iters.max(1);
-    // Queued steps need their own events; synced ones share one pair.
-    let pairs = match timing {
-        StepTiming::Queued => iters,
-        StepTiming::Synced => 1,
-    };
-    let events = (0..pairs)
+    let events = (0..iters)
         .map(|_| Ok((event()?, event()?)))
         .collect::<Result<Vec<_>, CudaError>>()?;
-    let elapsed = |(start, end): &(CudaEvent, CudaEvent)| {
-        end.synchronize()
-            .during(|| "waiting for a decode step".into())?;
-        start
-            .elapsed_ms(end)
-            .map(f64::from)
-            .during(|| "reading an event".into())
-    };
-    let mut times = Vec::with_capacity(iters);
-    for i in 0..iters {
+    for (i, (start, end)) in events.iter().enumerate() {
         let r = i % copies;
-        let (start, end) = &events[i % pairs];
         start
             .record(&gpu.stream)
             .during(|| "recording an event".into())?;
@@ -322,12 +307,21 @@ pub fn time_steps(
         end.record(&gpu.stream)
             .during(|| "recording an event".into())?;
         if timing == StepTiming::Synced {
-            times.push(elapsed(&events[0])?);
+            end.synchronize()
+                .during(|| "waiting for a decode step".into())?;
         }
     }
-    if timing == StepTiming::Queued {
-        times = events.iter().map(elapsed).collect::<Result<_, _>>()?;
-    }
+    let mut times = events
+        .iter()
+        .map(|(start, end)| {
+            end.synchronize()
+                .during(|| "waiting for a decode step".into())?;
+            start
+                .elapsed_ms(end)
+                .map(f64::from)
+                .during(|| "reading an event".into())
+        })
+        .collect::<Result<Vec<_>, CudaError>>()?;
     times.sort_by(f64::total_cmp);
     Ok(Timing {
         ms: times[times.len() / 2],
