@@ -165,6 +165,16 @@ fn gpu_tuning_space_matches_interpreter_and_page_size_is_enforced() {
                 tensor_cores: false,
                 ..default
             },
+            // Bulk copies forced on (rows a multiple of 32 bytes unpadded)
+            // and off.
+            KernelConfig {
+                bulk_copies: Some(true),
+                ..default
+            },
+            KernelConfig {
+                bulk_copies: Some(false),
+                ..default
+            },
             KernelConfig {
                 pipeline: true,
                 ..default
@@ -177,6 +187,16 @@ fn gpu_tuning_space_matches_interpreter_and_page_size_is_enforced() {
                 tile_items: Some(16),
                 splits: Some(3),
                 stages: 3,
+                ..default
+            },
+            // The same with bulk copies forced on.
+            KernelConfig {
+                pipeline: true,
+                warps: 2,
+                tile_items: Some(16),
+                splits: Some(3),
+                stages: 3,
+                bulk_copies: Some(true),
                 ..default
             },
         ] {

@@ -348,5 +348,6 @@ fn random_options(rng: &mut Rng, index: usize) -> Options {
         query_group: None,
         tensor_cores: rng.coin(),
         pipeline: rng.coin(),
+        bulk_copies: rng.pick(&[None, Some(true), Some(false)]),
     }
 }

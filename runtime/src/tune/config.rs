@@ -28,6 +28,10 @@ pub struct KernelConfig {
     /// scores only; entries written before the knob had none).
     #[serde(default)]
     pub pipeline: bool,
+    /// Tiles load by bulk copies on sm_90 (`None`: unless a stream's rows
+    /// need padding; entries written before the knob had none).
+    #[serde(default)]
+    pub bulk_copies: Option<bool>,
     /// Query heads per score / accumulate work unit.
     pub head_block: u32,
     /// Accumulator registers per thread in the accumulate phase.
@@ -48,6 +52,7 @@ impl KernelConfig {
             stages: options.stages,
             tensor_cores: options.tensor_cores,
             pipeline: options.pipeline,
+            bulk_copies: options.bulk_copies,
             head_block: options.head_block,
             max_accumulators: options.max_accumulators,
             splits: None,
@@ -63,6 +68,7 @@ impl KernelConfig {
             stages: self.stages,
             tensor_cores: self.tensor_cores,
             pipeline: self.pipeline,
+            bulk_copies: self.bulk_copies,
             head_block: self.head_block,
             max_accumulators: self.max_accumulators,
             query_group: Some(query_group),
@@ -114,14 +120,15 @@ pub fn with_page_items(format: &Format, items: u32) -> Result<Format, TuneError>
 }
 
 /// A short label for tables: `p64 w4 tile:page x2 mma hb8 acc32 splits:auto`
-/// (`fma` instead of `mma`: tensor cores off; `mma+pipe`: pipelined).
+/// (`fma` instead of `mma`: tensor cores off; `mma+pipe`: pipelined; a
+/// trailing `bulk` or `cp.async`: the copy path forced one way).
 impl fmt::Display for KernelConfig {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let opt =
             |v: Option<u32>, none: &'static str| v.map_or(none.to_string(), |v| v.to_string());
         write!(
             f,
-            "p{} w{} tile:{} x{} {} hb{} acc{} splits:{}",
+            "p{} w{} tile:{} x{} {} hb{} acc{} splits:{}{}",
             self.page_items,
             self.warps,
             opt(self.tile_items, "page"),
@@ -133,7 +140,12 @@ impl fmt::Display for KernelConfig {
             },
             self.head_block,
             self.max_accumulators,
-            opt(self.splits, "auto")
+            opt(self.splits, "auto"),
+            match self.bulk_copies {
+                None => "",
+                Some(true) => " bulk",
+                Some(false) => " cp.async",
+            }
         )
     }
 }

@@ -23,18 +23,28 @@ pub struct Space {
     pub max_accumulators: Vec<u32>,
     #[serde(default)]
     pub pipeline: Vec<bool>,
+    #[serde(default)]
+    pub bulk_copies: Vec<Option<bool>>,
 }
 
 /// Axes (page, warps, splits, tile, stages, tensor cores, head block,
-/// accumulators, pipeline): the fields of a [`KernelConfig`] the space sweeps.
-const AXES: usize = 9;
+/// accumulators, pipeline, bulk copies): the fields of a [`KernelConfig`]
+/// the space sweeps.
+const AXES: usize = 10;
 
 /// The axes coordinate descent sweeps together, in the order it visits
 /// them: page size and warps first (they change occupancy the most); tile
 /// and splits jointly, since a fixed split count suits one tile size only
 /// (on an H200, kivi int8 at 32K: 64-item tiles were 9 % slower than whole
 /// pages with 4 splits and 8 % faster with one wave's splits).
-const MOVES: [&[usize]; 8] = [&[0], &[1], &[3, 2], &[4], &[5], &[6], &[7], &[8]];
+const MOVES: [&[usize]; 9] = [&[0], &[1], &[3, 2], &[4], &[5], &[6], &[7], &[8], &[9]];
+
+/// `values` with `first` first (added when missing).
+fn with_first<T: PartialEq + Copy, const N: usize>(first: T, values: [T; N]) -> Vec<T> {
+    let mut all = vec![first];
+    all.extend(values.into_iter().filter(|&v| v != first));
+    all
+}
 
 impl Space {
     /// The standard space around `default`, with the page sizes to try.
@@ -67,11 +77,13 @@ impl Space {
             head_block: with(vec![4, 8], default.head_block),
             max_accumulators: with(vec![16, 32], default.max_accumulators),
             pipeline: vec![default.pipeline, !default.pipeline],
+            bulk_copies: with_first(default.bulk_copies, [None, Some(true), Some(false)]),
         }
     }
 
     /// The space without the values of the code-only axes (tensor cores,
-    /// head block, accumulators, pipeline) that give the same kernel as `default`
+    /// head block, accumulators, pipeline, bulk copies) that give the same
+    /// kernel as `default`
     /// (`same` says whether a configuration does): for a tier the tensor
     /// cores do not serve, or whose phases all run on them, such values
     /// would only time one kernel again under another label.
@@ -108,6 +120,13 @@ impl Space {
                     ..default
                 })
         });
+        self.bulk_copies.retain(|&v| {
+            v == default.bulk_copies
+                || !same(&KernelConfig {
+                    bulk_copies: v,
+                    ..default
+                })
+        });
         self
     }
 
@@ -121,7 +140,8 @@ impl Space {
             5 => self.tensor_cores.len(),
             6 => self.head_block.len(),
             7 => self.max_accumulators.len(),
-            _ => self.pipeline.len(),
+            8 => self.pipeline.len(),
+            _ => self.bulk_copies.len(),
         }
     }
 
@@ -137,7 +157,8 @@ impl Space {
             5 => c.tensor_cores = self.tensor_cores[i],
             6 => c.head_block = self.head_block[i],
             7 => c.max_accumulators = self.max_accumulators[i],
-            _ => c.pipeline = self.pipeline[i],
+            8 => c.pipeline = self.pipeline[i],
+            _ => c.bulk_copies = self.bulk_copies[i],
         }
         c.normalized()
     }
@@ -361,6 +382,7 @@ mod tests {
             stages: 2,
             tensor_cores: true,
             pipeline: false,
+            bulk_copies: None,
             head_block: 8,
             max_accumulators: 32,
             splits: None,
@@ -387,13 +409,13 @@ mod tests {
     #[test]
     fn the_space_holds_the_default_and_merges_equivalent_tiles() {
         let s = space();
-        assert_eq!(s.size(), 4 * 3 * 5 * 5 * 3 * 2 * 2 * 2 * 2);
+        assert_eq!(s.size(), 4 * 3 * 5 * 5 * 3 * 2 * 2 * 2 * 2 * 3);
         let all = s.all(default());
         assert_eq!(all[0], default());
         // Tiles of at least a page are the whole page: on 32-item pages, tiles
         // 32, 64 and 128 merge with the whole page (16 stays).
         let on = |items: u32| all.iter().filter(move |c| c.page_items == items).count();
-        let others = 3 * 5 * 3 * 2 * 2 * 2 * 2;
+        let others = 3 * 5 * 3 * 2 * 2 * 2 * 2 * 3;
         assert_eq!(on(32), 2 * others);
         assert_eq!(on(64), 3 * others);
         assert_eq!(on(128), 4 * others);
@@ -411,13 +433,14 @@ mod tests {
         assert_eq!(s.head_block, vec![8]);
         assert_eq!(s.max_accumulators, vec![16, 32]);
         assert_eq!(s.pipeline, vec![false]);
+        assert_eq!(s.bulk_copies, vec![None]);
         assert_eq!(s.all(default())[0], default());
         // Every code-only value changes the kernel: nothing is dropped.
         let all_differ = space().without_duplicates(default(), |c| *c == default());
         assert_eq!(all_differ, space());
-        // None does: each of the four axes keeps the default's value only.
+        // None does: each of the five axes keeps the default's value only.
         let none_differ = space().without_duplicates(default(), |_| true);
-        assert_eq!(none_differ.size(), space().size() / 16);
+        assert_eq!(none_differ.size(), space().size() / 48);
     }
 
     #[test]

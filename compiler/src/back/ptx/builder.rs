@@ -1016,6 +1016,60 @@ impl Kernel {
         self.line(format_args!("cp.async.wait_group {pending}"));
     }
 
+    // ---- bulk copies and their mbarriers (sm_90) ----------------------------
+
+    /// Readies the 8-byte-aligned mbarrier at `at` for `arrivals` arrivals
+    /// per phase.
+    pub fn mbarrier_init(&mut self, at: Shared, arrivals: u32) {
+        self.line(format_args!(
+            "mbarrier.init.shared::cta.b64 {at}, {arrivals}"
+        ));
+    }
+    /// Makes this thread's mbarrier inits visible to the bulk-copy engine
+    /// (a `bar.sync` then shows them to the other threads).
+    pub fn fence_mbarrier_init(&mut self) {
+        self.line(format_args!("fence.mbarrier_init.release.cluster"));
+    }
+    /// Orders this thread's (and, after a barrier, the CTA's) shared-memory
+    /// accesses before the bulk copies it issues next.
+    pub fn fence_proxy_async_shared(&mut self) {
+        self.line(format_args!("fence.proxy.async.shared::cta"));
+    }
+    /// Arrives on the mbarrier at `at`, whose phase then also waits for
+    /// `bytes` bytes of bulk copies.
+    pub fn mbarrier_arrive_expect_tx(&mut self, at: Shared, bytes: impl Into<Op<U32>>) {
+        let bytes = bytes.into();
+        self.line(format_args!(
+            "mbarrier.arrive.expect_tx.shared::cta.b64 _, {at}, {bytes}"
+        ));
+    }
+    /// Bulk copy of `bytes` (a multiple of 16; both addresses 16-byte
+    /// aligned) global -> shared by the tensor memory accelerator; completes
+    /// its bytes on the mbarrier at `barrier`.
+    pub fn cp_async_bulk(
+        &mut self,
+        dst: Shared,
+        src: Global,
+        bytes: impl Into<Op<U32>>,
+        barrier: Shared,
+    ) {
+        let bytes = bytes.into();
+        self.line(format_args!(
+            "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes {dst}, {src}, {bytes}, {barrier}"
+        ));
+    }
+    /// Waits until the phase of parity `parity` (0 or 1) of the mbarrier at
+    /// `at` has completed.
+    pub fn mbarrier_wait(&mut self, at: Shared, parity: Reg<U32>) {
+        let top = self.label();
+        self.place(top);
+        let done: Reg<Pred> = self.reg();
+        self.line(format_args!(
+            "mbarrier.try_wait.parity.shared::cta.b64 {done}, {at}, {parity}"
+        ));
+        self.bra_if(done, false, top);
+    }
+
     /// Address arithmetic: `base + index * scale` in the global space.
     pub fn global_index(&mut self, base: Reg<U64>, index: Reg<U32>, scale: u32) -> Reg<U64> {
         let offset = if scale == 1 {
@@ -1143,6 +1197,32 @@ mod tests {
         assert!(text.contains("mov.b32 %b0, %r3;"));
         assert!(text.contains("bfe.s32 %s0, %r3, 0, 4;"));
         assert!(text.contains("st.shared.b32 [%r0+4], %b0;"));
+    }
+
+    #[test]
+    fn bulk_copies_complete_on_mbarriers() {
+        let mut k = Kernel::new("k", 32, "smem");
+        let base = k.shared_base();
+        let bar = Shared::at(base).plus(8);
+        k.mbarrier_init(bar, 1);
+        k.fence_mbarrier_init();
+        let tid = k.tid_x();
+        let src = k.u32_to_u64(tid);
+        let bytes = k.shl(tid, 4u32);
+        k.fence_proxy_async_shared();
+        k.mbarrier_arrive_expect_tx(bar, bytes);
+        k.cp_async_bulk(Shared::at(base).plus(32), Global::at(src), bytes, bar);
+        let parity = k.and(tid, 1u32);
+        k.mbarrier_wait(bar, parity);
+        let text = k.finish();
+        assert!(text.contains("mbarrier.init.shared::cta.b64 [%r0+8], 1;"));
+        assert!(text.contains("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%r0+8], %r2;"));
+        assert!(text.contains(
+            "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%r0+32], [%rd0], %r2, [%r0+8];"
+        ));
+        // The wait spins on try_wait until the phase completes.
+        assert!(text
+            .contains("mbarrier.try_wait.parity.shared::cta.b64 %p0, [%r0+8], %r3;\n\t@!%p0 bra"));
     }
 
     #[test]

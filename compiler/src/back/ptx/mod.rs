@@ -31,7 +31,7 @@ pub const PTX_VERSION: &str = "8.0";
 pub enum Target {
     /// Ampere (A100): `cp.async`, 163 KiB of shared memory per block.
     Sm80,
-    /// Hopper (H100, H200): 227 KiB of shared memory per block.
+    /// Hopper (H100, H200): 227 KiB of shared memory per block, bulk copies.
     Sm90,
 }
 
@@ -44,6 +44,11 @@ impl Target {
             Target::Sm80 => "sm_80",
             Target::Sm90 => "sm_90",
         }
+    }
+
+    /// Whether the tensor memory accelerator's bulk copies exist.
+    pub fn bulk_copies(self) -> bool {
+        self == Target::Sm90
     }
 
     /// Most dynamic shared memory one block may opt into (bytes).
@@ -88,6 +93,13 @@ pub struct Options {
     /// tile's values are accumulated during the next tile, next to its score
     /// (more independent work per warp, more registers).
     pub pipeline: bool,
+    /// On sm_90, each tile's streams load by bulk copies (the tensor memory
+    /// accelerator: one instruction per stream, completion on an mbarrier)
+    /// into unpadded rows, instead of 16-byte `cp.async` per thread into
+    /// padded rows; ignored on sm_80. `None`: bulk copies unless both
+    /// streams' rows would be padded (multiples of 32 bytes: unpadded, lanes
+    /// reading one offset of neighbouring rows hit the same banks).
+    pub bulk_copies: Option<bool>,
 }
 
 impl Default for Options {
@@ -103,6 +115,7 @@ impl Default for Options {
             query_group: None,
             tensor_cores: true,
             pipeline: false,
+            bulk_copies: None,
         }
     }
 }

@@ -17,7 +17,7 @@ use super::builder::{
 };
 use super::expr::{self, ArrayAccess, Env, ItemSource, Preloaded, Replicas, TableAccess};
 use super::plan::ScoreSplit;
-use super::plan::{Plan, Stream, CHUNK};
+use super::plan::{Plan, Stream, BARRIER_BYTES, CHUNK};
 use crate::ir::{Arena, Expr, Module, Stage};
 use crate::layout::Side;
 use crate::valid::{ModuleInfo, ValidModule};
@@ -197,6 +197,10 @@ impl<'a> Skeleton<'a> {
         let none = k.setp(Cmp::Eq, self.tiles, 0u32);
         k.bra_if(none, true, empty);
 
+        let bulk = plan.barriers.is_some();
+        if bulk {
+            self.init_barriers(k);
+        }
         k.comment("stage the tables score/accumulate read into shared memory");
         let buffer = TableBuffer::of(self.m);
         let tables = self.tables(k);
@@ -208,11 +212,13 @@ impl<'a> Skeleton<'a> {
                 self.copy(k, Op::Imm(chunks), chunks, dst, src);
             }
         }
+        // The tables' own group, unless the first tile's copies join it.
+        if bulk || !plan.prefetch {
+            k.cp_async_commit();
+        }
         if plan.prefetch {
             k.comment("the first tiles load while the prologue runs");
             self.issue_first_tiles(k);
-        } else {
-            k.cp_async_commit();
         }
         self.init_state(k);
         self.load_queries(k);
@@ -476,9 +482,12 @@ impl<'a> Skeleton<'a> {
     fn issue_first_tiles(&self, k: &mut Kernel) {
         let pipelined = self.plan.pipelined;
         let whole = if pipelined { Part::Keys } else { Part::Whole };
+        let bulk = self.plan.barriers.is_some();
         let zero = k.mov(0u32);
         self.issue_tile(k, zero, whole);
-        k.cp_async_commit();
+        if !bulk {
+            k.cp_async_commit();
+        }
         for s in 1..self.plan.stages - 1 {
             let t = k.mov(s);
             let past = k.setp(Cmp::Ge, t, self.tiles);
@@ -495,20 +504,74 @@ impl<'a> Skeleton<'a> {
                 self.issue_tile(k, before, Part::Values);
                 k.place(skip);
             }
-            k.cp_async_commit();
+            if !bulk {
+                k.cp_async_commit();
+            }
+        }
+    }
+
+    /// The buffer slot of tile `t`: `t % stages`.
+    fn slot(&self, k: &mut Kernel, t: Reg<U32>) -> Reg<U32> {
+        let stages = self.plan.stages;
+        if stages.is_power_of_two() {
+            k.and(t, stages - 1)
+        } else {
+            k.rem_u32(t, stages)
         }
     }
 
     /// Shared address of tile buffer `t % stages`.
     fn buffer(&self, k: &mut Kernel, t: Reg<U32>) -> Reg<U32> {
-        let stages = self.plan.stages;
-        let slot = if stages.is_power_of_two() {
-            k.and(t, stages - 1)
-        } else {
-            k.rem_u32(t, stages)
-        };
+        let slot = self.slot(k, t);
         let base = k.add(self.smem, self.plan.buffers);
         k.mad_lo(slot, self.plan.buffer_bytes, base)
+    }
+
+    /// Bulk copies: thread 0 readies every buffer's mbarriers (one arrival
+    /// per phase: its own, with the bytes to expect), and the CTA's barrier
+    /// shows them to every thread before any use (racecheck flags the first
+    /// arrival otherwise, though the same thread made both).
+    fn init_barriers(&self, k: &mut Kernel) {
+        let plan = self.plan;
+        let Some(barriers) = plan.barriers else {
+            return;
+        };
+        let skip = k.label();
+        let other = k.setp(Cmp::Ne, self.tid, 0u32);
+        k.bra_if(other, true, skip);
+        for i in 0..2 * plan.stages {
+            let at = Shared::at(self.smem).plus(i64::from(barriers + BARRIER_BYTES * i));
+            k.mbarrier_init(at, 1);
+        }
+        k.fence_mbarrier_init();
+        k.place(skip);
+        k.bar_sync();
+    }
+
+    /// The mbarrier completing tile `t`'s keys (and header; unpipelined, its
+    /// values too), or, with `values`, a pipelined tile's values.
+    fn barrier(&self, k: &mut Kernel, t: Reg<U32>, values: bool) -> Shared {
+        let plan = self.plan;
+        let barriers = plan.barriers.expect("bulk copies");
+        let slot = self.slot(k, t);
+        let at = k.mad_lo(slot, BARRIER_BYTES, self.smem);
+        let side = if values { plan.stages } else { 0 };
+        Shared::at(at).plus(i64::from(barriers + BARRIER_BYTES * side))
+    }
+
+    /// Waits for the bulk copies of tile `t` (its values, with `values`):
+    /// the buffer's barrier completes one phase per tile, so tile `t`'s is
+    /// phase `t / stages`.
+    fn wait_tile(&self, k: &mut Kernel, t: Reg<U32>, values: bool) {
+        let stages = self.plan.stages;
+        let round = if stages.is_power_of_two() {
+            k.shr(t, stages.trailing_zeros())
+        } else {
+            k.div_u32(t, stages)
+        };
+        let parity = k.and(round, 1u32);
+        let at = self.barrier(k, t, values);
+        k.mbarrier_wait(at, parity);
     }
 
     /// First item of tile `t` within its page (`None`: tiles are whole pages)
@@ -550,6 +613,10 @@ impl<'a> Skeleton<'a> {
     /// [`Self::issue_tile`] with the id of the tile's page already loaded.
     fn issue_tile_of(&self, k: &mut Kernel, t: Reg<U32>, page_id: Reg<U32>, part: Part) {
         let plan = self.plan;
+        if plan.barriers.is_some() {
+            self.bulk_tile(k, t, page_id, part);
+            return;
+        }
         let page = k.global_index(self.pool, page_id, plan.page_bytes);
         let buf = self.buffer(k, t);
         let (first, len) = self.tile_span(k, t);
@@ -563,14 +630,83 @@ impl<'a> Skeleton<'a> {
                 Global::at(page),
             );
         }
-        let sides: &[Side] = match part {
-            Part::Whole => &[Side::Key, Side::Value],
-            Part::Keys => &[Side::Key],
-            Part::Values => &[Side::Value],
-        };
-        for &side in sides {
+        for &side in part.sides() {
             self.copy_stream(k, plan.stream(side), page, buf, first, len);
         }
+    }
+
+    /// [`Self::issue_tile_of`] by bulk copies: thread 0 copies the header
+    /// and each stream of `part` as one run each, all completing on the
+    /// part's mbarrier, which it tells the total bytes to expect.
+    fn bulk_tile(&self, k: &mut Kernel, t: Reg<U32>, page_id: Reg<U32>, part: Part) {
+        let plan = self.plan;
+        let skip = k.label();
+        let other = k.setp(Cmp::Ne, self.tid, 0u32);
+        k.bra_if(other, true, skip);
+        let page = k.global_index(self.pool, page_id, plan.page_bytes);
+        let buf = self.buffer(k, t);
+        let (first, len) = self.tile_span(k, t);
+        let mut copies = Vec::new();
+        if part != Part::Values && plan.header_bytes > 0 {
+            copies.push((
+                Shared::at(buf),
+                Global::at(page),
+                Op::Imm(plan.header_bytes),
+            ));
+        }
+        for &side in part.sides() {
+            let s = plan.stream(side);
+            let (src, chunks) = self.stream_span(k, s, page, first, len);
+            let bytes = match chunks {
+                Op::Imm(n) => Op::Imm(n * CHUNK),
+                Op::Reg(n) => Op::Reg(k.shl(n, CHUNK.trailing_zeros())),
+            };
+            let dst = Shared::at(buf).plus(s.buffer_offset.into());
+            copies.push((dst, src, bytes));
+        }
+        let total = copies
+            .iter()
+            .fold(Op::Imm(0), |sum, &(_, _, bytes)| match (sum, bytes) {
+                (Op::Imm(a), Op::Imm(b)) => Op::Imm(a + b),
+                (a, b) => Op::Reg(k.add(a, b)),
+            });
+        let barrier = self.barrier(k, t, part == Part::Values);
+        // The buffer's last readers (past the barrier that ended their tile)
+        // used the generic proxy; the copies write through the async one.
+        k.fence_proxy_async_shared();
+        k.mbarrier_arrive_expect_tx(barrier, total);
+        for (dst, src, bytes) in copies {
+            k.cp_async_bulk(dst, src, bytes, barrier);
+        }
+        k.place(skip);
+    }
+
+    /// Where the tile's items of stream `s` start in the page, and their
+    /// 16-byte chunks (the plan starts every tile's stream on a chunk).
+    fn stream_span(
+        &self,
+        k: &mut Kernel,
+        s: &Stream,
+        page: Reg<U64>,
+        first: Option<Reg<U32>>,
+        len: Op<U32>,
+    ) -> (Global, Op<U32>) {
+        let src = match first {
+            None => Global::at(page),
+            Some(first) => {
+                let skip = k.mul(first, s.stride);
+                Global::at(k.global_index(page, skip, 1))
+            }
+        }
+        .plus(s.page_offset.into());
+        let chunks = match len {
+            Op::Imm(n) => Op::Imm((n * s.stride).div_ceil(CHUNK)),
+            Op::Reg(n) => {
+                let bytes = k.mad_lo(n, s.stride, CHUNK - 1);
+                Op::Reg(k.shr(bytes, CHUNK.trailing_zeros()))
+            }
+        };
+        (src, chunks)
     }
 
     fn copy_stream(
@@ -584,22 +720,7 @@ impl<'a> Skeleton<'a> {
     ) {
         let dst = Shared::at(buf).plus(s.buffer_offset.into());
         if !s.padded() {
-            // Contiguous: the tile's items start on a chunk boundary (plan).
-            let src = match first {
-                None => Global::at(page),
-                Some(first) => {
-                    let skip = k.mul(first, s.stride);
-                    Global::at(k.global_index(page, skip, 1))
-                }
-            }
-            .plus(s.page_offset.into());
-            let chunks = match len {
-                Op::Imm(n) => Op::Imm((n * s.stride).div_ceil(CHUNK)),
-                Op::Reg(n) => {
-                    let bytes = k.mad_lo(n, s.stride, CHUNK - 1);
-                    Op::Reg(k.shr(bytes, CHUNK.trailing_zeros()))
-                }
-            };
+            let (src, chunks) = self.stream_span(k, s, page, first, len);
             let most = (self.plan.tile_items * s.stride).div_ceil(CHUNK);
             self.copy(k, chunks, most, dst, src);
             return;
@@ -695,10 +816,28 @@ impl<'a> Skeleton<'a> {
             let at = self.page_entry(k, behind);
             k.ld_global_nc::<U32>(at)
         });
+        if plan.barriers.is_some() {
+            k.comment("the staged tables are in");
+            k.cp_async_wait(0);
+        }
         let top = k.label();
         k.place(top);
         k.comment("tile t is in, and every thread is done with tile t - 1");
-        k.cp_async_wait(plan.stages - 2);
+        match plan.barriers {
+            None => k.cp_async_wait(plan.stages - 2),
+            Some(_) => {
+                self.wait_tile(k, t, false);
+                if pending.is_some() {
+                    // And the values of tile t - 1, the pending tile.
+                    let skip = k.label();
+                    let first = k.setp(Cmp::Eq, t, 0u32);
+                    k.bra_if(first, true, skip);
+                    let before = k.sub(t, 1u32);
+                    self.wait_tile(k, before, true);
+                    k.place(skip);
+                }
+            }
+        }
         k.bar_sync();
         let next = k.add(t, lead);
         if let Some(value_page) = value_page {
@@ -730,7 +869,9 @@ impl<'a> Skeleton<'a> {
         let at = self.page_entry(k, after);
         k.ld_global_nc_to(next_page, at);
         k.place(issued);
-        k.cp_async_commit();
+        if plan.barriers.is_none() {
+            k.cp_async_commit();
+        }
         let buf = self.buffer(k, t);
         let (first, len) = self.tile_span(k, t);
         let stored = k.ld_shared::<U32>(Shared::at(buf).plus(4));
@@ -790,7 +931,14 @@ impl<'a> Skeleton<'a> {
         k.bra_if(again, true, top);
         if let (Some(score), Some(values), Some(pending)) = (&warp_score, &values, &pending) {
             k.comment("the last tile's values: every copy is in");
-            k.cp_async_wait(0);
+            match plan.barriers {
+                None => k.cp_async_wait(0),
+                // The loop ran (an empty split returns before it): t = tiles.
+                Some(_) => {
+                    let last = k.sub(t, 1u32);
+                    self.wait_tile(k, last, true);
+                }
+            }
             k.bar_sync();
             if let Some(expand) = &expand {
                 let no_keys = k.mov(0u32);
@@ -1767,6 +1915,16 @@ enum Part {
     Whole,
     Keys,
     Values,
+}
+
+impl Part {
+    fn sides(self) -> &'static [Side] {
+        match self {
+            Part::Whole => &[Side::Key, Side::Value],
+            Part::Keys => &[Side::Key],
+            Part::Values => &[Side::Value],
+        }
+    }
 }
 
 /// How the accumulators take the tile's decay.
