@@ -123,10 +123,12 @@ pub const HASHED_PAGE_SIZES: [u32; 5] = [16, 32, 64, 128, 256];
 /// [`HASHED_PAGE_SIZES`] the spec accepts, for `target` and `query_group`: any
 /// change in the format's layout or IR, or in the backend's code generation,
 /// changes it. Page sizes the spec refuses and kernels that fail to generate
-/// are hashed by their error text.
+/// are hashed by their error text. The version string changes with the
+/// tuning space, whose new axes a default kernel does not show: v2 added
+/// bulk copies, so a result chosen without them is stale.
 pub fn codegen_hash(format: &Format, tier: usize, target: Target, query_group: u32) -> String {
     let mut hash = Fnv1a::new();
-    hash.write(b"kvcc tune key v1\0");
+    hash.write(b"kvcc tune key v2\0");
     hash.write(target.name().as_bytes());
     hash.write(&query_group.to_le_bytes());
     for items in HASHED_PAGE_SIZES {
