@@ -154,3 +154,64 @@ fn only_f16_bitmaps_are_expanded_for_the_tensor_cores() {
     assert_eq!(served("int8", "f16"), [false, true, true]);
     assert_eq!(served("f16", "int8"), [false, false, false]);
 }
+
+#[test]
+fn bulk_copies_and_swizzled_tensor_copies_where_documented() {
+    let mut chosen = Vec::new();
+    for format in common::bundled() {
+        for (target, bulk_copies) in [
+            (Target::Sm90, None),
+            (Target::Sm90, Some(true)),
+            (Target::Sm90, Some(false)),
+            (Target::Sm80, Some(true)),
+        ] {
+            let options = Options {
+                bulk_copies,
+                ..Options::for_target(target)
+            };
+            let output = ptx::write(&format, &options).expect("bundled formats generate");
+            for tier in &output.tiers {
+                let name = format!("{}/{}", format.name(), tier.tier);
+                let bulk = tier.ptx.contains("cp.async.bulk.shared");
+                let boxes = tier.ptx.contains("cp.async.bulk.tensor");
+                let maps: Vec<u32> = tier.kernel.tensor_maps.iter().map(|m| m.slot).collect();
+                // A tensor map per swizzled stream, and a box copy for each.
+                assert_eq!(boxes, !maps.is_empty(), "{name}");
+                assert!(
+                    !boxes || maps == [0, 1],
+                    "{name}: both streams swizzle or neither"
+                );
+                if target == Target::Sm80 || bulk_copies == Some(false) {
+                    assert!(!bulk && !boxes, "{name}: bulk copies on {target:?}");
+                    continue;
+                }
+                if bulk_copies.is_none() {
+                    let path = match (boxes, bulk) {
+                        (true, _) => "swizzled",
+                        (false, true) => "bulk",
+                        (false, false) => "cp.async",
+                    };
+                    chosen.push(format!("{name} {path}"));
+                } else {
+                    assert!(bulk, "{name}: no bulk copy with bulk_copies on");
+                }
+            }
+        }
+    }
+    // By default bulk copies, but not where both streams' rows would be
+    // padded and stay unswizzled (subspace, shard); dense f16 swizzles.
+    assert_eq!(
+        chosen,
+        [
+            "dense_f16/f16 swizzled",
+            "spherical/high bulk",
+            "spherical/mid bulk",
+            "spherical/low bulk",
+            "kivi/int8 bulk",
+            "kivi/int4 bulk",
+            "subspace/rank32 cp.async",
+            "shard/pca64_vq cp.async",
+            "mosaic/keep25 bulk",
+        ]
+    );
+}

@@ -6,6 +6,7 @@ mod device;
 mod kernels;
 pub mod measure;
 mod resident;
+mod tensor_map;
 
 pub use device::Gpu;
 pub use kernels::FormatKernels;

@@ -16,6 +16,9 @@ pub struct DeviceCache {
     page_offsets: Vec<CudaSlice<u32>>,
     page_ids: Vec<CudaSlice<u32>>,
     tables: Vec<CudaSlice<f32>>,
+    /// Per tier: the tensor maps of its kernel's tensor-copied streams
+    /// (`abi::TensorMap`), in their slots.
+    tensor_maps: Vec<CudaSlice<u8>>,
     /// Per tier: the most pages any (sequence, kv head) row has in it.
     row_pages_max: Vec<u32>,
     /// Bytes a decode step must read: every referenced page and every table once.
@@ -52,6 +55,7 @@ impl DeviceCache {
         let mut page_offsets = Vec::new();
         let mut page_ids = Vec::new();
         let mut tables = Vec::new();
+        let mut tensor_maps = Vec::new();
         let mut row_pages_max = Vec::new();
         let mut bytes_per_step = 0u64;
         for (t, (tier, (_, kernel))) in view.tiers.iter().zip(&kernels.decode).enumerate() {
@@ -59,7 +63,12 @@ impl DeviceCache {
             // Never allocate zero bytes: an empty tier still needs a valid pointer.
             let mut pool_bytes = tier.pool.to_vec();
             pool_bytes.resize(pool_bytes.len().max(abi_alignment()), 0);
-            pools.push(stream.clone_htod(&pool_bytes).during(upload("pages"))?);
+            let pool = stream.clone_htod(&pool_bytes).during(upload("pages"))?;
+            let pages = (tier.pool.len() / kernel.page_bytes as usize).max(1);
+            let maps = super::tensor_map::encode(stream, &pool, pages, &kernel.tensor_maps)
+                .during(upload("tensor maps"))?;
+            tensor_maps.push(stream.clone_htod(&maps).during(upload("tensor maps"))?);
+            pools.push(pool);
             let (offsets, ids) = abi::page_lists(view.page_tables, t as u32);
             row_pages_max.push(offsets.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(0));
             bytes_per_step += ids.len() as u64 * u64::from(kernel.page_bytes);
@@ -81,6 +90,7 @@ impl DeviceCache {
             page_offsets,
             page_ids,
             tables,
+            tensor_maps,
             row_pages_max,
             bytes_per_step,
         })
@@ -263,7 +273,8 @@ impl DeviceDecode {
                 .arg(&splits)
                 .arg(&self.slot_bases[t])
                 .arg(&self.slot_count)
-                .arg(&scale);
+                .arg(&scale)
+                .arg(&cache.tensor_maps[t]);
             // SAFETY: arguments follow abi::DECODE_PARAMS in order and type; every
             // buffer is sized by the ABI's layouts and the page lists were checked.
             unsafe { args.launch(config(launch)) }

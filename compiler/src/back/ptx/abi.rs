@@ -19,6 +19,7 @@
 //! slots out of `slot_count` altogether.
 
 use crate::ir::Module;
+use crate::layout::Side;
 use crate::page::PageRef;
 
 use super::plan::Plan;
@@ -55,7 +56,7 @@ const fn param(name: &'static str, ty: ParamType, doc: &'static str) -> Param {
 }
 
 /// Parameters of every decode kernel, in order; [`DecodeArgs`] holds values for them.
-pub const DECODE_PARAMS: [Param; 12] = [
+pub const DECODE_PARAMS: [Param; 13] = [
     param(
         "pool",
         ParamType::Pointer,
@@ -116,6 +117,11 @@ pub const DECODE_PARAMS: [Param; 12] = [
         ParamType::F32,
         "multiplies every logit (1/sqrt(head_dim) for standard attention)",
     ),
+    param(
+        "tensor_maps",
+        ParamType::Pointer,
+        "CUtensorMap[2] (128 bytes each, 64-byte aligned) over this tier's pool: the key and the value stream's, for the streams `DecodeKernel::tensor_maps` lists (unread otherwise)",
+    ),
 ];
 
 /// Parameters of the merge kernel, in order; [`MergeArgs`] holds values for them.
@@ -153,6 +159,7 @@ pub struct DecodeArgs {
     pub slot_base: u32,
     pub slot_count: u32,
     pub softmax_scale: f32,
+    pub tensor_maps: u64,
 }
 
 /// Argument values of a merge launch, field order = [`MERGE_PARAMS`] order.
@@ -282,6 +289,40 @@ pub struct DecodeKernel {
     pub tile_items: u32,
     pub tables: TableBuffer,
     pub partials: PartialLayout,
+    /// The streams that load by tensor copies, each through the tensor map at
+    /// its [`TensorMap::slot`] of the `tensor_maps` buffer.
+    pub tensor_maps: Vec<TensorMap>,
+}
+
+/// A stream the kernel copies with `cp.async.bulk.tensor` (sm_90): the
+/// runtime encodes, over the pool at `pool + page_offset`, a 4-d tensor of
+/// bytes `[pages][items_per_page][row_bytes / 128][128]` (strides
+/// `page_bytes`, `row_bytes`, 128) with boxes of `[1][box_items][row_bytes /
+/// 128][128]` and the 128-byte swizzle (`CU_TENSOR_MAP_SWIZZLE_128B`): in
+/// shared memory each 16-byte chunk of a 128-byte line moves to chunk
+/// `chunk ^ (line % 8)`, which spreads a column of rows over every bank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TensorMap {
+    /// 0: the key stream, 1: the value stream.
+    pub slot: u32,
+    pub page_offset: u32,
+    /// Bytes per item: a multiple of 128.
+    pub row_bytes: u32,
+    pub items_per_page: u32,
+    pub page_bytes: u32,
+    /// Items per box: a tile.
+    pub box_items: u32,
+}
+
+/// Bytes of one encoded tensor map (`CUtensorMap`).
+pub const TENSOR_MAP_BYTES: u32 = 128;
+
+/// The slot of a stream's tensor map in the `tensor_maps` buffer.
+pub fn tensor_map_slot(side: Side) -> u32 {
+    match side {
+        Side::Key => 0,
+        Side::Value => 1,
+    }
 }
 
 impl DecodeKernel {
@@ -296,6 +337,19 @@ impl DecodeKernel {
             tile_items: plan.tile_items,
             tables: TableBuffer::of(module),
             partials: PartialLayout::new(module.head_dim),
+            tensor_maps: [Side::Key, Side::Value]
+                .into_iter()
+                .map(|side| (tensor_map_slot(side), plan.stream(side)))
+                .filter(|(_, s)| s.swizzled)
+                .map(|(slot, s)| TensorMap {
+                    slot,
+                    page_offset: s.page_offset,
+                    row_bytes: s.stride,
+                    items_per_page: plan.items_per_page,
+                    page_bytes: plan.page_bytes,
+                    box_items: plan.tile_items,
+                })
+                .collect(),
         }
     }
 

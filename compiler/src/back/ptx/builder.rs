@@ -1058,6 +1058,21 @@ impl Kernel {
             "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes {dst}, {src}, {bytes}, {barrier}"
         ));
     }
+    /// Tensor copy of the box at `coords` (innermost first) of the 4-d tensor
+    /// map at generic address `map` global -> shared (`dst` aligned as the
+    /// map's swizzle needs); completes its bytes on the mbarrier at `barrier`.
+    pub fn cp_async_bulk_tensor_4d(
+        &mut self,
+        dst: Shared,
+        map: Reg<U64>,
+        coords: [Reg<U32>; 4],
+        barrier: Shared,
+    ) {
+        let [c0, c1, c2, c3] = coords;
+        self.line(format_args!(
+            "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes {dst}, [{map}, {{{c0}, {c1}, {c2}, {c3}}}], {barrier}"
+        ));
+    }
     /// Waits until the phase of parity `parity` (0 or 1) of the mbarrier at
     /// `at` has completed.
     pub fn mbarrier_wait(&mut self, at: Shared, parity: Reg<U32>) {
@@ -1129,7 +1144,8 @@ pub fn module(version: &str, target: &str, shared_symbol: &str, kernels: &[Strin
     let _ = writeln!(out, ".version {version}");
     let _ = writeln!(out, ".target {target}");
     let _ = writeln!(out, ".address_size 64\n");
-    let _ = writeln!(out, ".extern .shared .align 16 .b8 {shared_symbol}[];\n");
+    // 1024: the 128-byte swizzle of tensor copies repeats every 1024 bytes.
+    let _ = writeln!(out, ".extern .shared .align 1024 .b8 {shared_symbol}[];\n");
     for kernel in kernels {
         out.push_str(kernel);
         out.push('\n');
@@ -1212,6 +1228,12 @@ mod tests {
         k.fence_proxy_async_shared();
         k.mbarrier_arrive_expect_tx(bar, bytes);
         k.cp_async_bulk(Shared::at(base).plus(32), Global::at(src), bytes, bar);
+        k.cp_async_bulk_tensor_4d(
+            Shared::at(base).plus(1024),
+            src,
+            [tid, tid, bytes, tid],
+            bar,
+        );
         let parity = k.and(tid, 1u32);
         k.mbarrier_wait(bar, parity);
         let text = k.finish();
@@ -1219,6 +1241,9 @@ mod tests {
         assert!(text.contains("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%r0+8], %r2;"));
         assert!(text.contains(
             "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%r0+32], [%rd0], %r2, [%r0+8];"
+        ));
+        assert!(text.contains(
+            "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%r0+1024], [%rd0, {%r1, %r1, %r2, %r1}], [%r0+8];"
         ));
         // The wait spins on try_wait until the phase completes.
         assert!(text

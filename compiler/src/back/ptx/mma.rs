@@ -31,6 +31,20 @@ use crate::ir::{ArrayDecl, BinaryOp, Expr, Function, Handle, Input, Literal, Mod
 use crate::layout::{round_up, CodecLayout, FieldLayout, TransformLayout};
 use crate::spec::BitmapElem;
 
+/// The constant part of the key row chunk lane `quad` loads as its `c`-th,
+/// whose lane part is `quad` ([`ROW_LANES`] `· c` on), or `spread` (swizzled
+/// rows) `(quad & 1) + 4 · (quad >> 1)` (`2 · (c & 1) + 8 · (c >> 1)` on). A load's
+/// two rows (lanes 0-3 and 4-7 of a phase) then cover one 128-byte line's
+/// chunks {0, 1, 4, 5} or {2, 3, 6, 7}, which the swizzle of neighbouring
+/// rows (two lines apart for 256-byte rows) maps onto each other's
+/// complement: no bank conflict, where contiguous chunks would conflict twice.
+pub fn lane_chunk(spread: bool, c: u32) -> u32 {
+    match spread {
+        false => ROW_LANES * c,
+        true => 2 * (c & 1) + 8 * (c >> 1),
+    }
+}
+
 /// Rows (tokens or channels) of one `m16n8k16` tile, and its reduction depth
 /// (an integer `m16n8k32` step is two of them deep).
 pub const TILE: u32 = 16;
@@ -102,6 +116,8 @@ pub struct Rows {
     pub offset: u32,
     pub stride: u32,
     pub staged: bool,
+    /// The rows' 16-byte chunks are swizzled ([`super::plan::Stream::swizzled`]).
+    pub swizzled: bool,
 }
 
 impl Rows {
@@ -110,6 +126,7 @@ impl Rows {
             offset: stream.buffer_offset,
             stride: stream.shared_stride,
             staged: false,
+            swizzled: stream.swizzled,
         }
     }
 
@@ -120,6 +137,7 @@ impl Rows {
             offset: 0,
             stride: shared_stride(round_up(bytes, CHUNK)),
             staged: true,
+            swizzled: false,
         }
     }
 
@@ -220,9 +238,15 @@ impl MmaScore {
         8 * CHUNK / self.key.bits()
     }
 
-    /// The 16-byte chunks of a key row one lane loads (chunks `quad + 4 · c`).
+    /// The 16-byte chunks of a key row one lane loads (chunks `quad + 4 · c`,
+    /// or spread: [`lane_chunk`]).
     pub fn lane_chunks(&self) -> u32 {
         self.key_dims / self.chunk_elements() / ROW_LANES
+    }
+
+    /// Whether the lanes' chunks can be spread: an even number per lane.
+    pub fn spread_chunks(&self) -> bool {
+        self.lane_chunks().is_multiple_of(2)
     }
 
     /// B tiles of the queries per column tile: f16 keys take a query as two

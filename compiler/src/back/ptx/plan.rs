@@ -5,7 +5,7 @@
 
 use std::collections::HashSet;
 
-use super::mma::MmaPlan;
+use super::mma::{Element, MmaPlan};
 use super::{Error, Options};
 use crate::ir::{ArrayDecl, Expr, Handle, Module, Stage};
 use crate::layout::{round_up, Side, TierLayout};
@@ -30,6 +30,11 @@ pub struct Stream {
     pub shared_stride: u32,
     /// Byte offset of the stream's items in a tile buffer.
     pub buffer_offset: u32,
+    /// Loaded by tensor copies with the 128-byte swizzle (sm_90 bulk copies
+    /// of rows a multiple of 128 bytes that only the tensor cores' fragment
+    /// loads read; they swizzle their addresses alike): the rows are
+    /// unpadded, yet a column of them spreads over every bank.
+    pub swizzled: bool,
 }
 
 /// Row stride in shared memory for rows `stride` bytes long: `stride`, or
@@ -57,6 +62,7 @@ impl Stream {
             stride,
             shared_stride: if bulk { stride } else { shared_stride(stride) },
             buffer_offset: 0,
+            swizzled: false,
         }
     }
 
@@ -196,19 +202,19 @@ pub struct Plan {
     pub shared_bytes: u32,
 }
 
-/// Whether tiles load by bulk copies ([`super::Options::bulk_copies`]).
-/// By default, unless both streams' rows are a multiple of 32 bytes: then
-/// every read of the unpadded tile meets bank conflicts (H200, 32K, dense
-/// f16 at its defaults: 0.2764 ms with padded rows, 0.2933 with bulk
-/// copies); every tier with one such stream or none was faster with bulk
-/// copies at its tuned shape (KIVI int4 0.1010 -> 0.0903 ms).
-fn bulk_copies(layout: &TierLayout, options: &Options) -> bool {
-    let padded = |stride: u32| shared_stride(stride) != stride;
-    let wanted = options
-        .bulk_copies
-        .unwrap_or(!(padded(layout.key.stride) && padded(layout.value.stride)));
-    wanted && options.target.bulk_copies()
+/// Whether tiles load by bulk copies ([`super::Options::bulk_copies`]):
+/// unless turned off, wherever the target has them ([`Plan::new`] takes
+/// the default back where they would leave rows conflicting).
+fn bulk_copies(options: &Options) -> bool {
+    options.bulk_copies != Some(false) && options.target.bulk_copies()
 }
+
+/// Bytes of the lines the 128-byte swizzle permutes chunks within.
+pub const SWIZZLE_LINE: u32 = 128;
+/// Alignment of swizzled rows: the swizzle's period (8 lines).
+pub const SWIZZLE_ALIGN: u32 = 1024;
+/// Most items of one tensor-copy box (a box dimension is at most 256).
+const MAX_BOX_ITEMS: u32 = 256;
 
 /// Bytes of one mbarrier.
 pub const BARRIER_BYTES: u32 = 8;
@@ -260,8 +266,37 @@ impl Plan {
     /// The plan for `group_max` query heads per kv head. With automatic tiles,
     /// the tile shrinks until the kernel fits the target's shared memory.
     pub fn new(module: &Module, group_max: u32, options: &Options) -> Result<Plan, Error> {
+        if options.bulk_copies.is_some() {
+            return Plan::sized(module, group_max, options);
+        }
+        // By default bulk copies, unless both streams' rows would have been
+        // padded and stay unswizzled: then every read of the unpadded tile
+        // meets bank conflicts (H200, 32K, dense f16 before it was swizzled:
+        // 0.2764 ms with padded rows, 0.2933 with bulk copies), while every
+        // tier with one such stream or none was faster with bulk copies at
+        // its tuned shape (KIVI int4 0.1010 -> 0.0903 ms).
+        let conflicted = |plan: &Plan| {
+            let padded = |stride: u32| shared_stride(stride) != stride;
+            padded(plan.key.stride)
+                && padded(plan.value.stride)
+                && !(plan.key.swizzled && plan.value.swizzled)
+        };
+        match Plan::sized(module, group_max, options) {
+            Ok(plan) if plan.barriers.is_none() || !conflicted(&plan) => Ok(plan),
+            _ => {
+                let copies = Options {
+                    bulk_copies: Some(false),
+                    ..*options
+                };
+                Plan::sized(module, group_max, &copies)
+            }
+        }
+    }
+
+    /// [`Plan::new`] with the copy path `options` ask for.
+    fn sized(module: &Module, group_max: u32, options: &Options) -> Result<Plan, Error> {
         let layout = &module.layout;
-        let bulk = bulk_copies(layout, options);
+        let bulk = bulk_copies(options);
         let key = Stream::new(layout.key_stream_offset, layout.key.stride, bulk);
         let value = Stream::new(layout.value_stream_offset, layout.value.stride, bulk);
         let mut budget = options.tile_bytes;
@@ -294,13 +329,13 @@ impl Plan {
             .find(|&h| tile_items * group_max.div_ceil(h) <= threads)
             .unwrap_or(head_block);
         let score_head_blocks = group_max.div_ceil(score_head_block);
-        let bulk = bulk_copies(layout, options);
+        let bulk = bulk_copies(options);
         let mut key = Stream::new(layout.key_stream_offset, layout.key.stride, bulk);
         let mut value = Stream::new(layout.value_stream_offset, layout.value.stride, bulk);
         let items_per_page = layout.items_per_page;
         key.buffer_offset = layout.header_bytes;
         value.buffer_offset = key.buffer_offset + key.capacity(tile_items);
-        let buffer_bytes = value.buffer_offset + value.capacity(tile_items) + SLACK;
+        let mut buffer_bytes = value.buffer_offset + value.capacity(tile_items) + SLACK;
 
         let dims = module.value.dims;
         // Table reads (VQ codebook rows) stay one per channel in a pair, and
@@ -340,6 +375,41 @@ impl Plan {
             .tensor_cores
             .then(|| super::mma::plan(module, group_max, tile_items, &key, &value))
             .flatten();
+        // Swizzled tensor copies where the tensor cores' 16-byte fragment
+        // loads are the only reads of both streams (they swizzle their
+        // addresses). A lone swizzled stream measured slower: Spherical mid
+        // (f16 values, codebook keys) 0.1531 -> 0.1622 ms at 32K on an H200,
+        // the address arithmetic costing more than the bank conflicts.
+        if let Some(m) = &mma {
+            let tensor_rows = |s: &Stream| {
+                bulk && s.stride.is_multiple_of(SWIZZLE_LINE) && tile_items <= MAX_BOX_ITEMS
+            };
+            let keys = tensor_rows(&key)
+                && !m.key_rows.staged
+                && (m.score.as_ref()).is_some_and(|s| s.key == Element::Half && s.spread_chunks());
+            let values = tensor_rows(&value)
+                && !m.value_rows.staged
+                && m.value == Element::Half
+                && m.value_aligned
+                && m.item_scale.is_none();
+            key.swizzled = keys && values;
+            value.swizzled = keys && values;
+        }
+        if key.swizzled || value.swizzled {
+            // The swizzle follows address bits 4-9: swizzled rows start on
+            // 1024-byte boundaries of tile buffers that do too.
+            let start = |s: &Stream, at: u32| match s.swizzled {
+                true => round_up(at, SWIZZLE_ALIGN),
+                false => at,
+            };
+            key.buffer_offset = start(&key, layout.header_bytes);
+            value.buffer_offset = start(&value, key.buffer_offset + key.capacity(tile_items));
+            buffer_bytes = round_up(
+                value.buffer_offset + value.capacity(tile_items) + SLACK,
+                SWIZZLE_ALIGN,
+            );
+            mma = super::mma::plan(module, group_max, tile_items, &key, &value);
+        }
         // A tensor-core score reads its query once, into registers before the
         // page loop: the score program's arrays need not outlive the prologue.
         let mma_score = mma.as_ref().is_some_and(|m| m.score.is_some());
@@ -382,6 +452,9 @@ impl Plan {
         let tile_max = bump.take(4 * head_stride);
 
         let stream_start = bump.0;
+        if key.swizzled || value.swizzled {
+            bump.0 = round_up(bump.0, SWIZZLE_ALIGN);
+        }
         let buffers = bump.take(options.stages * buffer_bytes);
         let logits = match mma_score {
             true => bump.take(head_stride * 4 * 2 * options.warps),

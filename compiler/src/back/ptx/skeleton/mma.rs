@@ -26,7 +26,7 @@
 //! between score and accumulate (twelfth round). The warps' states meet
 //! once, after the stream.
 
-use super::super::mma::{Element, Gather, MmaPlan, MmaScore, Rows, ROW_LANES, TILE};
+use super::super::mma::{lane_chunk, Element, Gather, MmaPlan, MmaScore, Rows, ROW_LANES, TILE};
 use super::super::plan::{Stream, CHUNK};
 use super::{Rescale, Skeleton, Tile, RESCALE_SLACK_BITS};
 use crate::back::ptx::builder::{Cmp, Kernel, Pred, Reg, Shared, F32, S32, U32};
@@ -306,6 +306,7 @@ impl Skeleton<'_> {
         ));
         let lanes = self.mma_lanes(k);
         let row_head = k.shr(lanes.row, 1u32);
+        let chunk = self.lane_chunk_part(k, &lanes);
         let query = s.query.index();
         let query_base = self.array_base(k, query);
         let query_at: Vec<(Reg<U32>, Reg<Pred>)> = (0..m.column_tiles)
@@ -314,11 +315,11 @@ impl Skeleton<'_> {
                 let ok = k.setp(Cmp::Lt, head, self.group);
                 let (clamped, _) = self.mma_head_slot(k, head);
                 let at = k.mad_lo(clamped, plan.array_stride[query], query_base);
-                (k.mad_lo(lanes.quad, 4 * s.chunk_elements(), at), ok)
+                (k.mad_lo(chunk, 4 * s.chunk_elements(), at), ok)
             })
             .collect();
         let key_row = k.mad_lo(lanes.warp, TILE, lanes.row);
-        let key_chunk = k.shl(lanes.quad, 4u32);
+        let key_chunk = k.shl(chunk, 4u32);
         let key_lane = k.mad_lo(key_row, m.key_rows.stride, key_chunk);
         let zero = k.mov(0.0f32);
         let queries = match s.key_scale {
@@ -438,10 +439,12 @@ impl Skeleton<'_> {
         header: Option<Reg<U32>>,
     ) -> Queries {
         let chunk = m.chunk_elements();
-        // The lane's chunk c holds elements chunk·quad + 4·chunk·c, contiguous.
+        let spread = self.spread_chunks();
+        // The lane's chunk c holds elements chunk · (its chunk index), contiguous.
         let scales_at = header.map(|h| {
             let slot0 = m.key_scale.expect("header scales");
-            let first = k.mad_lo(lanes.quad, 4 * chunk, h);
+            let lane_chunk = self.lane_chunk_part(k, lanes);
+            let first = k.mad_lo(lane_chunk, 4 * chunk, h);
             k.add(first, 4 * slot0)
         });
         // Logits in log2 units; 4-bit codes enter as 16 times the code.
@@ -457,7 +460,7 @@ impl Skeleton<'_> {
             let mut elements = Vec::new();
             for c in 0..m.lane_chunks() {
                 for v in 0..chunk / 4 {
-                    let offset = i64::from(4 * (ROW_LANES * chunk * c + 4 * v));
+                    let offset = i64::from(4 * (chunk * lane_chunk(spread, c) + 4 * v));
                     let q = k.ld_shared_v4::<F32>(Shared::at(at).plus(offset));
                     let s = scales_at.map(|s| k.ld_shared_v4::<F32>(Shared::at(s).plus(offset)));
                     for (i, x) in q.into_iter().enumerate() {
@@ -575,6 +578,7 @@ impl Skeleton<'_> {
             k.place(later);
         }
         let stride = m.key_rows.stride;
+        let spread = self.spread_chunks();
         let base = self.mma_rows(k, tile.buf, m.key_rows);
         let lane_base = k.add(base, t.key_lane);
         let mut logits = Vec::new();
@@ -590,7 +594,8 @@ impl Skeleton<'_> {
                     let words: Vec<Reg<U32>> = (0..score.lane_chunks())
                         .flat_map(|c| {
                             let at = Shared::at(lane_base)
-                                .plus(i64::from(offset + ROW_LANES * super::CHUNK * c));
+                                .plus(i64::from(offset + CHUNK * lane_chunk(spread, c)));
+                            let at = swizzled_if(k, m.key_rows.swizzled, at);
                             k.ld_shared_v4::<U32>(at)
                         })
                         .collect();
@@ -618,6 +623,21 @@ impl Skeleton<'_> {
             }
         }
         logits
+    }
+
+    /// Whether the key rows' chunks are spread over the lanes ([`lane_chunk`]).
+    fn spread_chunks(&self) -> bool {
+        (self.plan.mma.as_ref()).is_some_and(|m| m.key_rows.swizzled)
+    }
+
+    /// The lane part of the key row chunks the lane loads ([`lane_chunk`]).
+    fn lane_chunk_part(&self, k: &mut Kernel, lanes: &Lanes) -> Reg<U32> {
+        if !self.spread_chunks() {
+            return lanes.quad;
+        }
+        let low = k.and(lanes.quad, 1u32);
+        let high = k.and(lanes.quad, 2u32);
+        k.mad_lo(high, 2u32, low)
     }
 
     /// Row 0 of a side's rows for the tile in buffer `buf`.
@@ -1079,7 +1099,9 @@ impl Skeleton<'_> {
         if m.value_aligned {
             let words = (0..n / 4)
                 .flat_map(|v| {
-                    k.ld_shared_v4::<U32>(Shared::at(lane_base).plus(i64::from(offset + 16 * v)))
+                    let at = Shared::at(lane_base).plus(i64::from(offset + 16 * v));
+                    let at = swizzled_if(k, m.value_rows.swizzled, at);
+                    k.ld_shared_v4::<U32>(at)
                 })
                 .collect();
             return TokenWords { words, skew: 0 };
@@ -1438,6 +1460,22 @@ fn power_ratio(k: &mut Kernel, from: Reg<F32>, to: Reg<F32>) -> Reg<F32> {
     let ratio = k.ex2(d);
     let same = k.setp(Cmp::Eq, from, to);
     k.selp(1.0f32, ratio, same)
+}
+
+/// `at` in rows the 128-byte swizzle placed (when `swizzled`): 16-byte chunk
+/// `c` of 128-byte line `l` (of shared memory, 1024-byte aligned) sits at
+/// chunk `c ^ (l % 8)`, as the tensor copies put it.
+fn swizzled_if(k: &mut Kernel, swizzled: bool, at: Shared) -> Shared {
+    if !swizzled {
+        return at;
+    }
+    let address = match u32::try_from(at.offset).expect("tile row offsets fit a u32") {
+        0 => at.base,
+        offset => k.add(at.base, offset),
+    };
+    let line = k.shr(address, 3u32);
+    // address ^ (line & 0x70): the line's low 3 bits onto the chunk's.
+    Shared::at(k.lop3(address, line, 0x70u32, 0x78))
 }
 
 /// The fragment registers of one word of key elements

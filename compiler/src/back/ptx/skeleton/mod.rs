@@ -11,7 +11,7 @@
 
 use std::collections::HashSet;
 
-use super::abi::{ParamType, TableBuffer, DECODE_PARAMS};
+use super::abi::{tensor_map_slot, ParamType, TableBuffer, DECODE_PARAMS, TENSOR_MAP_BYTES};
 use super::builder::{
     Axis, Cmp, Global, Kernel, Op, Param, Pred, Reg, Shared, Type, F32, U32, U64,
 };
@@ -44,6 +44,7 @@ struct Params {
     slot_base: Param<U32>,
     slot_count: Param<U32>,
     softmax_scale: Param<F32>,
+    tensor_maps: Param<U64>,
 }
 
 /// Declares the parameters in [`DECODE_PARAMS`] order, checking their types.
@@ -68,6 +69,7 @@ fn declare(k: &mut Kernel) -> Params {
     let slot_base = int(k);
     let slot_count = int(k);
     let softmax_scale = k.param::<F32>(take(ParamType::F32, F32::DECL));
+    let tensor_maps = k.param::<U64>(take(ParamType::Pointer, U64::DECL));
     Params {
         pool,
         page_offsets,
@@ -81,6 +83,7 @@ fn declare(k: &mut Kernel) -> Params {
         slot_base,
         slot_count,
         softmax_scale,
+        tensor_maps,
     }
 }
 
@@ -636,8 +639,10 @@ impl<'a> Skeleton<'a> {
     }
 
     /// [`Self::issue_tile_of`] by bulk copies: thread 0 copies the header
-    /// and each stream of `part` as one run each, all completing on the
-    /// part's mbarrier, which it tells the total bytes to expect.
+    /// and each stream of `part` as one run each (a swizzled stream as one
+    /// box of its tensor map: always a whole tile, items past the page
+    /// zeroed), all completing on the part's mbarrier, which it tells the
+    /// total bytes to expect.
     fn bulk_tile(&self, k: &mut Kernel, t: Reg<U32>, page_id: Reg<U32>, part: Part) {
         let plan = self.plan;
         let skip = k.label();
@@ -648,21 +653,27 @@ impl<'a> Skeleton<'a> {
         let (first, len) = self.tile_span(k, t);
         let mut copies = Vec::new();
         if part != Part::Values && plan.header_bytes > 0 {
-            copies.push((
-                Shared::at(buf),
-                Global::at(page),
-                Op::Imm(plan.header_bytes),
-            ));
+            let header = Op::Imm(plan.header_bytes);
+            copies.push((Shared::at(buf), BulkSource::Run(Global::at(page)), header));
         }
         for &side in part.sides() {
             let s = plan.stream(side);
+            let dst = Shared::at(buf).plus(s.buffer_offset.into());
+            if s.swizzled {
+                let maps = k.ld_param(&self.p.tensor_maps);
+                let map = k.add(maps, u64::from(TENSOR_MAP_BYTES * tensor_map_slot(side)));
+                let zero = k.mov(0u32);
+                let coords = [zero, zero, first.unwrap_or(zero), page_id];
+                let bytes = Op::Imm(plan.tile_items * s.stride);
+                copies.push((dst, BulkSource::Box(map, coords), bytes));
+                continue;
+            }
             let (src, chunks) = self.stream_span(k, s, page, first, len);
             let bytes = match chunks {
                 Op::Imm(n) => Op::Imm(n * CHUNK),
                 Op::Reg(n) => Op::Reg(k.shl(n, CHUNK.trailing_zeros())),
             };
-            let dst = Shared::at(buf).plus(s.buffer_offset.into());
-            copies.push((dst, src, bytes));
+            copies.push((dst, BulkSource::Run(src), bytes));
         }
         let total = copies
             .iter()
@@ -676,7 +687,12 @@ impl<'a> Skeleton<'a> {
         k.fence_proxy_async_shared();
         k.mbarrier_arrive_expect_tx(barrier, total);
         for (dst, src, bytes) in copies {
-            k.cp_async_bulk(dst, src, bytes, barrier);
+            match src {
+                BulkSource::Run(src) => k.cp_async_bulk(dst, src, bytes, barrier),
+                BulkSource::Box(map, coords) => {
+                    k.cp_async_bulk_tensor_4d(dst, map, coords, barrier)
+                }
+            }
         }
         k.place(skip);
     }
@@ -1915,6 +1931,14 @@ enum Part {
     Whole,
     Keys,
     Values,
+}
+
+/// Where a bulk copy reads: a run of bytes, or a box of a tensor map
+/// (its generic address and the box's coordinates, innermost first).
+#[derive(Clone, Copy)]
+enum BulkSource {
+    Run(Global),
+    Box(Reg<U64>, [Reg<U32>; 4]),
 }
 
 impl Part {
