@@ -137,6 +137,18 @@ fn gpu_tuning_space_matches_interpreter_and_page_size_is_enforced() {
             .decode(&cache.view(), &queries, 8)
             .expect("interpreter");
         let default = KernelConfig::default_for(&format);
+        // One upload serves every configuration (as `kvcc tune` and `kvcc
+        // bench` reuse theirs): what depends on the kernel is the step's.
+        let uploaded = {
+            let kernels = FormatKernels::load_configs(
+                gpu,
+                &format,
+                &[default; 1].repeat(format.tiers().len()),
+                4,
+            )
+            .expect("default kernels");
+            DeviceCache::upload(gpu, &kernels, &cache).expect("upload")
+        };
         for config in [
             KernelConfig {
                 warps: 2,
@@ -203,15 +215,15 @@ fn gpu_tuning_space_matches_interpreter_and_page_size_is_enforced() {
             let configs = vec![config; format.tiers().len()];
             let kernels = FormatKernels::load_configs(gpu, &format, &configs, 4)
                 .unwrap_or_else(|e| panic!("{} {config}: {e}", format.name()));
-            let device = DeviceCache::upload(gpu, &kernels, &cache).expect("upload");
-            let mut step = kvcc::runtime::cuda::DeviceDecode::new(gpu, &kernels, &device, 8, None)
+            let device = &uploaded;
+            let mut step = kvcc::runtime::cuda::DeviceDecode::new(gpu, &kernels, device, 8, None)
                 .expect("decode step");
-            step.set_queries(gpu, &kernels, &device, &queries)
+            step.set_queries(gpu, &kernels, device, &queries)
                 .expect("queries");
             step.poison(gpu).expect("poison");
-            step.launch(gpu, &kernels, &device).expect("launch");
+            step.launch(gpu, &kernels, device).expect("launch");
             let got = step
-                .output(gpu, &device, format.head_dim() as usize)
+                .output(gpu, device, format.head_dim() as usize)
                 .expect("output");
             let error = max_rel_error(&got, &want, format.head_dim() as usize);
             assert!(
@@ -220,6 +232,34 @@ fn gpu_tuning_space_matches_interpreter_and_page_size_is_enforced() {
                 format.name()
             );
         }
+        // A step keeps what it was made for: launched with kernels of another
+        // tile (whose tensor copies move other boxes), it is refused.
+        let kernels_of = |config: KernelConfig| {
+            FormatKernels::load_configs(gpu, &format, &vec![config; format.tiers().len()], 4)
+                .expect("kernels")
+        };
+        let made_for = kernels_of(KernelConfig {
+            bulk_copies: Some(true),
+            ..default
+        });
+        let other = kernels_of(KernelConfig {
+            bulk_copies: Some(true),
+            tile_items: Some(16),
+            ..default
+        });
+        let mut step = kvcc::runtime::cuda::DeviceDecode::new(gpu, &made_for, &uploaded, 8, None)
+            .expect("decode step");
+        step.set_queries(gpu, &made_for, &uploaded, &queries)
+            .expect("queries");
+        let swizzled =
+            made_for.options.iter().any(|o| o.target.bulk_copies()) && format.name() == "dense_f16";
+        let launched = step.launch(gpu, &other, &uploaded);
+        assert_eq!(
+            matches!(launched, Err(CudaError::Shape(_))),
+            swizzled,
+            "{}: {launched:?}",
+            format.name()
+        );
         // A configuration tuned for 128-item pages cannot load for 64-item pages…
         let other = KernelConfig {
             page_items: 128,

@@ -16,9 +16,8 @@ pub struct DeviceCache {
     page_offsets: Vec<CudaSlice<u32>>,
     page_ids: Vec<CudaSlice<u32>>,
     tables: Vec<CudaSlice<f32>>,
-    /// Per tier: the tensor maps of its kernel's tensor-copied streams
-    /// (`abi::TensorMap`), in their slots.
-    tensor_maps: Vec<CudaSlice<u8>>,
+    /// Per tier: pages in its pool.
+    pool_pages: Vec<usize>,
     /// Per tier: the most pages any (sequence, kv head) row has in it.
     row_pages_max: Vec<u32>,
     /// Bytes a decode step must read: every referenced page and every table once.
@@ -55,7 +54,7 @@ impl DeviceCache {
         let mut page_offsets = Vec::new();
         let mut page_ids = Vec::new();
         let mut tables = Vec::new();
-        let mut tensor_maps = Vec::new();
+        let mut pool_pages = Vec::new();
         let mut row_pages_max = Vec::new();
         let mut bytes_per_step = 0u64;
         for (t, (tier, (_, kernel))) in view.tiers.iter().zip(&kernels.decode).enumerate() {
@@ -63,12 +62,8 @@ impl DeviceCache {
             // Never allocate zero bytes: an empty tier still needs a valid pointer.
             let mut pool_bytes = tier.pool.to_vec();
             pool_bytes.resize(pool_bytes.len().max(abi_alignment()), 0);
-            let pool = stream.clone_htod(&pool_bytes).during(upload("pages"))?;
-            let pages = (tier.pool.len() / kernel.page_bytes as usize).max(1);
-            let maps = super::tensor_map::encode(stream, &pool, pages, &kernel.tensor_maps)
-                .during(upload("tensor maps"))?;
-            tensor_maps.push(stream.clone_htod(&maps).during(upload("tensor maps"))?);
-            pools.push(pool);
+            pools.push(stream.clone_htod(&pool_bytes).during(upload("pages"))?);
+            pool_pages.push(tier.pool.len() / kernel.page_bytes as usize);
             let (offsets, ids) = abi::page_lists(view.page_tables, t as u32);
             row_pages_max.push(offsets.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(0));
             bytes_per_step += ids.len() as u64 * u64::from(kernel.page_bytes);
@@ -90,7 +85,7 @@ impl DeviceCache {
             page_offsets,
             page_ids,
             tables,
-            tensor_maps,
+            pool_pages,
             row_pages_max,
             bytes_per_step,
         })
@@ -111,6 +106,11 @@ pub struct DeviceDecode {
     queries: CudaSlice<f32>,
     partials: CudaSlice<f32>,
     output: CudaSlice<f32>,
+    /// Per tier: the tensor maps of its kernel's tensor-copied streams over
+    /// the cache's pool (`abi::TensorMap`: they hold the kernel's tile), and
+    /// what they were encoded for, which a launch's kernels must match.
+    tensor_maps: Vec<CudaSlice<u8>>,
+    mapped: Vec<Vec<abi::TensorMap>>,
 }
 
 impl DeviceDecode {
@@ -189,6 +189,21 @@ impl DeviceDecode {
             }
         };
         let (slot_bases, slot_count) = abi::slot_bases(&splits);
+        let mut tensor_maps = Vec::new();
+        for (t, (_, kernel)) in kernels.decode.iter().enumerate() {
+            let encoded = super::tensor_map::encode(
+                &gpu.stream,
+                &cache.pools[t],
+                cache.pool_pages[t].max(1),
+                &kernel.tensor_maps,
+            )
+            .during(|| format!("encoding the tensor maps of {}", kernel.name))?;
+            let buffer = gpu.stream.clone_htod(&encoded);
+            tensor_maps.push(buffer.during(|| "uploading tensor maps".into())?);
+        }
+        let mapped = (kernels.decode.iter())
+            .map(|(_, k)| k.tensor_maps.clone())
+            .collect();
         let layout = kernels.merge.1.partials;
         let rows_out = cache.sequences * q_heads;
         let d = kernels.format.head_dim() as usize;
@@ -209,6 +224,8 @@ impl DeviceDecode {
                 "partials",
             )?,
             output: alloc(rows_out * d, "the output")?,
+            tensor_maps,
+            mapped,
         })
     }
 
@@ -255,6 +272,12 @@ impl DeviceDecode {
             cache.kv_heads as u32,
             cache.sequences as u32,
         );
+        let mapped = kernels.decode.iter().map(|(_, k)| &k.tensor_maps);
+        if !mapped.eq(self.mapped.iter()) {
+            return Err(CudaError::Shape(
+                "the decode step was prepared for other kernels (its tensor maps differ)".into(),
+            ));
+        }
         for (t, (function, kernel)) in kernels.decode.iter().enumerate() {
             let splits = self.splits[t];
             if splits == 0 || sequences == 0 {
@@ -274,7 +297,7 @@ impl DeviceDecode {
                 .arg(&self.slot_bases[t])
                 .arg(&self.slot_count)
                 .arg(&scale)
-                .arg(&cache.tensor_maps[t]);
+                .arg(&self.tensor_maps[t]);
             // SAFETY: arguments follow abi::DECODE_PARAMS in order and type; every
             // buffer is sized by the ABI's layouts and the page lists were checked.
             unsafe { args.launch(config(launch)) }
