@@ -149,6 +149,16 @@ fn gpu_tuning_space_matches_interpreter_and_page_size_is_enforced() {
             .expect("default kernels");
             DeviceCache::upload(gpu, &kernels, &cache).expect("upload")
         };
+        // Pipelined with partial and empty tiles, a warp without a token
+        // tile and values loading two tiles ahead.
+        let partial_pipelined = KernelConfig {
+            pipeline: true,
+            warps: 2,
+            tile_items: Some(16),
+            splits: Some(3),
+            stages: 3,
+            ..default
+        };
         for config in [
             KernelConfig {
                 warps: 2,
@@ -191,25 +201,11 @@ fn gpu_tuning_space_matches_interpreter_and_page_size_is_enforced() {
                 pipeline: true,
                 ..default
             },
-            // Pipelined with partial and empty tiles, a warp without a token
-            // tile and values loading two tiles ahead.
-            KernelConfig {
-                pipeline: true,
-                warps: 2,
-                tile_items: Some(16),
-                splits: Some(3),
-                stages: 3,
-                ..default
-            },
+            partial_pipelined,
             // The same with bulk copies forced on.
             KernelConfig {
-                pipeline: true,
-                warps: 2,
-                tile_items: Some(16),
-                splits: Some(3),
-                stages: 3,
                 bulk_copies: Some(true),
-                ..default
+                ..partial_pipelined
             },
         ] {
             let configs = vec![config; format.tiers().len()];
