@@ -380,7 +380,7 @@ impl Plan {
         // addresses). A lone swizzled stream measured slower: Spherical mid
         // (f16 values, codebook keys) 0.1531 -> 0.1622 ms at 32K on an H200,
         // the address arithmetic costing more than the bank conflicts.
-        if let Some(m) = &mma {
+        let swizzled = mma.as_ref().is_some_and(|m| {
             let tensor_rows = |s: &Stream| {
                 bulk && s.stride.is_multiple_of(SWIZZLE_LINE) && tile_items <= MAX_BOX_ITEMS
             };
@@ -392,18 +392,16 @@ impl Plan {
                 && m.value == Element::Half
                 && m.value_aligned
                 && m.item_scale.is_none();
-            key.swizzled = keys && values;
-            value.swizzled = keys && values;
-        }
-        if key.swizzled || value.swizzled {
-            // The swizzle follows address bits 4-9: swizzled rows start on
+            keys && values
+        });
+        if swizzled {
+            // The swizzle follows address bits 4-9: the rows start on
             // 1024-byte boundaries of tile buffers that do too.
-            let start = |s: &Stream, at: u32| match s.swizzled {
-                true => round_up(at, SWIZZLE_ALIGN),
-                false => at,
-            };
-            key.buffer_offset = start(&key, layout.header_bytes);
-            value.buffer_offset = start(&value, key.buffer_offset + key.capacity(tile_items));
+            key.swizzled = true;
+            value.swizzled = true;
+            key.buffer_offset = round_up(layout.header_bytes, SWIZZLE_ALIGN);
+            let after_keys = key.buffer_offset + key.capacity(tile_items);
+            value.buffer_offset = round_up(after_keys, SWIZZLE_ALIGN);
             buffer_bytes = round_up(
                 value.buffer_offset + value.capacity(tile_items) + SLACK,
                 SWIZZLE_ALIGN,
@@ -452,7 +450,7 @@ impl Plan {
         let tile_max = bump.take(4 * head_stride);
 
         let stream_start = bump.0;
-        if key.swizzled || value.swizzled {
+        if swizzled {
             bump.0 = round_up(bump.0, SWIZZLE_ALIGN);
         }
         let buffers = bump.take(options.stages * buffer_bytes);

@@ -2,8 +2,9 @@
 //!
 //! One CTA per (sequence, kv head, split) runs every query head of the kv
 //! head's group: it loads the queries and runs the key prologue per head, then
-//! streams its share of the tier's pages tile by tile — `cp.async` copies into
-//! one shared buffer while the other is computed on — with, per tile, a score
+//! streams its share of the tier's pages tile by tile — `cp.async` or, on
+//! sm_90, bulk copies (completing on mbarriers) into one shared buffer while
+//! the other is computed on — with, per tile, a score
 //! phase (logits of every (item, head)), an online-softmax phase (one warp per
 //! head) and an accumulate phase (threads own value channels for a block of
 //! heads, so each value code is decoded once for all of them). At the end it
@@ -478,7 +479,8 @@ impl<'a> Skeleton<'a> {
 
     /// Tiles `0 .. stages - 1`, one `cp.async` group each (the first also
     /// holds the staged tables; groups past the split's tiles are empty, so
-    /// the stream's wait counts stay uniform).
+    /// the stream's wait counts stay uniform); with bulk copies, each on its
+    /// buffer's mbarriers instead.
     ///
     /// Pipelined ([`Plan::pipelined`]): group `s` holds tile `s`'s header and
     /// keys and tile `s − 1`'s values, which are read one tile later.
