@@ -178,6 +178,12 @@ fn gpu_tuning_space_matches_interpreter_and_page_size_is_enforced() {
                 splits: Some(1),
                 ..default
             },
+            // Tiles of 22, 22 and 20 items: the last box of a swizzled
+            // tensor copy reaches past the page (zero-filled).
+            KernelConfig {
+                tile_items: Some(24),
+                ..default
+            },
             KernelConfig {
                 tile_items: Some(16),
                 stages: 4,
