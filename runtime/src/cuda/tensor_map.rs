@@ -4,12 +4,9 @@
 
 use cudarc::driver::sys;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DriverError};
-use kvcc_compiler::back::ptx::abi::{TensorMap, TENSOR_MAP_BYTES};
-
-/// Slots of every kernel's `tensor_maps` buffer: the key's and the value's.
-const SLOTS: usize = 2;
-/// Bytes of the innermost dimension: one 128-byte swizzle line.
-const LINE: u32 = 128;
+use kvcc_compiler::back::ptx::abi::{
+    TensorMap, SWIZZLE_LINE as LINE, TENSOR_MAP_BYTES, TENSOR_MAP_SLOTS,
+};
 
 /// The `tensor_maps` buffer of a kernel over `pool` (`pages` pages): each
 /// of `maps` encoded in its slot, the other slots zero (never read).
@@ -19,7 +16,7 @@ pub fn encode(
     pages: usize,
     maps: &[TensorMap],
 ) -> Result<Vec<u8>, DriverError> {
-    let mut out = vec![0u8; SLOTS * TENSOR_MAP_BYTES as usize];
+    let mut out = vec![0u8; (TENSOR_MAP_SLOTS * TENSOR_MAP_BYTES) as usize];
     let (base, _in_use) = pool.device_ptr(stream);
     for map in maps {
         let lines = map.row_bytes / LINE;

@@ -92,41 +92,22 @@ impl Space {
         default: KernelConfig,
         same: impl Fn(&KernelConfig) -> bool,
     ) -> Space {
-        self.tensor_cores.retain(|&v| {
-            v == default.tensor_cores
-                || !same(&KernelConfig {
-                    tensor_cores: v,
-                    ..default
-                })
-        });
-        self.head_block.retain(|&v| {
-            v == default.head_block
-                || !same(&KernelConfig {
-                    head_block: v,
-                    ..default
-                })
-        });
-        self.max_accumulators.retain(|&v| {
-            v == default.max_accumulators
-                || !same(&KernelConfig {
-                    max_accumulators: v,
-                    ..default
-                })
-        });
-        self.pipeline.retain(|&v| {
-            v == default.pipeline
-                || !same(&KernelConfig {
-                    pipeline: v,
-                    ..default
-                })
-        });
-        self.bulk_copies.retain(|&v| {
-            v == default.bulk_copies
-                || !same(&KernelConfig {
-                    bulk_copies: v,
-                    ..default
-                })
-        });
+        // Whether `default` with one axis changed by `set` gives another kernel.
+        let differs = |set: &dyn Fn(&mut KernelConfig)| {
+            let mut c = default;
+            set(&mut c);
+            !same(&c)
+        };
+        self.tensor_cores
+            .retain(|&v| v == default.tensor_cores || differs(&|c| c.tensor_cores = v));
+        self.head_block
+            .retain(|&v| v == default.head_block || differs(&|c| c.head_block = v));
+        self.max_accumulators
+            .retain(|&v| v == default.max_accumulators || differs(&|c| c.max_accumulators = v));
+        self.pipeline
+            .retain(|&v| v == default.pipeline || differs(&|c| c.pipeline = v));
+        self.bulk_copies
+            .retain(|&v| v == default.bulk_copies || differs(&|c| c.bulk_copies = v));
         self
     }
 

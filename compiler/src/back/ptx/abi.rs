@@ -316,6 +316,11 @@ pub struct TensorMap {
 
 /// Bytes of one encoded tensor map (`CUtensorMap`).
 pub const TENSOR_MAP_BYTES: u32 = 128;
+/// Tensor maps in the `tensor_maps` buffer: the key's and the value's.
+pub const TENSOR_MAP_SLOTS: u32 = 2;
+/// Bytes of the lines the 128-byte swizzle permutes chunks within: the
+/// tensor's innermost dimension.
+pub const SWIZZLE_LINE: u32 = 128;
 
 /// The slot of a stream's tensor map in the `tensor_maps` buffer.
 pub fn tensor_map_slot(side: Side) -> u32 {

@@ -31,13 +31,14 @@ use crate::ir::{ArrayDecl, BinaryOp, Expr, Function, Handle, Input, Literal, Mod
 use crate::layout::{round_up, CodecLayout, FieldLayout, TransformLayout};
 use crate::spec::BitmapElem;
 
-/// The constant part of the key row chunk lane `quad` loads as its `c`-th,
-/// whose lane part is `quad` ([`ROW_LANES`] `· c` on), or `spread` (swizzled
-/// rows) `(quad & 1) + 4 · (quad >> 1)` (`2 · (c & 1) + 8 · (c >> 1)` on). A load's
-/// two rows (lanes 0-3 and 4-7 of a phase) then cover one 128-byte line's
-/// chunks {0, 1, 4, 5} or {2, 3, 6, 7}, which the swizzle of neighbouring
-/// rows (two lines apart for 256-byte rows) maps onto each other's
-/// complement: no bank conflict, where contiguous chunks would conflict twice.
+/// The key row chunk lane `quad` loads as its `c`-th is a lane part plus
+/// this constant part: `quad` plus `4 · c`, or `spread` (swizzled rows)
+/// `(quad & 1) + 4 · (quad >> 1)` plus `2 · (c & 1) + 8 · (c >> 1)` (the
+/// lane part: `Skeleton::lane_chunk_part`). Spread, a load's two rows (lanes
+/// 0 to 3 and 4 to 7 of a phase) cover one 128-byte line's chunks
+/// {0, 1, 4, 5} or {2, 3, 6, 7}, which the swizzle of neighbouring rows (two
+/// lines apart for 256-byte rows) maps onto each other's complement: no
+/// bank conflict, where contiguous chunks would conflict twice.
 pub fn lane_chunk(spread: bool, c: u32) -> u32 {
     match spread {
         false => ROW_LANES * c,

@@ -5,6 +5,7 @@
 
 use std::collections::HashSet;
 
+use super::abi::SWIZZLE_LINE;
 use super::mma::{Element, MmaPlan};
 use super::{Error, Options};
 use crate::ir::{ArrayDecl, Expr, Handle, Module, Stage};
@@ -209,10 +210,8 @@ fn bulk_copies(options: &Options) -> bool {
     options.bulk_copies != Some(false) && options.target.bulk_copies()
 }
 
-/// Bytes of the lines the 128-byte swizzle permutes chunks within.
-pub const SWIZZLE_LINE: u32 = 128;
 /// Alignment of swizzled rows: the swizzle's period (8 lines).
-pub const SWIZZLE_ALIGN: u32 = 1024;
+const SWIZZLE_ALIGN: u32 = 1024;
 /// Most items of one tensor-copy box (a box dimension is at most 256).
 const MAX_BOX_ITEMS: u32 = 256;
 
