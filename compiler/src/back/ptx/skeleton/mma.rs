@@ -26,8 +26,8 @@
 //! between score and accumulate (twelfth round). The warps' states meet
 //! once, after the stream.
 
-use super::super::mma::{lane_chunk, Element, Gather, MmaPlan, MmaScore, Rows, ROW_LANES, TILE};
-use super::super::plan::{Stream, CHUNK};
+use super::super::mma::{lane_chunk, Element, MmaPlan, MmaScore, Rows, ROW_LANES, TILE};
+use super::super::plan::CHUNK;
 use super::{Rescale, Skeleton, Tile, RESCALE_SLACK_BITS};
 use crate::back::ptx::builder::{Cmp, Kernel, Pred, Reg, Shared, F32, S32, U32};
 
@@ -130,37 +130,6 @@ struct SharedWeights {
     state: Vec<Reg<U32>>,
 }
 
-/// A lane's part in the bitmap expansion, for the whole stream.
-pub(super) struct MmaExpand {
-    passes: Vec<ExpandPass>,
-    /// The lane's token in the warp's first token tile.
-    token: Reg<U32>,
-    /// Lanes 16–31: the value side's, in a pass of both sides.
-    upper: Reg<Pred>,
-}
-
-/// A side's bitmap field, stream and staged rows, and its index (0: keys,
-/// 1: values).
-type ExpandSide<'a> = (Gather, &'a Stream, Rows, usize);
-
-/// One pass of the expansion: one side, or both sides with one shape.
-struct ExpandPass {
-    gather: Gather,
-    /// The pass's sides (0: keys, 1: values): lanes 0–15 take the first.
-    sides: Vec<usize>,
-    /// Whether groups are copied as 32-bit words (else halves).
-    words: bool,
-    /// The lanes that take part (0–15) when the pass has one side.
-    active: Option<Reg<Pred>>,
-    /// The lane's side: mask and elements offsets in a tile buffer, item
-    /// stride, first staged row, row stride.
-    mask_at: Reg<U32>,
-    elems_at: Reg<U32>,
-    item_stride: Reg<U32>,
-    rows: Reg<U32>,
-    row_stride: Reg<U32>,
-}
-
 /// B fragments of the score, and per column tile the factor from its C
 /// sums to logits in log2 units (1/σ of the C columns' head times the
 /// softmax scale times log2 e, over 16 for 4-bit codes).
@@ -251,7 +220,7 @@ impl ScoreSums {
 impl Skeleton<'_> {
     /// Token tiles (or accumulate steps) per warp: slot `j` is tile
     /// `warp + j · warps`.
-    fn mma_slots(&self, m: &MmaPlan) -> u32 {
+    pub(super) fn mma_slots(&self, m: &MmaPlan) -> u32 {
         m.token_tiles.div_ceil(self.plan.warps)
     }
 
@@ -646,148 +615,6 @@ impl Skeleton<'_> {
             true => k.add(self.smem, rows.offset),
             false => k.add(buf, rows.offset),
         }
-    }
-
-    /// The lane's part in expanding bitmap rows (`MmaPlan::key_gather`,
-    /// `value_gather`), set once before the stream; `None` without gathers.
-    /// Lane `l` takes token `l % 16` of each of the warp's tiles: of the key
-    /// rows for `l < 16` and of the value rows above when both sides gather
-    /// with one shape, else the sides take turns on lanes 0–15.
-    pub(super) fn mma_expand_setup(&self, k: &mut Kernel, m: &MmaPlan) -> Option<MmaExpand> {
-        let plan = self.plan;
-        let sides: Vec<ExpandSide> = [
-            (m.key_gather, &plan.key, m.key_rows),
-            (m.value_gather, &plan.value, m.value_rows),
-        ]
-        .into_iter()
-        .enumerate()
-        .filter_map(|(side, (g, stream, rows))| Some((g?, stream, rows, side)))
-        .collect();
-        if sides.is_empty() {
-            return None;
-        }
-        let shared_shape = |a: Gather, b: Gather| {
-            (a.groups, a.group_size, a.keep) == (b.groups, b.group_size, b.keep)
-        };
-        let passes: Vec<Vec<ExpandSide>> = match sides[..] {
-            [a, b] if shared_shape(a.0, b.0) => vec![sides],
-            _ => sides.into_iter().map(|side| vec![side]).collect(),
-        };
-        let warp = k.shr(self.tid, 5u32);
-        let lane = k.and(self.tid, 31u32);
-        let upper = k.setp(Cmp::Ge, lane, 16u32);
-        let lower = k.setp(Cmp::Lt, lane, 16u32);
-        let token_in = k.and(lane, 15u32);
-        let token = k.mad_lo(warp, TILE, token_in);
-        let passes = passes
-            .iter()
-            .map(|pass| {
-                // The lane's side: its values, picked by `upper` with two sides.
-                let mut pick = |of: &dyn Fn(&ExpandSide) -> u32| match pass[..] {
-                    [ref a, ref b] => k.selp(of(b), of(a), upper),
-                    _ => k.mov(of(&pass[0])),
-                };
-                let mask_at = pick(&|(g, s, _, _)| s.buffer_offset + g.mask_bit / 8);
-                let elems_at = pick(&|(g, s, _, _)| s.buffer_offset + g.elems_bit / 8);
-                let item_stride = pick(&|(_, s, _, _)| s.shared_stride);
-                let row_at = pick(&|(_, _, r, _)| r.offset);
-                let row_stride = pick(&|(_, _, r, _)| r.stride);
-                ExpandPass {
-                    gather: pass[0].0,
-                    sides: pass.iter().map(|side| side.3).collect(),
-                    words: pass
-                        .iter()
-                        .all(|(g, s, _, _)| g.word_copies(s.shared_stride)),
-                    active: (pass.len() == 1).then_some(lower),
-                    mask_at,
-                    elems_at,
-                    item_stride,
-                    rows: k.add(self.smem, row_at),
-                    row_stride,
-                }
-            })
-            .collect();
-        Some(MmaExpand {
-            passes,
-            token,
-            upper,
-        })
-    }
-
-    /// Expands the bitmap rows of the warp's token tiles into dense f16 rows
-    /// of the staging area, each side from its tile (`tiles`: buffer and
-    /// items, keys then values; pipelined, the values are the tile before
-    /// the keys'). A lane zeroes its row, then walks the mask's set
-    /// bits upwards, copying the packed group of rank `r` (at most
-    /// `keep − 1`) to the bit's group. Only the warp reads its rows, so a
-    /// warp barrier publishes them; the barrier that shows the next tile
-    /// keeps them until every lane is done.
-    pub(super) fn mma_expand(
-        &self,
-        k: &mut Kernel,
-        e: &MmaExpand,
-        tiles: [(Reg<U32>, Reg<U32>); 2],
-    ) {
-        let plan = self.plan;
-        let m = plan.mma.as_ref().expect("tensor-core plan");
-        k.comment("expand the warp's bitmap rows into dense f16 rows");
-        let zero = k.mov(0u32);
-        for pass in &e.passes {
-            let g = pass.gather;
-            let group_bytes = g.group_bytes();
-            let (buf, items) = match pass.sides[..] {
-                [lower, upper] if tiles[lower] != tiles[upper] => {
-                    let (a, b) = (tiles[lower], tiles[upper]);
-                    (k.selp(b.0, a.0, e.upper), k.selp(b.1, a.1, e.upper))
-                }
-                _ => tiles[pass.sides[0]],
-            };
-            for j in 0..self.mma_slots(m) {
-                let skip = k.label();
-                let token = k.add(e.token, j * plan.warps * TILE);
-                let ok = k.setp(Cmp::Lt, token, items);
-                let ok = match pass.active {
-                    Some(active) => k.and_pred(ok, active),
-                    None => ok,
-                };
-                k.bra_if(ok, false, skip);
-                let row = k.mad_lo(token, pass.row_stride, pass.rows);
-                for c in 0..g.dense_bytes().div_ceil(CHUNK) {
-                    k.st_shared_v4::<U32>(Shared::at(row).plus(i64::from(CHUNK * c)), [zero; 4]);
-                }
-                let item = k.mad_lo(token, pass.item_stride, buf);
-                let first = k.add(item, pass.elems_at);
-                let last = k.add(first, (g.keep - 1) * group_bytes);
-                let source = k.mov(first);
-                let mask = k.add(item, pass.mask_at);
-                for w in 0..g.mask_words() {
-                    let bits = k.ld_shared::<U32>(Shared::at(mask).plus(i64::from(4 * w)));
-                    let left = match g.groups - 32 * w {
-                        n if n < 32 => k.and(bits, (1u32 << n) - 1),
-                        _ => bits,
-                    };
-                    let row_w = k.add(row, 32 * w * group_bytes);
-                    let (top, done) = (k.label(), k.label());
-                    k.place(top);
-                    let empty = k.setp(Cmp::Eq, left, 0u32);
-                    k.bra_if(empty, true, done);
-                    // The lowest set bit: the leading zeros of the reversed mask.
-                    let reversed = k.brev(left);
-                    let group = k.leading_zeros(reversed);
-                    let below = k.sub(left, 1u32);
-                    let rest = k.and(left, below);
-                    k.assign(left, rest);
-                    let from = k.min(source, last);
-                    let to = k.mad_lo(group, group_bytes, row_w);
-                    copy_group(k, from, to, group_bytes, pass.words);
-                    k.add_to(source, source, group_bytes);
-                    k.bra(top);
-                    k.place(done);
-                }
-                k.place(skip);
-            }
-        }
-        k.bar_warp_sync();
     }
 
     /// The pipeline's carried state, empty before the first tile. Its buffer
@@ -1229,21 +1056,6 @@ impl Skeleton<'_> {
             }
             k.place(skip);
             k.bar_sync();
-        }
-    }
-}
-
-/// One group's f16 elements from `from` to `to`: 32-bit words, or halves.
-fn copy_group(k: &mut Kernel, from: Reg<U32>, to: Reg<U32>, bytes: u32, words: bool) {
-    let unit = if words { 4 } else { 2 };
-    for offset in (0..bytes).step_by(unit as usize).map(i64::from) {
-        let (from, to) = (Shared::at(from).plus(offset), Shared::at(to).plus(offset));
-        if words {
-            let value = k.ld_shared::<U32>(from);
-            k.st_shared(to, value);
-        } else {
-            let value = k.ld_shared_narrow(from, 16);
-            k.st_shared_narrow(to, value, 16);
         }
     }
 }

@@ -23,6 +23,7 @@ use crate::ir::{Arena, Expr, Module, Stage};
 use crate::layout::Side;
 use crate::valid::{ModuleInfo, ValidModule};
 
+mod expand;
 mod mma;
 
 /// The dynamic shared memory symbol of every kvcc module.
