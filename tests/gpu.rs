@@ -7,9 +7,14 @@ mod common;
 
 use std::io::Write;
 
-use common::{assert_rows_close, bundled, cache_and_queries, fresh_seed};
+use common::{
+    assert_rows_close, bitmap_mask_specs, bundled, cache_and_queries, fresh_seed,
+    scrambled_bitmap_masks,
+};
 use kvcc::compiler::back::interp::{Interpreter, Options};
 use kvcc::compiler::Format;
+use kvcc::runtime::cache::PagedCache;
+use kvcc::runtime::encode::encode_page;
 use kvcc::runtime::exec::{CudaExecutor, Executor};
 
 fn gpu(test: &str) -> Option<CudaExecutor> {
@@ -42,14 +47,32 @@ fn check(
     plan: &dyn Fn(usize, usize) -> usize,
     what: &str,
 ) {
-    let (cache, queries) =
-        cache_and_queries(format, seed, kv_heads, kv_heads * group, &LENGTHS, plan);
     let q_heads = kv_heads * group;
+    let (cache, queries) = cache_and_queries(
+        format,
+        seed,
+        kv_heads,
+        q_heads,
+        &LENGTHS,
+        plan,
+        &encode_page,
+    );
+    check_cache(executor, format, &cache, &queries, q_heads, what);
+}
+
+fn check_cache(
+    executor: &CudaExecutor,
+    format: &Format,
+    cache: &PagedCache,
+    queries: &[f32],
+    q_heads: usize,
+    what: &str,
+) {
     let want = Interpreter::new(format.tiers(), Options::default())
-        .decode(&cache.view(), &queries, q_heads)
+        .decode(&cache.view(), queries, q_heads)
         .expect("interpreter");
     let got = executor
-        .decode(&cache, &queries, q_heads)
+        .decode(cache, queries, q_heads)
         .unwrap_or_else(|e| panic!("{what}: {e}"));
     assert_rows_close(what, &got, &want, format.head_dim() as usize, 1e-4);
 }
@@ -114,6 +137,23 @@ fn gpu_matches_interpreter_on_random_specs() {
     }
 }
 
+/// Bitmap masks with any number of set bits
+/// ([`common::scrambled_bitmap_masks`]), on tiers whose bitmaps are expanded
+/// for the tensor cores.
+#[test]
+fn gpu_expands_bitmap_masks_with_any_number_of_set_bits() {
+    let Some(executor) = gpu("gpu_expands_bitmap_masks_with_any_number_of_set_bits") else {
+        return;
+    };
+    let seed = fresh_seed("gpu_bitmap_masks");
+    let scramble = scrambled_bitmap_masks(seed);
+    for (what, format) in bitmap_mask_specs() {
+        let (cache, queries) =
+            cache_and_queries(&format, seed, 2, 8, &LENGTHS, &|_, _| 0, &scramble);
+        check_cache(&executor, &format, &cache, &queries, 8, &what);
+    }
+}
+
 /// Kernel configurations other than the default (what `kvcc tune` sweeps)
 /// compute the same outputs; a configuration or kernels for another page size
 /// than the pages' are refused before anything runs.
@@ -130,9 +170,9 @@ fn gpu_tuning_space_matches_interpreter_and_page_size_is_enforced() {
     let gpu = executor.gpu();
     let seed = fresh_seed("gpu_tuning_space_matches_interpreter_and_page_size_is_enforced");
     for format in bundled() {
-        let (cache, queries) = cache_and_queries(&format, seed, 2, 8, &LENGTHS, &|s, p| {
-            (s + p) % format.tiers().len()
-        });
+        let plan = |s: usize, p: usize| (s + p) % format.tiers().len();
+        let (cache, queries) =
+            cache_and_queries(&format, seed, 2, 8, &LENGTHS, &plan, &encode_page);
         let want = Interpreter::new(format.tiers(), Options::default())
             .decode(&cache.view(), &queries, 8)
             .expect("interpreter");

@@ -14,12 +14,13 @@ mod common;
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 
 use common::{
-    assert_rows_close, bundled, cache_and_queries, data, fresh_seed, random_specs, trained_cache,
-    SplitMix64,
+    assert_rows_close, bitmap_mask_specs, bundled, cache_and_queries, data, fresh_seed,
+    random_specs, scrambled_bitmap_masks, trained_cache, SplitMix64,
 };
 use kvcc::compiler::back::clif;
 use kvcc::compiler::Format;
 use kvcc::runtime::cache::PagedCache;
+use kvcc::runtime::encode::encode_page;
 use kvcc::runtime::exec::{ExecError, Executor, InterpExecutor, JitExecutor};
 
 const TOLERANCE: f32 = 1e-5;
@@ -69,6 +70,19 @@ fn check(what: &str, format: &Format, cache: &PagedCache, queries: &[f32], q_hea
     }
 }
 
+/// Bitmap masks with any number of set bits
+/// ([`common::scrambled_bitmap_masks`]).
+#[test]
+fn bitmap_masks_with_any_number_of_set_bits_match_the_interpreter() {
+    let seed = fresh_seed("jit_bitmap_masks");
+    let scramble = scrambled_bitmap_masks(seed);
+    for (what, format) in bitmap_mask_specs() {
+        let (cache, queries) =
+            cache_and_queries(&format, seed, 2, 8, &[1, 150, 333], &|_, _| 0, &scramble);
+        check(&what, &format, &cache, &queries, 8);
+    }
+}
+
 #[test]
 fn every_bundled_tier_and_mix_matches_the_interpreter() {
     let seed = fresh_seed("jit_every_bundled_tier");
@@ -81,8 +95,15 @@ fn every_bundled_tier_and_mix_matches_the_interpreter() {
             let mut lengths = vec![150; tiers];
             lengths.extend([333, 1]);
             let plan = |s: usize, p: usize| if s < tiers { s } else { (s + p) % tiers };
-            let (cache, queries) =
-                cache_and_queries(&format, seed, kv_heads, kv_heads * group, &lengths, &plan);
+            let (cache, queries) = cache_and_queries(
+                &format,
+                seed,
+                kv_heads,
+                kv_heads * group,
+                &lengths,
+                &plan,
+                &encode_page,
+            );
             let what = format!("{} group {group}", format.name());
             check(&what, &format, &cache, &queries, kv_heads * group);
         }
@@ -115,6 +136,7 @@ fn random_valid_specs_match_the_interpreter() {
                 kv_heads * group,
                 &lengths,
                 &|s, p| plans[s][p],
+                &encode_page,
             );
             let what = format!(
                 "random spec {index}: tokens {lengths:?}, kv_heads {kv_heads}, group {group}"

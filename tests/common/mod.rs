@@ -1,10 +1,13 @@
 //! Shared fixtures for the workspace integration tests.
 #![allow(dead_code)]
 
+use std::cell::RefCell;
+
+use kvcc::compiler::layout::{FieldLayout, Side, TierLayout};
 use kvcc::compiler::Format;
 use kvcc::runtime::builtin::SPECS;
 use kvcc::runtime::cache::{self, PagedCache};
-use kvcc::runtime::encode::TrainOptions;
+use kvcc::runtime::encode::{encode_page, EncodeError, TrainOptions};
 use kvcc::runtime::synth::{synthesize, SynthKv, SynthOptions};
 
 pub fn bundled() -> Vec<Format> {
@@ -52,7 +55,8 @@ pub fn trained_cache(format: &Format, data: &SynthKv, seed: u64) -> PagedCache {
 }
 
 /// A cache holding sequences of `lengths` tokens, sequence `s` with its pages
-/// placed by `plan(s, page)`, tables trained on the longest; and the queries.
+/// placed by `plan(s, page)` and written by `encode` ([`encode_page`], or
+/// another of its signature), tables trained on the longest; and the queries.
 pub fn cache_and_queries(
     format: &Format,
     seed: u64,
@@ -60,6 +64,7 @@ pub fn cache_and_queries(
     q_heads: usize,
     lengths: &[usize],
     plan: &dyn Fn(usize, usize) -> usize,
+    encode: &PageEncoder<'_>,
 ) -> (PagedCache, Vec<f32>) {
     let sets: Vec<_> = lengths
         .iter()
@@ -72,7 +77,7 @@ pub fn cache_and_queries(
     let mut cache = trained_cache(format, &sets[longest], seed);
     for (s, set) in sets.iter().enumerate() {
         cache
-            .append_sequence(&set.keys, &set.values, |p| plan(s, p))
+            .append_sequence_with(&set.keys, &set.values, |p| plan(s, p), encode)
             .expect("append");
     }
     let queries = sets
@@ -80,6 +85,71 @@ pub fn cache_and_queries(
         .flat_map(|s| s.queries.iter().copied())
         .collect();
     (cache, queries)
+}
+
+/// A page encoder: [`encode_page`]'s signature.
+pub type PageEncoder<'a> =
+    dyn Fn(&TierLayout, &[Vec<f32>], &[f32], &[f32], &mut [u8]) -> Result<(), EncodeError> + 'a;
+
+/// [`encode_page`], then each item's bitmap masks emptied, filled, set at
+/// random or left as encoded (a quarter each): masks with any number of
+/// set bits, where the encoder sets exactly `keep`. With fewer, the other
+/// groups are 0; with more, those past the `keep`-th repeat packed group
+/// `keep − 1` (the interpreter's reading).
+pub fn scrambled_bitmap_masks(seed: u64) -> Box<PageEncoder<'static>> {
+    let rng = RefCell::new(SplitMix64(seed));
+    Box::new(move |layout, tables, keys, values, page| {
+        encode_page(layout, tables, keys, values, page)?;
+        let mut rng = rng.borrow_mut();
+        for item in 0..layout.items_per_page {
+            // One pattern for both sides: a key that takes the softmax (a
+            // full mask) keeps values, so no output is a sum of rounding.
+            let pattern = rng.below(4);
+            for side in [Side::Key, Side::Value] {
+                let codec = layout.codec(side);
+                let FieldLayout::Bitmap {
+                    mask_offset,
+                    groups,
+                    ..
+                } = *codec.body()
+                else {
+                    continue;
+                };
+                let mask = 8 * (layout.stream_offset(side) + item * codec.stride) + mask_offset;
+                for group in 0..groups {
+                    let set = match pattern {
+                        0 => false,
+                        1 => true,
+                        2 => rng.coin(),
+                        _ => break,
+                    };
+                    let (byte, bit) = (((mask + group) / 8) as usize, (mask + group) % 8);
+                    page[byte] = (page[byte] & !(1 << bit)) | (u8::from(set) << bit);
+                }
+            }
+        }
+        Ok(())
+    })
+}
+
+/// Single-tier f16 bitmap formats whose masks are one, two or four words,
+/// of groups of 1, 2 and 4 elements; with what to call each.
+pub fn bitmap_mask_specs() -> Vec<(String, Format)> {
+    [(128, 2, 16), (128, 1, 20), (128, 4, 5), (64, 2, 8)]
+        .into_iter()
+        .map(|(head_dim, group_size, keep)| {
+            let field = format!(
+                "[{{ kind = \"bitmap\", group_size = {group_size}, keep = {keep}, elem = \"f16\" }}]"
+            );
+            let source = format!(
+                "name = \"masks\"\nhead_dim = {head_dim}\n\n[page]\nitems = 64\n\n\
+                 [[tier]]\nname = \"t\"\nkey.field = {field}\nvalue.field = {field}\n"
+            );
+            let what = format!("head_dim {head_dim}, groups of {group_size}, keep {keep}");
+            let format = Format::parse(&source, "masks.toml").unwrap_or_else(|e| panic!("{what}: {e}"));
+            (what, format)
+        })
+        .collect()
 }
 
 /// Asserts every element of `got` is within `tolerance` relative to the largest
