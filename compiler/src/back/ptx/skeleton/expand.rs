@@ -255,18 +255,20 @@ impl MaskWalk {
     /// empty the first non-empty later word, which with the empty ones
     /// before it leaves the later words.
     fn take(&self, k: &mut Kernel, rest: Reg<U32>, row: Reg<U32>) {
-        let have = k.setp(Cmp::Ne, rest, 0u32);
-        let (mut word, mut word_row) = (rest, row);
-        if let Some(&(last, last_row)) = self.later.last() {
-            (word, word_row) = (last, last_row);
-            for &(later, later_row) in self.later.iter().rev().skip(1) {
-                let nonempty = k.setp(Cmp::Ne, later, 0u32);
-                word = k.selp(later, word, nonempty);
-                word_row = k.selp(later_row, word_row, nonempty);
-            }
-            word = k.selp(rest, word, have);
-            word_row = k.selp(row, word_row, have);
+        let Some(&(last, last_row)) = self.later.last() else {
+            // One word: it stays current, at its row.
+            k.assign(self.word, rest);
+            return;
+        };
+        let (mut word, mut word_row) = (last, last_row);
+        for &(later, later_row) in self.later.iter().rev().skip(1) {
+            let nonempty = k.setp(Cmp::Ne, later, 0u32);
+            word = k.selp(later, word, nonempty);
+            word_row = k.selp(later_row, word_row, nonempty);
         }
+        let have = k.setp(Cmp::Ne, rest, 0u32);
+        word = k.selp(rest, word, have);
+        word_row = k.selp(row, word_row, have);
         // A later word is taken or skipped when every word before it is empty.
         let mut taken_or_before = k.not_pred(have);
         for (i, &(later, _)) in self.later.iter().enumerate() {
