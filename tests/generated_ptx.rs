@@ -131,28 +131,36 @@ fn tensor_cores_serve_exactly_the_f16_exact_phases() {
 /// values with int8 bitmap keys expand the value rows and leave the score
 /// per thread; int8 bitmap values keep the whole tier per thread.
 #[test]
-fn only_f16_bitmaps_are_expanded_for_the_tensor_cores() {
-    let spec = |key: &str, value: &str| {
+fn only_f16_bitmaps_reach_the_tensor_cores_whole_word_groups_gathered() {
+    let spec = |key: &str, value: &str, value_group: u32| {
         format!(
             "name = \"bitmaps\"\nhead_dim = 64\n\n[page]\nitems = 64\n\n[[tier]]\nname = \"t\"\n\
              key.field = [{{ kind = \"bitmap\", group_size = 2, keep = 8, elem = \"{key}\" }}]\n\
-             value.field = [{{ kind = \"bitmap\", group_size = 1, keep = 20, elem = \"{value}\" }}]\n"
+             value.field = [{{ kind = \"bitmap\", group_size = {value_group}, keep = 8, elem = \"{value}\" }}]\n"
         )
     };
-    let served = |key: &str, value: &str| {
-        let format = kvcc::compiler::Format::parse(&spec(key, value), "bitmaps.toml").unwrap();
+    let served = |key: &str, value: &str, value_group: u32| {
+        let format =
+            kvcc::compiler::Format::parse(&spec(key, value, value_group), "bitmaps.toml").unwrap();
         let output = ptx::write(&format, &Options::for_target(Target::Sm90)).unwrap();
         let ptx = &output.tiers[0].ptx;
         [
             "tensor-core score",
             "tensor-core accumulate",
             "expand the warp's bitmap rows",
+            "key fragments gathered",
+            "value fragments gathered",
         ]
         .map(|phase| ptx.contains(phase))
     };
-    assert_eq!(served("f16", "f16"), [true, true, true]);
-    assert_eq!(served("int8", "f16"), [false, true, true]);
-    assert_eq!(served("f16", "int8"), [false, false, false]);
+    // Groups of one f16 are expanded into dense rows, whole words gathered.
+    assert_eq!(served("f16", "f16", 1), [true, true, true, true, false]);
+    assert_eq!(served("f16", "f16", 2), [true, true, false, true, true]);
+    assert_eq!(served("int8", "f16", 2), [false, true, false, false, true]);
+    assert_eq!(
+        served("f16", "int8", 1),
+        [false, false, false, false, false]
+    );
 }
 
 #[test]

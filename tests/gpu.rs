@@ -138,11 +138,11 @@ fn gpu_matches_interpreter_on_random_specs() {
 }
 
 /// Bitmap masks with any number of set bits
-/// ([`common::scrambled_bitmap_masks`]), on tiers whose bitmaps are expanded
-/// for the tensor cores.
+/// ([`common::scrambled_bitmap_masks`]), on tiers whose bitmaps the tensor
+/// cores read expanded or gathered.
 #[test]
-fn gpu_expands_bitmap_masks_with_any_number_of_set_bits() {
-    let Some(executor) = gpu("gpu_expands_bitmap_masks_with_any_number_of_set_bits") else {
+fn gpu_reads_bitmap_masks_with_any_number_of_set_bits() {
+    let Some(executor) = gpu("gpu_reads_bitmap_masks_with_any_number_of_set_bits") else {
         return;
     };
     let seed = fresh_seed("gpu_bitmap_masks");

@@ -133,7 +133,8 @@ pub fn scrambled_bitmap_masks(seed: u64) -> Box<PageEncoder<'static>> {
 }
 
 /// Single-tier f16 bitmap formats whose masks are one, two or four words,
-/// of groups of 1, 2 and 4 elements; with what to call each.
+/// of groups of 1 (expanded into dense rows on the tensor-core path), 2 and
+/// 4 elements (gathered into fragments); with what to call each.
 pub fn bitmap_mask_specs() -> Vec<(String, Format)> {
     [(128, 2, 16), (128, 1, 20), (128, 4, 5), (64, 2, 8)]
         .into_iter()

@@ -915,6 +915,11 @@ impl Kernel {
         self.line(format_args!("ld.shared.{} {d}, {at}", T::SUFFIX));
         d
     }
+    /// Into `dst` (under a guard, a load that leaves `dst` as it was when the
+    /// guard fails).
+    pub fn ld_shared_to<T: Bits32>(&mut self, dst: Reg<T>, at: Shared) {
+        self.line(format_args!("ld.shared.{} {dst}, {at}", T::SUFFIX));
+    }
     /// One byte (`bits` 8) or an aligned halfword (`bits` 16), zero-extended.
     pub fn ld_shared_narrow(&mut self, at: Shared, bits: u32) -> Reg<U32> {
         debug_assert!(bits == 8 || bits == 16);

@@ -22,9 +22,12 @@
 //! popcount of the mask below it). Each warp expands its tokens' rows once
 //! per tile into dense f16 rows in shared memory, one lane per row walking
 //! the mask's set bits, and the fragments read those rows as they read
-//! dense f16 items (docs/ptx-backend.md, ninth round). These fields are
-//! recognised from the layout the programs were lowered against: their IR
-//! spells out the popcount prefixes the expansion replaces.
+//! dense f16 items (docs/ptx-backend.md, ninth round). Groups of whole
+//! words skip the dense rows: each fragment register is one packed word,
+//! loaded from the tile's items at its rank (seventeenth round,
+//! `skeleton/gather.rs`). These fields are recognised from the layout the
+//! programs were lowered against: their IR spells out the popcount prefixes
+//! the expansion replaces.
 
 use super::plan::{shared_stride, stride_align, Stream, CHUNK};
 use crate::ir::{ArrayDecl, BinaryOp, Expr, Function, Handle, Input, Literal, Module, UnaryOp};
@@ -107,6 +110,29 @@ impl Gather {
             && self.elems_bit.is_multiple_of(32)
             && item_stride.is_multiple_of(4)
     }
+
+    /// Fragment registers (f16 pairs) per group.
+    pub fn group_registers(&self) -> u32 {
+        self.group_bytes() / 4
+    }
+
+    /// Whether key fragments can be gathered from the packed groups
+    /// (`skeleton/gather.rs`): groups of one or two whole words, so that
+    /// the 4 registers a lane holds of a 16-byte chunk are whole groups whose
+    /// mask bits lie in one byte.
+    pub fn gathers_fragments(&self, item_stride: u32) -> bool {
+        self.word_copies(item_stride) && matches!(self.group_registers(), 1 | 2)
+    }
+
+    /// Whether value fragments can be gathered: a lane group's channels
+    /// (`channel_tiles` pairs) are one run of at most 8 whole groups, inside
+    /// one mask word.
+    pub fn gathers_values(&self, channel_tiles: u32, item_stride: u32) -> bool {
+        self.gathers_fragments(item_stride)
+            && channel_tiles.is_multiple_of(self.group_registers())
+            && (channel_tiles / self.group_registers()).is_power_of_two()
+            && channel_tiles / self.group_registers() <= 8
+    }
 }
 
 /// Where the fragments read one side's rows: the tile buffer's stream, or
@@ -158,7 +184,8 @@ pub struct MmaPlan {
     pub value_dims: u32,
     /// Byte offset of value channel 0 in a value row.
     pub value_offset: u32,
-    /// Bitmap fields expanded into staged rows each tile, per side.
+    /// Bitmap fields, per side: expanded into staged rows each tile, or
+    /// (rows not staged) gathered into the fragments.
     pub key_gather: Option<Gather>,
     pub value_gather: Option<Gather>,
     /// The rows the fragments read, per side.
@@ -184,6 +211,16 @@ pub struct MmaScore {
 }
 
 impl MmaPlan {
+    /// The key bitmap whose groups the score gathers into its fragments.
+    pub fn key_fragments(&self) -> Option<Gather> {
+        self.key_gather.filter(|_| !self.key_rows.staged)
+    }
+
+    /// The value bitmap whose groups the accumulate gathers into its fragments.
+    pub fn value_fragments(&self) -> Option<Gather> {
+        self.value_gather.filter(|_| !self.value_rows.staged)
+    }
+
     /// Bytes of the staged rows of a tile of `items` items (0 without gathers).
     pub fn staging_bytes(&self, items: u32) -> u32 {
         let side = |rows: &Rows| if rows.staged { items * rows.stride } else { 0 };
@@ -299,7 +336,13 @@ pub fn plan(
                 base: 0,
                 scale: None,
             },
-            Rows::staged(g.dense_bytes()),
+            match g.gathers_values(value_dims / TILE, value.shared_stride) {
+                true => Rows {
+                    swizzled: false,
+                    ..Rows::of(value)
+                },
+                false => Rows::staged(g.dense_bytes()),
+            },
         ),
         None => (scaled_channel(&module.value.accumulate)?, Rows::of(value)),
     };
@@ -315,23 +358,36 @@ pub fn plan(
             .scale
             .is_none_or(|bit| bit.is_multiple_of(16) && value.shared_stride.is_multiple_of(2));
     let group_bytes = group_bits / 8;
-    let fits_rows = |score: &MmaScore, rows: &Rows| {
+    // Rows read in 16-byte chunks must be aligned to them; gathered
+    // fragments are read a group at a time.
+    let fits_rows = |score: &MmaScore, rows: &Rows, chunks: bool| {
         let row_bytes = score.key_dims * score.key.bits() / 8;
         score.key_dims.is_multiple_of(TILE)
             // A key row is whole chunks over the 4 lanes of a fragment row.
             && row_bytes.is_multiple_of(CHUNK * ROW_LANES)
-            && rows.align() == CHUNK
+            && (!chunks || rows.align() == CHUNK)
             // Header scales are read 4 at a time.
             && score.key_scale.is_none_or(|slot| slot.is_multiple_of(4))
     };
     let gathered = gathered_score(module, key)
-        .map(|(score, g)| (score, g, Rows::staged(g.dense_bytes())))
-        .filter(|(score, _, rows)| fits_rows(score, rows));
+        .map(|(score, g)| match g.gathers_fragments(key.shared_stride) {
+            // Unswizzled, unspread: the lanes' chunks are runs of groups.
+            true => (
+                score,
+                g,
+                Rows {
+                    swizzled: false,
+                    ..Rows::of(key)
+                },
+            ),
+            false => (score, g, Rows::staged(g.dense_bytes())),
+        })
+        .filter(|(score, _, rows)| fits_rows(score, rows, rows.staged));
     let (score, key_gather, key_rows) = match gathered {
         Some((score, g, rows)) => (Some(score), Some(g), rows),
         None => {
             let rows = Rows::of(key);
-            let score = dot_product(&module.key.score).filter(|s| fits_rows(s, &rows));
+            let score = dot_product(&module.key.score).filter(|s| fits_rows(s, &rows, true));
             (score, None, rows)
         }
     };

@@ -385,9 +385,11 @@ impl Plan {
             };
             let keys = tensor_rows(&key)
                 && !m.key_rows.staged
+                && m.key_gather.is_none()
                 && (m.score.as_ref()).is_some_and(|s| s.key == Element::Half && s.spread_chunks());
             let values = tensor_rows(&value)
                 && !m.value_rows.staged
+                && m.value_gather.is_none()
                 && m.value == Element::Half
                 && m.value_aligned
                 && m.item_scale.is_none();

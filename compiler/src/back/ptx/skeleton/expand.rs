@@ -77,8 +77,16 @@ impl Skeleton<'_> {
     pub(super) fn mma_expand_setup(&self, k: &mut Kernel, m: &MmaPlan) -> Option<MmaExpand> {
         let plan = self.plan;
         let sides: Vec<ExpandSide> = [
-            (m.key_gather, &plan.key, m.key_rows),
-            (m.value_gather, &plan.value, m.value_rows),
+            (
+                m.key_gather.filter(|_| m.key_rows.staged),
+                &plan.key,
+                m.key_rows,
+            ),
+            (
+                m.value_gather.filter(|_| m.value_rows.staged),
+                &plan.value,
+                m.value_rows,
+            ),
         ]
         .into_iter()
         .enumerate()
@@ -176,7 +184,8 @@ impl Skeleton<'_> {
                 k.bra_if(ok, false, skip);
                 let item = k.mad_lo(token, pass.item_stride, buf);
                 let mask = k.add(item, pass.mask_at);
-                let (mut words, unit) = load_units(k, mask, 4 * g.mask_words(), pass.mask_align);
+                let (mut words, unit) =
+                    load_units(k, Shared::at(mask), 4 * g.mask_words(), pass.mask_align);
                 debug_assert_eq!(unit, 4, "masks are whole aligned words (mma::gather)");
                 if let Some(last) = words.last_mut() {
                     let bits = g.groups - 32 * (g.mask_words() - 1);
@@ -287,14 +296,19 @@ impl MaskWalk {
 /// `bytes` at `at` (aligned to `align`), each load as wide as the alignment
 /// and the length allow: 32-bit words, or zero-extended halves when `align`
 /// is 2; and the bytes of each.
-fn load_units(k: &mut Kernel, at: Reg<U32>, bytes: u32, align: u32) -> (Vec<Reg<U32>>, u32) {
+pub(super) fn load_units(
+    k: &mut Kernel,
+    at: Shared,
+    bytes: u32,
+    align: u32,
+) -> (Vec<Reg<U32>>, u32) {
     let mut width = align.min(CHUNK);
     while !bytes.is_multiple_of(width) {
         width /= 2;
     }
     let units = (0..bytes / width)
         .flat_map(|i| {
-            let at = Shared::at(at).plus(i64::from(i * width));
+            let at = at.plus(i64::from(i * width));
             match width {
                 16 => k.ld_shared_v4::<U32>(at).to_vec(),
                 8 => k.ld_shared_v2::<U32>(at).to_vec(),
@@ -311,7 +325,7 @@ fn load_units(k: &mut Kernel, at: Reg<U32>, bytes: u32, align: u32) -> (Vec<Reg<
 /// whole words and was loaded as words, else halves.
 fn packed_groups(k: &mut Kernel, elems: Reg<U32>, g: Gather, align: u32) -> Vec<Vec<Piece>> {
     let group_bytes = g.group_bytes();
-    let (units, unit_bytes) = load_units(k, elems, g.keep * group_bytes, align);
+    let (units, unit_bytes) = load_units(k, Shared::at(elems), g.keep * group_bytes, align);
     let piece_bytes = if group_bytes.is_multiple_of(4) {
         unit_bytes
     } else {

@@ -28,6 +28,7 @@
 
 use super::super::mma::{lane_chunk, Element, MmaPlan, MmaScore, Rows, ROW_LANES, TILE};
 use super::super::plan::CHUNK;
+use super::gather::FragmentGather;
 use super::{Rescale, Skeleton, Tile, RESCALE_SLACK_BITS};
 use crate::back::ptx::builder::{Cmp, Kernel, Pred, Reg, Shared, F32, S32, U32};
 
@@ -64,8 +65,11 @@ pub(super) struct MmaScoreThread {
     /// The query fragments and the C sums' factor to logits: for the whole
     /// stream, or (with header scales) for the current page.
     queries: Queries,
-    /// Byte offset of the lane's first key chunk in a tile's key stream.
+    /// Byte offset of the lane's first key chunk in a tile's key stream (of
+    /// its first item with gathered fragments).
     key_lane: Reg<U32>,
+    /// Gathered key fragments: the lane's state.
+    gather: Option<FragmentGather>,
     /// The lane's C row in the warp's first token tile (`16 · warp + row`).
     key_row: Reg<U32>,
     /// Per column tile: the warp's softmax state of the lane's C columns' head.
@@ -99,8 +103,11 @@ pub(super) struct MmaValues {
     acc: Vec<Vec<[Reg<F32>; 4]>>,
     /// With item scales: the weights' running σ ([`Skeleton::mma_item_sigma`]).
     sigma: Option<Reg<F32>>,
-    /// Byte offset of the lane's value channels in its first token.
+    /// Byte offset of the lane's value channels in its first token (of the
+    /// token with gathered fragments).
     value_lane: Reg<U32>,
+    /// Gathered value fragments: the lane's state.
+    gather: Option<FragmentGather>,
     /// The lane's first token of a step (`16 · warp + 2 · quad`).
     token: Reg<U32>,
 }
@@ -288,7 +295,12 @@ impl Skeleton<'_> {
             })
             .collect();
         let key_row = k.mad_lo(lanes.warp, TILE, lanes.row);
-        let key_chunk = k.shl(chunk, 4u32);
+        let gather =
+            (m.key_fragments()).map(|g| FragmentGather::keys(k, g, s, &plan.key, lanes.quad));
+        let key_chunk = match gather {
+            Some(_) => k.mov(0u32),
+            None => k.shl(chunk, 4u32),
+        };
         let key_lane = k.mad_lo(key_row, m.key_rows.stride, key_chunk);
         let zero = k.mov(0.0f32);
         let queries = match s.key_scale {
@@ -321,6 +333,7 @@ impl Skeleton<'_> {
             query_at,
             queries,
             key_lane,
+            gather,
             key_row,
             heads,
             scale_lane,
@@ -357,8 +370,12 @@ impl Skeleton<'_> {
             .then(|| self.mma_shared_weights(k, m, &lanes, token));
         // The largest σ: the first tile sets the real one.
         let sigma = (m.item_scale).map(|_| k.mov(f32::from_bits(MAX_EXPONENT << 23)));
-        let group_bytes = m.group_words() * 4;
-        let channels = k.mad_lo(lanes.row, group_bytes, m.value_offset);
+        let gather = (m.value_fragments())
+            .map(|g| FragmentGather::values(k, g, m, &self.plan.value, lanes.row));
+        let channels = match gather {
+            Some(_) => k.mov(0u32),
+            None => k.mad_lo(lanes.row, m.group_words() * 4, m.value_offset),
+        };
         let value_lane = k.mad_lo(token, m.value_rows.stride, channels);
         MmaValues {
             lanes,
@@ -367,6 +384,7 @@ impl Skeleton<'_> {
             acc,
             sigma,
             value_lane,
+            gather,
             token,
         }
     }
@@ -560,6 +578,10 @@ impl Skeleton<'_> {
             let rows: Vec<Vec<Reg<U32>>> = (0..2)
                 .map(|half| {
                     let offset = (j * plan.warps * TILE + 8 * half) * stride;
+                    if let Some(gather) = &t.gather {
+                        let item = k.add(lane_base, offset);
+                        return gather.key_registers(k, item);
+                    }
                     let words: Vec<Reg<U32>> = (0..score.lane_chunks())
                         .flat_map(|c| {
                             let at = Shared::at(lane_base)
@@ -851,20 +873,35 @@ impl Skeleton<'_> {
                 k.bra_if(ok, false, skip);
             }
             let first = j * plan.warps * TILE;
-            let values: Vec<TokenWords> = STEP_TOKENS
-                .iter()
-                .map(|&d| {
-                    let mut token = self.mma_value_words(k, m, lane_base, (first + d) * stride);
-                    // Stale f16 rows past the tile's items may hold any bits
-                    // (0 · NaN poisons a sum); integers are always finite.
-                    if m.value == Element::Half {
-                        let at = k.add(t.token, first + d);
-                        let ok = k.setp(Cmp::Lt, at, items);
-                        token.words = token.words.iter().map(|&w| k.selp(w, 0u32, ok)).collect();
-                    }
-                    token
-                })
-                .collect();
+            let values: Vec<TokenWords> = match &t.gather {
+                Some(gather) => {
+                    let (items_at, ok): (Vec<Reg<U32>>, Vec<Reg<Pred>>) = (STEP_TOKENS.iter())
+                        .map(|&d| {
+                            let at = k.add(t.token, first + d);
+                            let ok = k.setp(Cmp::Lt, at, items);
+                            (k.add(lane_base, (first + d) * stride), ok)
+                        })
+                        .unzip();
+                    (gather.value_words(k, &items_at, &ok).into_iter())
+                        .map(|words| TokenWords { words, skew: 0 })
+                        .collect()
+                }
+                None => (STEP_TOKENS.iter())
+                    .map(|&d| {
+                        let offset = (first + d) * stride;
+                        let mut token = self.mma_value_words(k, m, lane_base, offset);
+                        // Stale f16 rows past the tile's items may hold any
+                        // bits (0 · NaN poisons a sum); integers are always finite.
+                        if m.value == Element::Half {
+                            let at = k.add(t.token, first + d);
+                            let ok = k.setp(Cmp::Lt, at, items);
+                            token.words =
+                                (token.words.iter()).map(|&w| k.selp(w, 0u32, ok)).collect();
+                        }
+                        token
+                    })
+                    .collect(),
+            };
             for (ct, sums) in t.acc.iter().enumerate() {
                 for (tile_index, c) in sums.iter().enumerate() {
                     let channel = 2 * tile_index as u32;

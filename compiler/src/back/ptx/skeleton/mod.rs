@@ -24,6 +24,7 @@ use crate::layout::Side;
 use crate::valid::{ModuleInfo, ValidModule};
 
 mod expand;
+mod gather;
 mod mma;
 
 /// The dynamic shared memory symbol of every kvcc module.

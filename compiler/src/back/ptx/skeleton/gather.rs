@@ -1,0 +1,367 @@
+//! Bitmap fields whose groups are one or two 32-bit words (MosaicKV's f16
+//! pairs), gathered straight into the tensor cores' A fragments
+//! (docs/ptx-backend.md, seventeenth round).
+//!
+//! The f16 pairs a lane holds of a row come in runs of whole groups whose
+//! mask bits are consecutive: of a key row, its 16-byte chunk `c` (pairs
+//! `16 · c + 4 · quad + 0..4`, [`MmaScore::key_element`]); of a value row,
+//! its lane group's channels (pairs `8 · row + 0..8` with 128 channels).
+//! The lane packs four runs' mask bits into the bytes of a word and their
+//! ranks (the set bits below each group) into the bytes of others: one
+//! popcount per run, then one add per group of a run for the four runs at
+//! once. A register is then a byte extract, an address and a load
+//! predicated on its bit (ptxas sets four predicates from a byte at once),
+//! from the packed groups in the tile buffer. Expanded rows were written
+//! and read again through shared memory, whose pipe bounded MosaicKV
+//! (sixteenth round).
+//!
+//! Masks with more set bits than `keep` (no encoder writes them; stale rows
+//! past a tile's items may hold them) have their ranks clamped to
+//! `keep − 1`, as the interpreter reads them, in a branch the warp takes
+//! only then.
+
+use super::super::mma::{Gather, MmaPlan, MmaScore, ROW_LANES};
+use super::super::plan::{stride_align, Stream};
+use super::expand::load_units;
+use crate::back::ptx::builder::{Cmp, Kernel, Pred, Reg, Shared, U32};
+
+/// Fragment registers a lane holds of one 16-byte chunk of a key row.
+const CHUNK_REGISTERS: u32 = 4;
+/// A run's byte in the words that pack four runs.
+const RUN_BITS: u32 = 8;
+const RUNS_PER_WORD: u32 = 32 / RUN_BITS;
+
+/// A lane's constant state for gathering one side's bitmap into fragments.
+pub(super) struct FragmentGather {
+    g: Gather,
+    /// Groups per run (at most `RUN_BITS`).
+    run_groups: u32,
+    runs: LaneRuns,
+    /// Byte offsets of the mask and of the packed groups in an item, and the
+    /// mask's known alignment.
+    mask_at: u32,
+    mask_align: u32,
+    elems_at: u32,
+    zero: Reg<U32>,
+}
+
+/// Where a lane's runs lie in a row's mask.
+enum LaneRuns {
+    /// Key rows: `chunks` runs per row, run `c` in a block of the
+    /// `ROW_LANES` lanes' runs at a fixed place ([`block_start`]), the
+    /// lane's `shift` groups into it; per bit offset of a block in its
+    /// word, the word's bits below the lane's run.
+    Chunks {
+        chunks: u32,
+        shift: Reg<U32>,
+        below: Vec<(u32, Reg<U32>)>,
+    },
+    /// Value rows: one run per row at a lane-dependent place: per mask
+    /// word, its bits below the run, and whether the run is in it (words
+    /// past the first); the run's bit offset in its word.
+    Channels {
+        below: Vec<Reg<U32>>,
+        in_word: Vec<Reg<Pred>>,
+        offset: Reg<U32>,
+    },
+}
+
+/// One run to gather: its item, its mask bits (at bit 0 of the register,
+/// or at a byte of it), the rank of its first group, and whether the row's
+/// mask has more set bits than `keep`.
+struct Run {
+    item: Reg<U32>,
+    bits: (Reg<U32>, u32),
+    start: Reg<U32>,
+    over: Reg<Pred>,
+}
+
+impl FragmentGather {
+    fn new(k: &mut Kernel, g: Gather, run_groups: u32, runs: LaneRuns, s: &Stream) -> Self {
+        let align = |byte: u32| s.align().min(stride_align(s.buffer_offset + byte));
+        FragmentGather {
+            g,
+            run_groups,
+            runs,
+            mask_at: g.mask_bit / 8,
+            mask_align: align(g.mask_bit / 8),
+            elems_at: g.elems_bit / 8,
+            zero: k.mov(0u32),
+        }
+    }
+
+    /// Key rows of `key` scored by `score`; `quad`: the lane's place in its
+    /// fragment row.
+    pub(super) fn keys(
+        k: &mut Kernel,
+        g: Gather,
+        score: &MmaScore,
+        key: &Stream,
+        quad: Reg<U32>,
+    ) -> Self {
+        k.comment("key fragments gathered from the bitmap's packed groups");
+        let run_groups = CHUNK_REGISTERS / g.group_registers();
+        let chunks = score.lane_chunks();
+        let shift = k.mul(quad, run_groups);
+        let first = k.shl(1u32, shift);
+        let mut below: Vec<(u32, Reg<U32>)> = Vec::new();
+        for chunk in 0..chunks {
+            let (_, offset) = block_start(chunk, run_groups);
+            if below.iter().all(|&(o, _)| o != offset) {
+                let bit = k.shl(first, offset);
+                below.push((offset, k.sub(bit, 1u32)));
+            }
+        }
+        let runs = LaneRuns::Chunks {
+            chunks,
+            shift,
+            below,
+        };
+        Self::new(k, g, run_groups, runs, key)
+    }
+
+    /// Value rows of `value` accumulated by `m`; `row`: the lane's fragment
+    /// row (its lane group).
+    pub(super) fn values(
+        k: &mut Kernel,
+        g: Gather,
+        m: &MmaPlan,
+        value: &Stream,
+        row: Reg<U32>,
+    ) -> Self {
+        k.comment("value fragments gathered from the bitmap's packed groups");
+        let run_groups = m.channel_tiles() / g.group_registers();
+        let first = k.mul(row, run_groups);
+        let word = k.shr(first, 5u32);
+        let offset = k.and(first, 31u32);
+        let bit = k.shl(1u32, offset);
+        let partial = k.sub(bit, 1u32);
+        let below = (0..g.mask_words())
+            .map(|w| {
+                let here = k.setp(Cmp::Eq, word, w);
+                let after = k.setp(Cmp::Gt, word, w);
+                let part = k.selp(partial, 0u32, here);
+                k.selp(u32::MAX, part, after)
+            })
+            .collect();
+        let in_word = (1..g.mask_words())
+            .map(|w| k.setp(Cmp::Eq, word, w))
+            .collect();
+        let runs = LaneRuns::Channels {
+            below,
+            in_word,
+            offset,
+        };
+        Self::new(k, g, run_groups, runs, value)
+    }
+
+    /// The lane's key fragment registers of the row of the item at `item`,
+    /// in [`MmaScore::key_element`]'s order. The warp runs this together.
+    pub(super) fn key_registers(&self, k: &mut Kernel, item: Reg<U32>) -> Vec<Reg<U32>> {
+        let LaneRuns::Chunks {
+            chunks,
+            shift,
+            ref below,
+        } = self.runs
+        else {
+            unreachable!("key runs");
+        };
+        let words = self.mask(k, item);
+        let counts = self.counts(k, &words);
+        let over = self.over(k, &counts);
+        let shifted: Vec<Reg<U32>> = words.iter().map(|&w| k.shr(w, shift)).collect();
+        let runs: Vec<Run> = (0..chunks)
+            .map(|chunk| {
+                let (w, offset) = block_start(chunk, self.run_groups);
+                let (_, below) = *(below.iter())
+                    .find(|&&(o, _)| o == offset)
+                    .expect("every block offset has its mask");
+                let lower = k.and(words[w], below);
+                let mut start = k.popc(lower);
+                for &count in &counts[..w] {
+                    start = k.add(start, count);
+                }
+                Run {
+                    item,
+                    bits: (shifted[w], offset / RUN_BITS),
+                    start,
+                    over,
+                }
+            })
+            .collect();
+        self.gather(k, &runs).concat()
+    }
+
+    /// The lane group's value words of the items at `items`, a row each,
+    /// zero for the rows `ok` leaves out. The warp runs this together.
+    pub(super) fn value_words(
+        &self,
+        k: &mut Kernel,
+        items: &[Reg<U32>],
+        ok: &[Reg<Pred>],
+    ) -> Vec<Vec<Reg<U32>>> {
+        let LaneRuns::Channels {
+            ref below,
+            ref in_word,
+            offset,
+        } = self.runs
+        else {
+            unreachable!("value runs");
+        };
+        let runs: Vec<Run> = (items.iter().zip(ok))
+            .map(|(&item, &ok)| {
+                let words = self.mask(k, item);
+                let counts = self.counts(k, &words);
+                let over = self.over(k, &counts);
+                let mut word = words[0];
+                for (&later, &here) in words[1..].iter().zip(in_word) {
+                    word = k.selp(later, word, here);
+                }
+                let bits = k.shr(word, offset);
+                let bits = k.selp(bits, 0u32, ok);
+                let lower: Vec<Reg<U32>> = (words.iter().zip(below))
+                    .map(|(&w, &b)| {
+                        let lower = k.and(w, b);
+                        k.popc(lower)
+                    })
+                    .collect();
+                let start = (lower.into_iter())
+                    .reduce(|sum, count| k.add(sum, count))
+                    .expect("a mask word");
+                Run {
+                    item,
+                    bits: (bits, 0),
+                    start,
+                    over,
+                }
+            })
+            .collect();
+        self.gather(k, &runs)
+    }
+
+    /// The mask words of the item at `item`.
+    fn mask(&self, k: &mut Kernel, item: Reg<U32>) -> Vec<Reg<U32>> {
+        let at = Shared::at(item).plus(i64::from(self.mask_at));
+        let (words, unit) = load_units(k, at, 4 * self.g.mask_words(), self.mask_align);
+        debug_assert_eq!(unit, 4, "masks are whole aligned words (mma::gather)");
+        words
+    }
+
+    /// Set bits of each mask word, counting only groups that exist.
+    fn counts(&self, k: &mut Kernel, words: &[Reg<U32>]) -> Vec<Reg<U32>> {
+        (words.iter().enumerate())
+            .map(|(w, &word)| {
+                let groups = self.g.groups - 32 * w as u32;
+                match groups < 32 {
+                    true => {
+                        let kept = k.and(word, (1u32 << groups) - 1);
+                        k.popc(kept)
+                    }
+                    false => k.popc(word),
+                }
+            })
+            .collect()
+    }
+
+    /// Whether a mask with set bits `counts` (per word) has more than `keep`.
+    fn over(&self, k: &mut Kernel, counts: &[Reg<U32>]) -> Reg<Pred> {
+        let total = (counts.iter().copied())
+            .reduce(|sum, count| k.add(sum, count))
+            .expect("a mask word");
+        k.setp(Cmp::Gt, total, self.g.keep)
+    }
+
+    /// The registers of each run: per group, its words, each the packed
+    /// group at the group's rank when its bit is set, else zero.
+    fn gather(&self, k: &mut Kernel, runs: &[Run]) -> Vec<Vec<Reg<U32>>> {
+        let g = self.g;
+        let run_mask = (1u32 << self.run_groups) - 1;
+        let packed: Vec<(Reg<U32>, Vec<Reg<U32>>)> = runs
+            .chunks(RUNS_PER_WORD as usize)
+            .map(|four| {
+                let bits = pack_bytes(k, &four.iter().map(|r| r.bits).collect::<Vec<_>>());
+                let used = (0..four.len() as u32)
+                    .map(|i| run_mask << (RUN_BITS * i))
+                    .sum::<u32>();
+                let bits = k.and(bits, used);
+                let starts: Vec<(Reg<U32>, u32)> = four.iter().map(|r| (r.start, 0)).collect();
+                let mut ranks = vec![pack_bytes(k, &starts)];
+                for j in 1..self.run_groups {
+                    let step = k.shr(bits, j - 1);
+                    let step = k.and(step, 0x0101_0101u32);
+                    let previous = ranks[j as usize - 1];
+                    ranks.push(k.add(previous, step));
+                }
+                (bits, ranks)
+            })
+            .collect();
+        let over = (runs.iter().map(|r| r.over))
+            .reduce(|a, b| k.or_pred(a, b))
+            .expect("a run");
+        let any = k.vote_any(over);
+        let fine = k.label();
+        k.bra_if(any, false, fine);
+        for &rank in packed.iter().flat_map(|(_, ranks)| ranks) {
+            let clamped = bytes_at_most(k, rank, g.keep - 1);
+            k.assign(rank, clamped);
+        }
+        k.place(fine);
+        (runs.iter().enumerate())
+            .map(|(i, run)| {
+                let (bits, ranks) = &packed[i / RUNS_PER_WORD as usize];
+                let byte = i as u32 % RUNS_PER_WORD;
+                let mut registers = Vec::new();
+                for (j, &ranks) in (0u32..).zip(ranks) {
+                    // Byte `byte` of the ranks, alone: selector nibble 4 is a zero byte.
+                    let rank = k.prmt(ranks, self.zero, 0x4440 | byte);
+                    let group = k.mad_lo(rank, g.group_bytes(), run.item);
+                    let bit = k.and(*bits, 1u32 << (RUN_BITS * byte + j));
+                    let kept = k.setp(Cmp::Ne, bit, 0u32);
+                    for w in 0..g.group_registers() {
+                        let value = k.mov(0u32);
+                        let at = Shared::at(group).plus(i64::from(self.elems_at + 4 * w));
+                        k.guarded(kept, true, |k| k.ld_shared_to(value, at));
+                        registers.push(value);
+                    }
+                }
+                registers
+            })
+            .collect()
+    }
+}
+
+/// Mask word and bit offset in it of key chunk `chunk`'s block (the
+/// `ROW_LANES` lanes' runs): a whole byte, as a block is 8 or 16 groups.
+fn block_start(chunk: u32, run_groups: u32) -> (usize, u32) {
+    let group = chunk * ROW_LANES * run_groups;
+    ((group / 32) as usize, group % 32)
+}
+
+/// Byte `i` of the result: byte `sources[i].1` of register `sources[i].0`
+/// (up to four); the bytes past them are copies of some of them.
+fn pack_bytes(k: &mut Kernel, sources: &[(Reg<U32>, u32)]) -> Reg<U32> {
+    let mut registers: Vec<Reg<U32>> = sources.iter().map(|&(r, _)| r).collect();
+    registers.dedup();
+    if registers.len() <= 2 {
+        let (a, b) = (registers[0], *registers.last().expect("a source"));
+        let selector = (sources.iter().enumerate())
+            .map(|(i, &(r, byte))| (4 * u32::from(r != a) + byte) << (4 * i))
+            .sum::<u32>();
+        return k.prmt(a, b, selector);
+    }
+    let halves: Vec<Reg<U32>> = sources.chunks(2).map(|pair| pack_bytes(k, pair)).collect();
+    k.prmt(halves[0], halves[1], 0x5410)
+}
+
+/// Each byte of `x` (each at most 127) as at most `limit` (below 128).
+fn bytes_at_most(k: &mut Kernel, x: Reg<U32>, limit: u32) -> Reg<U32> {
+    let limits = limit * 0x0101_0101;
+    // Byte `0x80 + limit − x` keeps its top bit exactly when `x ≤ limit`,
+    // and borrows from no other byte.
+    let difference = k.sub(limits | 0x8080_8080, x);
+    let within = k.and(difference, 0x8080_8080u32);
+    let within = k.shr(within, 7u32);
+    let keep = k.mul(within, 0xFFu32);
+    // (x & keep) | (limits & !keep)
+    k.lop3(x, keep, limits, 0xE2)
+}
