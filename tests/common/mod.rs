@@ -134,23 +134,38 @@ pub fn scrambled_bitmap_masks(seed: u64) -> Box<PageEncoder<'static>> {
 
 /// Single-tier f16 bitmap formats whose masks are one, two or four words,
 /// of groups of 1 (expanded into dense rows on the tensor-core path), 2 and
-/// 4 elements (gathered into fragments); with what to call each.
+/// 4 elements (gathered into fragments), alike on both sides or mixed;
+/// with what to call each.
 pub fn bitmap_mask_specs() -> Vec<(String, Format)> {
-    [(128, 2, 16), (128, 1, 20), (128, 4, 5), (64, 2, 8)]
-        .into_iter()
-        .map(|(head_dim, group_size, keep)| {
-            let field = format!(
-                "[{{ kind = \"bitmap\", group_size = {group_size}, keep = {keep}, elem = \"f16\" }}]"
-            );
-            let source = format!(
-                "name = \"masks\"\nhead_dim = {head_dim}\n\n[page]\nitems = 64\n\n\
-                 [[tier]]\nname = \"t\"\nkey.field = {field}\nvalue.field = {field}\n"
-            );
-            let what = format!("head_dim {head_dim}, groups of {group_size}, keep {keep}");
-            let format = Format::parse(&source, "masks.toml").unwrap_or_else(|e| panic!("{what}: {e}"));
-            (what, format)
-        })
-        .collect()
+    let field = |(group_size, keep): (u32, u32)| {
+        format!(
+            "[{{ kind = \"bitmap\", group_size = {group_size}, keep = {keep}, elem = \"f16\" }}]"
+        )
+    };
+    [
+        (128, (2, 16), (2, 16)),
+        (128, (1, 20), (1, 20)),
+        (128, (4, 5), (4, 5)),
+        (64, (2, 8), (2, 8)),
+        (128, (2, 16), (1, 20)),
+        (128, (1, 20), (4, 5)),
+    ]
+    .into_iter()
+    .map(|(head_dim, key, value)| {
+        let source = format!(
+            "name = \"masks\"\nhead_dim = {head_dim}\n\n[page]\nitems = 64\n\n\
+             [[tier]]\nname = \"t\"\nkey.field = {}\nvalue.field = {}\n",
+            field(key),
+            field(value)
+        );
+        let what = format!(
+            "head_dim {head_dim}, key groups of {} keep {}, value groups of {} keep {}",
+            key.0, key.1, value.0, value.1
+        );
+        let format = Format::parse(&source, "masks.toml").unwrap_or_else(|e| panic!("{what}: {e}"));
+        (what, format)
+    })
+    .collect()
 }
 
 /// Asserts every element of `got` is within `tolerance` relative to the largest

@@ -18,7 +18,8 @@
 //! Masks with more set bits than `keep` (no encoder writes them; stale rows
 //! past a tile's items may hold them) have their ranks clamped to
 //! `keep − 1`, as the interpreter reads them, in a branch the warp takes
-//! only then.
+//! only when one of its rows of the tile has such a mask: each lane checks
+//! one row per side, once per tile.
 
 use super::super::mma::{Gather, MmaPlan, MmaScore, ROW_LANES};
 use super::super::plan::{stride_align, Stream};
@@ -37,6 +38,9 @@ pub(super) struct FragmentGather {
     /// Groups per run (at most `RUN_BITS`).
     run_groups: u32,
     runs: LaneRuns,
+    /// The side's rows in a tile buffer: offset and stride.
+    rows_at: u32,
+    stride: u32,
     /// Byte offsets of the mask and of the packed groups in an item, and the
     /// mask's known alignment.
     mask_at: u32,
@@ -57,23 +61,29 @@ enum LaneRuns {
         below: Vec<(u32, Reg<U32>)>,
     },
     /// Value rows: one run per row at a lane-dependent place: per mask
-    /// word, its bits below the run, and whether the run is in it (words
-    /// past the first); the run's bit offset in its word.
-    Channels {
-        below: Vec<Reg<U32>>,
+    /// word, its bits below the run; and how to take the run's bits.
+    Channels { below: Vec<Reg<U32>>, bits: RunBits },
+}
+
+/// How a value run's bits come out of its row's mask words.
+enum RunBits {
+    /// The run is a whole byte of a one- or two-word mask: its index among
+    /// the words' bytes.
+    Byte(Reg<U32>),
+    /// Whether the run is in each word past the first, and its bit offset
+    /// in its word.
+    Shifted {
         in_word: Vec<Reg<Pred>>,
         offset: Reg<U32>,
     },
 }
 
 /// One run to gather: its item, its mask bits (at bit 0 of the register,
-/// or at a byte of it), the rank of its first group, and whether the row's
-/// mask has more set bits than `keep`.
+/// or at a byte of it) and the rank of its first group.
 struct Run {
     item: Reg<U32>,
     bits: (Reg<U32>, u32),
     start: Reg<U32>,
-    over: Reg<Pred>,
 }
 
 impl FragmentGather {
@@ -83,6 +93,8 @@ impl FragmentGather {
             g,
             run_groups,
             runs,
+            rows_at: s.buffer_offset,
+            stride: s.shared_stride,
             mask_at: g.mask_bit / 8,
             mask_align: align(g.mask_bit / 8),
             elems_at: g.elems_bit / 8,
@@ -134,6 +146,15 @@ impl FragmentGather {
         let first = k.mul(row, run_groups);
         let word = k.shr(first, 5u32);
         let offset = k.and(first, 31u32);
+        let bits = match run_groups == RUN_BITS && g.mask_words() <= 2 {
+            true => RunBits::Byte(k.shr(first, 3u32)),
+            false => RunBits::Shifted {
+                in_word: (1..g.mask_words())
+                    .map(|w| k.setp(Cmp::Eq, word, w))
+                    .collect(),
+                offset,
+            },
+        };
         let bit = k.shl(1u32, offset);
         let partial = k.sub(bit, 1u32);
         let below = (0..g.mask_words())
@@ -144,20 +165,19 @@ impl FragmentGather {
                 k.selp(u32::MAX, part, after)
             })
             .collect();
-        let in_word = (1..g.mask_words())
-            .map(|w| k.setp(Cmp::Eq, word, w))
-            .collect();
-        let runs = LaneRuns::Channels {
-            below,
-            in_word,
-            offset,
-        };
+        let runs = LaneRuns::Channels { below, bits };
         Self::new(k, g, run_groups, runs, value)
     }
 
     /// The lane's key fragment registers of the row of the item at `item`,
-    /// in [`MmaScore::key_element`]'s order. The warp runs this together.
-    pub(super) fn key_registers(&self, k: &mut Kernel, item: Reg<U32>) -> Vec<Reg<U32>> {
+    /// in [`MmaScore::key_element`]'s order; `over`: whether some row of the
+    /// tile has more set bits than `keep` ([`Self::rows_over`]).
+    pub(super) fn key_registers(
+        &self,
+        k: &mut Kernel,
+        item: Reg<U32>,
+        over: Reg<Pred>,
+    ) -> Vec<Reg<U32>> {
         let LaneRuns::Chunks {
             chunks,
             shift,
@@ -167,8 +187,11 @@ impl FragmentGather {
             unreachable!("key runs");
         };
         let words = self.mask(k, item);
-        let counts = self.counts(k, &words);
-        let over = self.over(k, &counts);
+        // Set bits of the words before the last (those below a later run).
+        let counts: Vec<Reg<U32>> = words[..words.len() - 1]
+            .iter()
+            .map(|&w| k.popc(w))
+            .collect();
         let shifted: Vec<Reg<U32>> = words.iter().map(|&w| k.shr(w, shift)).collect();
         let runs: Vec<Run> = (0..chunks)
             .map(|chunk| {
@@ -185,25 +208,25 @@ impl FragmentGather {
                     item,
                     bits: (shifted[w], offset / RUN_BITS),
                     start,
-                    over,
                 }
             })
             .collect();
-        self.gather(k, &runs).concat()
+        self.gather(k, &runs, over).concat()
     }
 
     /// The lane group's value words of the items at `items`, a row each,
-    /// zero for the rows `ok` leaves out. The warp runs this together.
+    /// zero for the rows `ok` leaves out; `over` as for
+    /// [`Self::key_registers`].
     pub(super) fn value_words(
         &self,
         k: &mut Kernel,
         items: &[Reg<U32>],
         ok: &[Reg<Pred>],
+        over: Reg<Pred>,
     ) -> Vec<Vec<Reg<U32>>> {
         let LaneRuns::Channels {
             ref below,
-            ref in_word,
-            offset,
+            ref bits,
         } = self.runs
         else {
             unreachable!("value runs");
@@ -211,13 +234,21 @@ impl FragmentGather {
         let runs: Vec<Run> = (items.iter().zip(ok))
             .map(|(&item, &ok)| {
                 let words = self.mask(k, item);
-                let counts = self.counts(k, &words);
-                let over = self.over(k, &counts);
-                let mut word = words[0];
-                for (&later, &here) in words[1..].iter().zip(in_word) {
-                    word = k.selp(later, word, here);
-                }
-                let bits = k.shr(word, offset);
+                let bits = match *bits {
+                    RunBits::Byte(byte) => {
+                        k.prmt_by(words[0], *words.last().expect("a word"), byte)
+                    }
+                    RunBits::Shifted {
+                        ref in_word,
+                        offset,
+                    } => {
+                        let mut word = words[0];
+                        for (&later, &here) in words[1..].iter().zip(in_word) {
+                            word = k.selp(later, word, here);
+                        }
+                        k.shr(word, offset)
+                    }
+                };
                 let bits = k.selp(bits, 0u32, ok);
                 let lower: Vec<Reg<U32>> = (words.iter().zip(below))
                     .map(|(&w, &b)| {
@@ -232,11 +263,47 @@ impl FragmentGather {
                     item,
                     bits: (bits, 0),
                     start,
-                    over,
                 }
             })
             .collect();
-        self.gather(k, &runs)
+        self.gather(k, &runs, over)
+    }
+
+    /// Whether one of the rows `rows` (indices in the side's tile in buffer
+    /// `buf`, each with whether it counts) has more set bits than `keep`.
+    pub(super) fn rows_over(
+        &self,
+        k: &mut Kernel,
+        buf: Reg<U32>,
+        rows: &[(Reg<U32>, Reg<Pred>)],
+    ) -> Reg<Pred> {
+        let overs: Vec<Reg<Pred>> = (rows.iter())
+            .map(|&(row, read)| {
+                let at = k.add(buf, self.rows_at);
+                let item = k.mad_lo(row, self.stride, at);
+                let words = self.mask(k, item);
+                let counts: Vec<Reg<U32>> = (words.iter().enumerate())
+                    .map(|(w, &word)| {
+                        let groups = self.g.groups - 32 * w as u32;
+                        match groups < 32 {
+                            true => {
+                                let kept = k.and(word, (1u32 << groups) - 1);
+                                k.popc(kept)
+                            }
+                            false => k.popc(word),
+                        }
+                    })
+                    .collect();
+                let total = (counts.into_iter())
+                    .reduce(|sum, count| k.add(sum, count))
+                    .expect("a mask word");
+                let over = k.setp(Cmp::Gt, total, self.g.keep);
+                k.and_pred(over, read)
+            })
+            .collect();
+        (overs.into_iter())
+            .reduce(|a, b| k.or_pred(a, b))
+            .expect("a row")
     }
 
     /// The mask words of the item at `item`.
@@ -247,33 +314,9 @@ impl FragmentGather {
         words
     }
 
-    /// Set bits of each mask word, counting only groups that exist.
-    fn counts(&self, k: &mut Kernel, words: &[Reg<U32>]) -> Vec<Reg<U32>> {
-        (words.iter().enumerate())
-            .map(|(w, &word)| {
-                let groups = self.g.groups - 32 * w as u32;
-                match groups < 32 {
-                    true => {
-                        let kept = k.and(word, (1u32 << groups) - 1);
-                        k.popc(kept)
-                    }
-                    false => k.popc(word),
-                }
-            })
-            .collect()
-    }
-
-    /// Whether a mask with set bits `counts` (per word) has more than `keep`.
-    fn over(&self, k: &mut Kernel, counts: &[Reg<U32>]) -> Reg<Pred> {
-        let total = (counts.iter().copied())
-            .reduce(|sum, count| k.add(sum, count))
-            .expect("a mask word");
-        k.setp(Cmp::Gt, total, self.g.keep)
-    }
-
     /// The registers of each run: per group, its words, each the packed
     /// group at the group's rank when its bit is set, else zero.
-    fn gather(&self, k: &mut Kernel, runs: &[Run]) -> Vec<Vec<Reg<U32>>> {
+    fn gather(&self, k: &mut Kernel, runs: &[Run], over: Reg<Pred>) -> Vec<Vec<Reg<U32>>> {
         let g = self.g;
         let run_mask = (1u32 << self.run_groups) - 1;
         let packed: Vec<(Reg<U32>, Vec<Reg<U32>>)> = runs
@@ -295,12 +338,8 @@ impl FragmentGather {
                 (bits, ranks)
             })
             .collect();
-        let over = (runs.iter().map(|r| r.over))
-            .reduce(|a, b| k.or_pred(a, b))
-            .expect("a run");
-        let any = k.vote_any(over);
         let fine = k.label();
-        k.bra_if(any, false, fine);
+        k.bra_if(over, false, fine);
         for &rank in packed.iter().flat_map(|(_, ranks)| ranks) {
             let clamped = bytes_at_most(k, rank, g.keep - 1);
             k.assign(rank, clamped);

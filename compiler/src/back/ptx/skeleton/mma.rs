@@ -128,6 +128,16 @@ impl Pending {
     }
 }
 
+/// A tile whose values accumulate: its buffer and valid items, and (with
+/// gathered values) whether one of the warp's rows of it has more set bits
+/// than its bitmap keeps ([`Skeleton::mma_rows_over`]).
+#[derive(Clone, Copy)]
+struct ValueTile {
+    buf: Reg<U32>,
+    items: Reg<U32>,
+    over: Option<Reg<Pred>>,
+}
+
 /// Softmax weights the score phase left in the logits rows.
 struct SharedWeights {
     /// Per column tile: the weights of the B column's head at the lane's
@@ -541,6 +551,7 @@ impl Skeleton<'_> {
         k: &mut Kernel,
         tile: &Tile,
         t: &MmaScoreThread,
+        over: Option<Reg<Pred>>,
     ) -> Vec<Reg<F32>> {
         let plan = self.plan;
         let m = plan.mma.as_ref().expect("tensor-core plan");
@@ -580,7 +591,8 @@ impl Skeleton<'_> {
                     let offset = (j * plan.warps * TILE + 8 * half) * stride;
                     if let Some(gather) = &t.gather {
                         let item = k.add(lane_base, offset);
-                        return gather.key_registers(k, item);
+                        let over = over.expect("gathers check their rows");
+                        return gather.key_registers(k, item, over);
                     }
                     let words: Vec<Reg<U32>> = (0..score.lane_chunks())
                         .flat_map(|c| {
@@ -690,17 +702,23 @@ impl Skeleton<'_> {
         values: &MmaValues,
     ) {
         let in_tile = self.mma_rows_in(k, score, tile.items);
+        let values_buf = pending.map_or(tile.buf, |p| p.buf);
+        let over = self.mma_rows_over(k, Some((score, tile.buf)), Some((values, values_buf)));
         let Some(pending) = pending else {
             // The item scales and σ first: they do not wait for the score.
             let scales = self.mma_item_scales(k, score, values, tile.buf, &in_tile);
-            let logits = self.mma_logits(k, tile, score);
+            let logits = self.mma_logits(k, tile, score, over);
             let weights = mma_softmax(k, score, values, &logits, &in_tile);
-            let span = (tile.buf, tile.items);
-            self.mma_weighted_products(k, score, values, span, &weights, scales);
+            let tile = ValueTile {
+                buf: tile.buf,
+                items: tile.items,
+                over,
+            };
+            self.mma_weighted_products(k, score, values, tile, &weights, scales);
             return;
         };
-        let logits = self.mma_logits(k, tile, score);
-        self.mma_drain(k, pending, score, values);
+        let logits = self.mma_logits(k, tile, score, over);
+        self.mma_drain(k, pending, score, values, over);
         let weights = mma_softmax(k, score, values, &logits, &in_tile);
         for (&to, &from) in pending.weights.iter().zip(&weights) {
             k.assign(to, from);
@@ -710,17 +728,70 @@ impl Skeleton<'_> {
     }
 
     /// The pending tile's values times its weights (times its item scales
-    /// and σ, whose rescale of the accumulators comes first).
+    /// and σ, whose rescale of the accumulators comes first); `over` as
+    /// [`Self::mma_rows_over`] answers for them (`None`: checked here).
     pub(super) fn mma_drain(
         &self,
         k: &mut Kernel,
         pending: &Pending,
         score: &MmaScoreThread,
         values: &MmaValues,
+        over: Option<Reg<Pred>>,
     ) {
+        let over = over.or_else(|| self.mma_rows_over(k, None, Some((values, pending.buf))));
         let in_tile = self.mma_rows_in(k, score, pending.items);
         let scales = self.mma_item_scales(k, score, values, pending.buf, &in_tile);
-        self.mma_weighted_products(k, score, values, pending.span(), &pending.weights, scales);
+        let tile = ValueTile {
+            buf: pending.buf,
+            items: pending.items,
+            over,
+        };
+        self.mma_weighted_products(k, score, values, tile, &pending.weights, scales);
+    }
+
+    /// With gathered fragments: whether a row the warp gathers from (its
+    /// tokens of the key tile in buffer `keys.1` and of the value tile in
+    /// `values.1`) has more set bits than its bitmap's `keep`, in any lane.
+    /// Lane `l` checks the warp's token `l % 16` of slot `2 · i + l / 16`.
+    fn mma_rows_over(
+        &self,
+        k: &mut Kernel,
+        keys: Option<(&MmaScoreThread, Reg<U32>)>,
+        values: Option<(&MmaValues, Reg<U32>)>,
+    ) -> Option<Reg<Pred>> {
+        let plan = self.plan;
+        let m = plan.mma.as_ref().expect("tensor-core plan");
+        let sides: Vec<(&FragmentGather, Reg<U32>)> = [
+            keys.and_then(|(t, buf)| Some((t.gather.as_ref()?, buf))),
+            values.and_then(|(t, buf)| Some((t.gather.as_ref()?, buf))),
+        ]
+        .into_iter()
+        .flatten()
+        .collect();
+        if sides.is_empty() {
+            return None;
+        }
+        let warp = k.shr(self.tid, 5u32);
+        let lane = k.and(self.tid, 31u32);
+        let token = k.and(lane, 15u32);
+        let half = k.shr(lane, 4u32);
+        let rows: Vec<(Reg<U32>, Reg<Pred>)> = (0..self.mma_slots(m).div_ceil(2))
+            .map(|i| {
+                let slot = k.add(half, 2 * i);
+                let tile = k.mad_lo(slot, plan.warps, warp);
+                let row = k.mad_lo(tile, TILE, token);
+                let read = k.setp(Cmp::Lt, row, plan.tile_items);
+                // Rows past the tile are not checked, nor read.
+                (k.min(row, plan.tile_items - 1), read)
+            })
+            .collect();
+        let overs: Vec<Reg<Pred>> = (sides.iter())
+            .map(|&(gather, buf)| gather.rows_over(k, buf, &rows))
+            .collect();
+        let over = (overs.into_iter())
+            .reduce(|a, b| k.or_pred(a, b))
+            .expect("a side");
+        Some(k.vote_any(over))
     }
 
     /// The values of the tile `span` (buffer, items) times its softmax
@@ -731,13 +802,13 @@ impl Skeleton<'_> {
         k: &mut Kernel,
         score: &MmaScoreThread,
         values: &MmaValues,
-        span: (Reg<U32>, Reg<U32>),
+        tile: ValueTile,
         weights: &[Reg<F32>],
         scales: Option<Vec<Reg<F32>>>,
     ) {
         let parts = weight_parts(k, weights, score.heads.len(), scales.as_deref());
         let b = mma_exchange(k, score, &parts);
-        self.mma_products(k, span.0, span.1, values, &b);
+        self.mma_products(k, tile, values, &b);
     }
 
     /// With item scales: those of the lane's C rows of the tile in `buf`
@@ -848,7 +919,13 @@ impl Skeleton<'_> {
             }
             b.push(columns);
         }
-        self.mma_products(k, tile.buf, tile.items, t, &b);
+        let over = self.mma_rows_over(k, None, Some((t, tile.buf)));
+        let tile = ValueTile {
+            buf: tile.buf,
+            items: tile.items,
+            over,
+        };
+        self.mma_products(k, tile, t, &b);
     }
 
     /// The values of the tile in buffer `buf` (`items` of them) times the
@@ -857,15 +934,15 @@ impl Skeleton<'_> {
     fn mma_products(
         &self,
         k: &mut Kernel,
-        buf: Reg<U32>,
-        items: Reg<U32>,
+        tile: ValueTile,
         t: &MmaValues,
         b: &[Vec<[Reg<U32>; 2]>],
     ) {
         let plan = self.plan;
         let m = plan.mma.as_ref().expect("tensor-core plan");
         let stride = m.value_rows.stride;
-        let rows = self.mma_rows(k, buf, m.value_rows);
+        let items = tile.items;
+        let rows = self.mma_rows(k, tile.buf, m.value_rows);
         let lane_base = k.add(rows, t.value_lane);
         for (j, b) in (0u32..).zip(b) {
             let skip = k.label();
@@ -882,7 +959,8 @@ impl Skeleton<'_> {
                             (k.add(lane_base, (first + d) * stride), ok)
                         })
                         .unzip();
-                    (gather.value_words(k, &items_at, &ok).into_iter())
+                    let over = tile.over.expect("gathers check their rows");
+                    (gather.value_words(k, &items_at, &ok, over).into_iter())
                         .map(|words| TokenWords { words, skew: 0 })
                         .collect()
                 }

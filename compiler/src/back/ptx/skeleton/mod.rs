@@ -964,7 +964,7 @@ impl<'a> Skeleton<'a> {
                 let no_keys = k.mov(0u32);
                 self.mma_expand(k, expand, [(pending.span().0, no_keys), pending.span()]);
             }
-            self.mma_drain(k, pending, score, values);
+            self.mma_drain(k, pending, score, values, None);
         }
         k.comment("every thread is done with the last tile");
         k.bar_sync();
