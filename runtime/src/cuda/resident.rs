@@ -1,7 +1,11 @@
 //! A paged cache on the device, and a decode step over it: one launch per tier
 //! with pages, then the merge (see `kvcc_compiler::back::ptx::abi`).
 
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use std::ffi::c_void;
+
+use cudarc::driver::{
+    sys, CudaFunction, CudaSlice, DevicePtr, DevicePtrMut, DriverError, LaunchConfig, PushKernelArg,
+};
 use kvcc_compiler::back::interp::{Interpreter, Options as InterpOptions};
 use kvcc_compiler::back::ptx::abi;
 
@@ -305,16 +309,80 @@ impl DeviceDecode {
         }
         if sequences > 0 {
             let (function, kernel) = &kernels.merge;
-            let mut args = gpu.stream.launch_builder(function);
-            args.arg(&self.partials)
-                .arg(&mut self.output)
-                .arg(&q_heads)
-                .arg(&self.slot_count);
-            // SAFETY: arguments follow abi::MERGE_PARAMS.
-            unsafe { args.launch(config(kernel.launch(q_heads, sequences))) }
-                .during(|| format!("launching {}", kernel.name))?;
+            let launch = kernel.launch(q_heads, sequences);
+            if gpu.target().dependent_launches() {
+                self.launch_merge_dependent(gpu, function, launch, q_heads)
+                    .during(|| format!("launching {} (dependent)", kernel.name))?;
+            } else {
+                let mut args = gpu.stream.launch_builder(function);
+                args.arg(&self.partials)
+                    .arg(&mut self.output)
+                    .arg(&q_heads)
+                    .arg(&self.slot_count);
+                // SAFETY: arguments follow abi::MERGE_PARAMS.
+                unsafe { args.launch(config(launch)) }
+                    .during(|| format!("launching {}", kernel.name))?;
+            }
         }
         Ok(())
+    }
+
+    /// The merge as a programmatic dependent launch: its CTAs may start once
+    /// every CTA of the last decode kernel has left its stream loop, and
+    /// wait for the partials themselves (`griddepcontrol.wait`), so the
+    /// launch gap overlaps the decode kernel's tail. cudarc's launch builder
+    /// takes no launch attributes, hence the driver call.
+    fn launch_merge_dependent(
+        &mut self,
+        gpu: &Gpu,
+        function: &CudaFunction,
+        launch: abi::Launch,
+        q_heads: u32,
+    ) -> Result<(), DriverError> {
+        let stream = &gpu.stream;
+        stream.context().bind_to_thread()?;
+        let (partials, _reading) = self.partials.device_ptr(stream);
+        let (output, _writing) = self.output.device_ptr_mut(stream);
+        let slot_count = self.slot_count;
+        // abi::MERGE_PARAMS in order: two pointers, two u32.
+        let mut params: [*mut c_void; 4] = [
+            (&partials as *const sys::CUdeviceptr).cast_mut().cast(),
+            (&output as *const sys::CUdeviceptr).cast_mut().cast(),
+            (&q_heads as *const u32).cast_mut().cast(),
+            (&slot_count as *const u32).cast_mut().cast(),
+        ];
+        // SAFETY: an all-zero attribute value is valid (a plain C union).
+        let mut value: sys::CUlaunchAttributeValue = unsafe { std::mem::zeroed() };
+        value.programmaticStreamSerializationAllowed = 1;
+        let mut attribute = sys::CUlaunchAttribute {
+            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+            pad: [0; 4],
+            value,
+        };
+        let config = sys::CUlaunchConfig {
+            gridDimX: launch.grid[0],
+            gridDimY: launch.grid[1],
+            gridDimZ: launch.grid[2],
+            blockDimX: launch.block[0],
+            blockDimY: launch.block[1],
+            blockDimZ: launch.block[2],
+            sharedMemBytes: launch.shared_bytes,
+            hStream: stream.cu_stream(),
+            attrs: &mut attribute,
+            numAttrs: 1,
+        };
+        // SAFETY: the parameters follow abi::MERGE_PARAMS in order and type and
+        // outlive the call (the driver copies them); the buffers are sized by
+        // the ABI's layouts.
+        unsafe {
+            sys::cuLaunchKernelEx(
+                &config,
+                function.cu_function(),
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        }
+        .result()
     }
 
     /// Waits for the step and downloads `[sequence][q_head][head_dim]`.

@@ -391,6 +391,16 @@ impl Kernel {
         let bang = if when { "" } else { "!" };
         self.line(format_args!("@{bang}{p} bra {label}"));
     }
+    /// Lets the grid launched after this one with programmatic dependent
+    /// launch start once every CTA of this one has passed here (or exited).
+    pub fn launch_dependents(&mut self) {
+        self.line(format_args!("griddepcontrol.launch_dependents"));
+    }
+    /// Waits until the grids this one depends on have finished and their
+    /// memory is visible (at once without a programmatic dependent launch).
+    pub fn wait_for_prerequisites(&mut self) {
+        self.line(format_args!("griddepcontrol.wait"));
+    }
     pub fn bar_sync(&mut self) {
         self.line(format_args!("bar.sync 0"));
     }

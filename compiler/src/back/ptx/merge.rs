@@ -65,7 +65,10 @@ fn load_slot(
     }
 }
 
-pub fn merge(head_dim: u32, threads: u32, name: &str) -> String {
+/// The merge kernel; with `dependent`, it may be launched before the decode
+/// kernels finish (programmatic dependent launch) and waits for their
+/// partials after its setup.
+pub fn merge(head_dim: u32, threads: u32, name: &str, dependent: bool) -> String {
     let mut k = Kernel::new(name, threads, SHARED_SYMBOL);
     let mut params = MERGE_PARAMS.iter();
     let mut take = |ty: ParamType| {
@@ -97,6 +100,10 @@ pub fn merge(head_dim: u32, threads: u32, name: &str) -> String {
             k.min(d, head_dim - 1)
         })
         .collect();
+    if dependent {
+        k.comment("the decode kernels' partials are complete and visible");
+        k.wait_for_prerequisites();
+    }
     k.comment("one pass, SLOTS_IN_FLIGHT records at a time: running M, then");
     k.comment("total = sum of l * exp(m - M) and acc = sum of exp(m - M) * out_s");
     let best = k.mov(f32::NEG_INFINITY);

@@ -51,6 +51,13 @@ impl Target {
         self == Target::Sm90
     }
 
+    /// Whether a kernel may launch before the one it follows has finished
+    /// (programmatic dependent launch): the merge then waits for the decode
+    /// kernels' partials in place of the launch gap.
+    pub fn dependent_launches(self) -> bool {
+        self == Target::Sm90
+    }
+
     /// Most dynamic shared memory one block may opt into (bytes).
     pub fn max_shared_bytes(self) -> u32 {
         match self {
@@ -230,7 +237,12 @@ pub fn write_merge(format: &Format, options: &Options) -> MergeOutput {
         PTX_VERSION,
         options.target.name(),
         skeleton::SHARED_SYMBOL,
-        &[merge::merge(format.head_dim(), threads, &name)],
+        &[merge::merge(
+            format.head_dim(),
+            threads,
+            &name,
+            options.target.dependent_launches(),
+        )],
     );
     MergeOutput {
         ptx,

@@ -116,6 +116,9 @@ const LOADS_IN_FLIGHT: u32 = 4;
 
 #[derive(Debug, Clone)]
 pub struct Plan {
+    /// The merge may launch once every CTA has left the stream
+    /// ([`super::Target::dependent_launches`]).
+    pub dependent_launch: bool,
     pub threads: u32,
     pub warps: u32,
     /// Query heads the shared memory is sized for (`page.max_query_group`).
@@ -542,6 +545,7 @@ impl Plan {
         fused_softmax &= !mma_score;
         let register_accumulators = mma.is_none() && head_blocks * accumulate.channel_rounds == 1;
         Ok(Plan {
+            dependent_launch: options.target.dependent_launches(),
             threads,
             warps: options.warps,
             group_max,

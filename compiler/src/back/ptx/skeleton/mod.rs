@@ -235,6 +235,10 @@ impl<'a> Skeleton<'a> {
             self.issue_first_tiles(k);
         }
         self.stream(k);
+        if plan.dependent_launch {
+            k.comment("the merge may launch: it waits for this grid's partials");
+            k.launch_dependents();
+        }
         k.comment("value epilogue, every head of the group");
         self.stages(k, &self.m.value.epilogue.stages, true);
         self.write_partials(k, true);
