@@ -794,8 +794,8 @@ impl Skeleton<'_> {
         Some(k.vote_any(over))
     }
 
-    /// The values of the tile `span` (buffer, items) times its softmax
-    /// `weights` ([`mma_softmax`]'s order) and item `scales`: the weights'
+    /// The values of `tile` times its softmax `weights` ([`mma_softmax`]'s
+    /// order) and item `scales`: the weights'
     /// f16 parts, moved to the accumulate's B fragments, into the products.
     fn mma_weighted_products(
         &self,
@@ -928,9 +928,8 @@ impl Skeleton<'_> {
         self.mma_products(k, tile, t, &b);
     }
 
-    /// The values of the tile in buffer `buf` (`items` of them) times the
-    /// weights' B fragments `b` (per slot and column tile) into the lane's
-    /// accumulators.
+    /// The values of `tile` times the weights' B fragments `b` (per slot and
+    /// column tile) into the lane's accumulators.
     fn mma_products(
         &self,
         k: &mut Kernel,
