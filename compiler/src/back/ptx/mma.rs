@@ -116,22 +116,33 @@ impl Gather {
         self.group_bytes() / 4
     }
 
-    /// Whether key fragments can be gathered from the packed groups
-    /// (`skeleton/gather.rs`): groups of one or two whole words, so that
-    /// the 4 registers a lane holds of a 16-byte chunk are whole groups whose
-    /// mask bits lie in one byte.
-    pub fn gathers_fragments(&self, item_stride: u32) -> bool {
-        self.word_copies(item_stride) && matches!(self.group_registers(), 1 | 2)
+    /// Whether fragments can be gathered from the packed groups
+    /// (`skeleton/gather.rs`) when a lane holds `lane_pairs` consecutive f16
+    /// pairs of a row: groups of one or two whole words, whole groups per
+    /// lane, in runs [`lane_runs`] takes.
+    pub fn gathers_rows(&self, lane_pairs: u32, item_stride: u32) -> bool {
+        let per_group = self.group_registers();
+        self.word_copies(item_stride)
+            && matches!(per_group, 1 | 2)
+            && lane_pairs.is_multiple_of(per_group)
+            && lane_runs(lane_pairs / per_group, self.mask_words()).is_some()
     }
+}
 
-    /// Whether value fragments can be gathered: a lane group's channels
-    /// (`channel_tiles` pairs) are one run of at most 8 whole groups, inside
-    /// one mask word.
-    pub fn gathers_values(&self, channel_tiles: u32, item_stride: u32) -> bool {
-        self.gathers_fragments(item_stride)
-            && channel_tiles.is_multiple_of(self.group_registers())
-            && (channel_tiles / self.group_registers()).is_power_of_two()
-            && channel_tiles / self.group_registers() <= 8
+/// Most groups of a gathered run: a byte of the words packing four runs.
+pub const RUN_BITS: u32 = 8;
+
+/// A lane's `lane_groups` consecutive groups of a row as `(runs, groups per
+/// run)`: one run of a power of two up to `RUN_BITS` groups (inside one mask
+/// word, as the lane's first group is a multiple of it), or up to four
+/// whole bytes of a one- or two-word mask; `None` otherwise.
+pub fn lane_runs(lane_groups: u32, mask_words: u32) -> Option<(u32, u32)> {
+    match lane_groups {
+        n if n.is_power_of_two() && n <= RUN_BITS => Some((1, n)),
+        n if n.is_multiple_of(RUN_BITS) && n / RUN_BITS <= 4 && mask_words <= 2 => {
+            Some((n / RUN_BITS, RUN_BITS))
+        }
+        _ => None,
     }
 }
 
@@ -208,6 +219,9 @@ pub struct MmaScore {
     pub key: Element,
     pub key_scale: Option<u32>,
     pub key_dims: u32,
+    /// Key fragments gathered from a bitmap's groups: a lane's chunk is its
+    /// whole quarter of the row ([`MmaScore::chunk_elements`]).
+    pub gathered: bool,
 }
 
 impl MmaPlan {
@@ -271,9 +285,13 @@ impl MmaScore {
         }
     }
 
-    /// Key elements in one lane's 16-byte chunk.
+    /// Key elements in one lane's chunk: 16 bytes, or (gathered) the lane's
+    /// quarter of the row, so that its pairs are consecutive.
     pub fn chunk_elements(&self) -> u32 {
-        8 * CHUNK / self.key.bits()
+        match self.gathered {
+            true => self.key_dims / ROW_LANES,
+            false => 8 * CHUNK / self.key.bits(),
+        }
     }
 
     /// The 16-byte chunks of a key row one lane loads (chunks `quad + 4 · c`,
@@ -336,7 +354,7 @@ pub fn plan(
                 base: 0,
                 scale: None,
             },
-            match g.gathers_values(value_dims / TILE, value.shared_stride) {
+            match g.gathers_rows(value_dims / TILE, value.shared_stride) {
                 true => Rows {
                     swizzled: false,
                     ..Rows::of(value)
@@ -370,18 +388,23 @@ pub fn plan(
             && score.key_scale.is_none_or(|slot| slot.is_multiple_of(4))
     };
     let gathered = gathered_score(module, key)
-        .map(|(score, g)| match g.gathers_fragments(key.shared_stride) {
-            // Unswizzled, unspread: the lanes' chunks are runs of groups.
-            true => (
-                score,
-                g,
-                Rows {
-                    swizzled: false,
-                    ..Rows::of(key)
-                },
-            ),
-            false => (score, g, Rows::staged(g.dense_bytes())),
-        })
+        .map(
+            |(score, g)| match g.gathers_rows(score.key_dims / ROW_LANES / 2, key.shared_stride) {
+                // One chunk per lane: its pairs are consecutive.
+                true => (
+                    MmaScore {
+                        gathered: true,
+                        ..score
+                    },
+                    g,
+                    Rows {
+                        swizzled: false,
+                        ..Rows::of(key)
+                    },
+                ),
+                false => (score, g, Rows::staged(g.dense_bytes())),
+            },
+        )
         .filter(|(score, _, rows)| fits_rows(score, rows, rows.staged));
     let (score, key_gather, key_rows) = match gathered {
         Some((score, g, rows)) => (Some(score), Some(g), rows),
@@ -457,6 +480,7 @@ fn gathered_score(module: &Module, key: &Stream) -> Option<(MmaScore, Gather)> {
             key: Element::Half,
             key_scale: None,
             key_dims: codec.dims,
+            gathered: false,
         },
         g,
     ))
@@ -500,6 +524,7 @@ fn dot_product(f: &Function) -> Option<MmaScore> {
         key: element,
         key_scale: scale,
         key_dims: dims,
+        gathered: false,
     })
 }
 
@@ -660,6 +685,7 @@ mod tests {
             key: element,
             key_scale: None,
             key_dims: 128,
+            gathered: false,
         }
     }
 

@@ -2,13 +2,15 @@
 //! pairs), gathered straight into the tensor cores' A fragments
 //! (docs/ptx-backend.md, seventeenth round).
 //!
-//! The f16 pairs a lane holds of a row come in runs of whole groups whose
-//! mask bits are consecutive: of a key row, its 16-byte chunk `c` (pairs
-//! `16 · c + 4 · quad + 0..4`, [`MmaScore::key_element`]); of a value row,
-//! its lane group's channels (pairs `8 · row + 0..8` with 128 channels).
-//! The lane packs four runs' mask bits into the bytes of a word and their
-//! ranks (the set bits below each group) into the bytes of others: one
-//! popcount per run, then one add per group of a run for the four runs at
+//! The f16 pairs a lane holds of a row are consecutive, so their groups'
+//! mask bits are too: of a key row, pairs `16 · quad + 0..16` with 128
+//! elements (gathered keys take one chunk per lane,
+//! [`MmaScore::chunk_elements`]); of a value row, its lane group's channels
+//! (pairs `8 · row + 0..8` with 128 channels). They form runs of at most 8
+//! groups, each in one byte of the mask or within one word. The lane packs
+//! four runs' mask bits into the bytes of a word and their ranks (the set
+//! bits below each group) into the bytes of others: popcounts for each
+//! row's first run, then one add per group of a run for the four runs at
 //! once. A register is then a byte extract, an address and a load
 //! predicated on its bit (ptxas sets four predicates from a byte at once),
 //! from the packed groups in the tile buffer. Expanded rows were written
@@ -21,23 +23,23 @@
 //! only when one of its rows of the tile has such a mask: each lane checks
 //! one row per side, once per tile.
 
-use super::super::mma::{Gather, MmaPlan, MmaScore, ROW_LANES};
+use super::super::mma::{lane_runs, Gather, MmaPlan, MmaScore, RUN_BITS};
 use super::super::plan::{stride_align, Stream};
 use super::expand::load_units;
 use crate::back::ptx::builder::{Cmp, Kernel, Pred, Reg, Shared, U32};
 
-/// Fragment registers a lane holds of one 16-byte chunk of a key row.
-const CHUNK_REGISTERS: u32 = 4;
-/// A run's byte in the words that pack four runs.
-const RUN_BITS: u32 = 8;
+/// Runs packed in a word, a byte each.
 const RUNS_PER_WORD: u32 = 32 / RUN_BITS;
 
 /// A lane's constant state for gathering one side's bitmap into fragments.
 pub(super) struct FragmentGather {
     g: Gather,
-    /// Groups per run (at most `RUN_BITS`).
+    /// A row's runs (consecutive) and groups per run.
+    row_runs: u32,
     run_groups: u32,
-    runs: LaneRuns,
+    /// Per mask word, its bits below the lane's first run.
+    below: Vec<Reg<U32>>,
+    bits: RunBits,
     /// The side's rows in a tile buffer: offset and stride.
     rows_at: u32,
     stride: u32,
@@ -49,37 +51,21 @@ pub(super) struct FragmentGather {
     zero: Reg<U32>,
 }
 
-/// Where a lane's runs lie in a row's mask.
-enum LaneRuns {
-    /// Key rows: `chunks` runs per row, run `c` in a block of the
-    /// `ROW_LANES` lanes' runs at a fixed place ([`block_start`]), the
-    /// lane's `shift` groups into it; per bit offset of a block in its
-    /// word, the word's bits below the lane's run.
-    Chunks {
-        chunks: u32,
-        shift: Reg<U32>,
-        below: Vec<(u32, Reg<U32>)>,
-    },
-    /// Value rows: one run per row at a lane-dependent place: per mask
-    /// word, its bits below the run; and how to take the run's bits.
-    Channels { below: Vec<Reg<U32>>, bits: RunBits },
-}
-
-/// How a value run's bits come out of its row's mask words.
+/// How a row's runs come out of its mask words.
 enum RunBits {
-    /// The run is a whole byte of a one- or two-word mask: its index among
-    /// the words' bytes.
-    Byte(Reg<U32>),
-    /// Whether the run is in each word past the first, and its bit offset
-    /// in its word.
+    /// The runs are whole bytes of a one- or two-word mask: the byte
+    /// permute that takes them to bytes `0..` of a word.
+    Bytes(Reg<U32>),
+    /// One run: whether it is in each word past the first, and its bit
+    /// offset in its word.
     Shifted {
         in_word: Vec<Reg<Pred>>,
         offset: Reg<U32>,
     },
 }
 
-/// One run to gather: its item, its mask bits (at bit 0 of the register,
-/// or at a byte of it) and the rank of its first group.
+/// One run to gather: its item, its mask bits (at a byte of the register)
+/// and the rank of its first group.
 struct Run {
     item: Reg<U32>,
     bits: (Reg<U32>, u32),
@@ -87,67 +73,20 @@ struct Run {
 }
 
 impl FragmentGather {
-    fn new(k: &mut Kernel, g: Gather, run_groups: u32, runs: LaneRuns, s: &Stream) -> Self {
-        let align = |byte: u32| s.align().min(stride_align(s.buffer_offset + byte));
-        FragmentGather {
-            g,
-            run_groups,
-            runs,
-            rows_at: s.buffer_offset,
-            stride: s.shared_stride,
-            mask_at: g.mask_bit / 8,
-            mask_align: align(g.mask_bit / 8),
-            elems_at: g.elems_bit / 8,
-            zero: k.mov(0u32),
-        }
-    }
-
-    /// Key rows of `key` scored by `score`; `quad`: the lane's place in its
-    /// fragment row.
-    pub(super) fn keys(
-        k: &mut Kernel,
-        g: Gather,
-        score: &MmaScore,
-        key: &Stream,
-        quad: Reg<U32>,
-    ) -> Self {
-        k.comment("key fragments gathered from the bitmap's packed groups");
-        let run_groups = CHUNK_REGISTERS / g.group_registers();
-        let chunks = score.lane_chunks();
-        let shift = k.mul(quad, run_groups);
-        let first = k.shl(1u32, shift);
-        let mut below: Vec<(u32, Reg<U32>)> = Vec::new();
-        for chunk in 0..chunks {
-            let (_, offset) = block_start(chunk, run_groups);
-            if below.iter().all(|&(o, _)| o != offset) {
-                let bit = k.shl(first, offset);
-                below.push((offset, k.sub(bit, 1u32)));
-            }
-        }
-        let runs = LaneRuns::Chunks {
-            chunks,
-            shift,
-            below,
-        };
-        Self::new(k, g, run_groups, runs, key)
-    }
-
-    /// Value rows of `value` accumulated by `m`; `row`: the lane's fragment
-    /// row (its lane group).
-    pub(super) fn values(
-        k: &mut Kernel,
-        g: Gather,
-        m: &MmaPlan,
-        value: &Stream,
-        row: Reg<U32>,
-    ) -> Self {
-        k.comment("value fragments gathered from the bitmap's packed groups");
-        let run_groups = m.channel_tiles() / g.group_registers();
-        let first = k.mul(row, run_groups);
+    /// The state of lane `lane` (its place among the lanes sharing a row)
+    /// holding `lane_groups` consecutive groups of a row of stream `s`.
+    fn new(k: &mut Kernel, g: Gather, lane_groups: u32, lane: Reg<U32>, s: &Stream) -> Self {
+        let (row_runs, run_groups) = lane_runs(lane_groups, g.mask_words())
+            .expect("the plan gathers only runs that fit (mma::Gather::gathers_rows)");
+        let first = k.mul(lane, lane_groups);
         let word = k.shr(first, 5u32);
         let offset = k.and(first, 31u32);
         let bits = match run_groups == RUN_BITS && g.mask_words() <= 2 {
-            true => RunBits::Byte(k.shr(first, 3u32)),
+            true => {
+                // Result byte i: mask byte `first / 8 + i`.
+                let byte = k.shr(first, 3u32);
+                RunBits::Bytes(k.mad_lo(byte, 0x1111u32, 0x3210u32))
+            }
             false => RunBits::Shifted {
                 in_word: (1..g.mask_words())
                     .map(|w| k.setp(Cmp::Eq, word, w))
@@ -165,108 +104,112 @@ impl FragmentGather {
                 k.selp(u32::MAX, part, after)
             })
             .collect();
-        let runs = LaneRuns::Channels { below, bits };
-        Self::new(k, g, run_groups, runs, value)
+        let align = |byte: u32| s.align().min(stride_align(s.buffer_offset + byte));
+        FragmentGather {
+            g,
+            row_runs,
+            run_groups,
+            below,
+            bits,
+            rows_at: s.buffer_offset,
+            stride: s.shared_stride,
+            mask_at: g.mask_bit / 8,
+            mask_align: align(g.mask_bit / 8),
+            elems_at: g.elems_bit / 8,
+            zero: k.mov(0u32),
+        }
     }
 
-    /// The lane's key fragment registers of the row of the item at `item`,
-    /// in [`MmaScore::key_element`]'s order; `over`: whether some row of the
-    /// tile has more set bits than `keep` ([`Self::rows_over`]).
-    pub(super) fn key_registers(
-        &self,
+    /// Key rows of `key` scored by `score`; `quad`: the lane's place in its
+    /// fragment row.
+    pub(super) fn for_keys(
         k: &mut Kernel,
-        item: Reg<U32>,
-        over: Reg<Pred>,
-    ) -> Vec<Reg<U32>> {
-        let LaneRuns::Chunks {
-            chunks,
-            shift,
-            ref below,
-        } = self.runs
-        else {
-            unreachable!("key runs");
-        };
-        let words = self.mask(k, item);
-        // Set bits of the words before the last (those below a later run).
-        let counts: Vec<Reg<U32>> = words[..words.len() - 1]
-            .iter()
-            .map(|&w| k.popc(w))
-            .collect();
-        let shifted: Vec<Reg<U32>> = words.iter().map(|&w| k.shr(w, shift)).collect();
-        let runs: Vec<Run> = (0..chunks)
-            .map(|chunk| {
-                let (w, offset) = block_start(chunk, self.run_groups);
-                let (_, below) = *(below.iter())
-                    .find(|&&(o, _)| o == offset)
-                    .expect("every block offset has its mask");
-                let lower = k.and(words[w], below);
-                let mut start = k.popc(lower);
-                for &count in &counts[..w] {
-                    start = k.add(start, count);
-                }
-                Run {
-                    item,
-                    bits: (shifted[w], offset / RUN_BITS),
-                    start,
-                }
-            })
-            .collect();
-        self.gather(k, &runs, over).concat()
+        g: Gather,
+        score: &MmaScore,
+        key: &Stream,
+        quad: Reg<U32>,
+    ) -> Self {
+        k.comment("key fragments gathered from the bitmap's packed groups");
+        let lane_pairs = score.chunk_elements() / 2;
+        Self::new(k, g, lane_pairs / g.group_registers(), quad, key)
     }
 
-    /// The lane group's value words of the items at `items`, a row each,
-    /// zero for the rows `ok` leaves out; `over` as for
-    /// [`Self::key_registers`].
-    pub(super) fn value_words(
+    /// Value rows of `value` accumulated by `m`; `row`: the lane's fragment
+    /// row (its lane group).
+    pub(super) fn for_values(
+        k: &mut Kernel,
+        g: Gather,
+        m: &MmaPlan,
+        value: &Stream,
+        row: Reg<U32>,
+    ) -> Self {
+        k.comment("value fragments gathered from the bitmap's packed groups");
+        Self::new(k, g, m.channel_tiles() / g.group_registers(), row, value)
+    }
+
+    /// The lane's registers of the rows of the items at `items`: per row,
+    /// its groups' words in order (keys: [`MmaScore::key_element`]'s order;
+    /// values: the lane group's channel words), zero for the rows `ok`
+    /// leaves out (`None`: all read); `over`: whether some row of the tile
+    /// has more set bits than `keep` ([`Self::rows_over`]). The warp runs
+    /// this together.
+    pub(super) fn rows(
         &self,
         k: &mut Kernel,
         items: &[Reg<U32>],
-        ok: &[Reg<Pred>],
+        ok: Option<&[Reg<Pred>]>,
         over: Reg<Pred>,
     ) -> Vec<Vec<Reg<U32>>> {
-        let LaneRuns::Channels {
-            ref below,
-            ref bits,
-        } = self.runs
-        else {
-            unreachable!("value runs");
-        };
-        let runs: Vec<Run> = (items.iter().zip(ok))
-            .map(|(&item, &ok)| {
-                let words = self.mask(k, item);
-                let bits = match *bits {
-                    RunBits::Byte(byte) => {
-                        k.prmt_by(words[0], *words.last().expect("a word"), byte)
-                    }
-                    RunBits::Shifted {
-                        ref in_word,
-                        offset,
-                    } => {
-                        let mut word = words[0];
-                        for (&later, &here) in words[1..].iter().zip(in_word) {
-                            word = k.selp(later, word, here);
-                        }
-                        k.shr(word, offset)
-                    }
-                };
-                let bits = k.selp(bits, 0u32, ok);
-                let lower: Vec<Reg<U32>> = (words.iter().zip(below))
-                    .map(|(&w, &b)| {
-                        let lower = k.and(w, b);
-                        k.popc(lower)
-                    })
-                    .collect();
-                let start = (lower.into_iter())
-                    .reduce(|sum, count| k.add(sum, count))
-                    .expect("a mask word");
-                Run {
-                    item,
-                    bits: (bits, 0),
-                    start,
+        let mut runs = Vec::new();
+        for (r, &item) in items.iter().enumerate() {
+            let words = self.mask(k, item);
+            let bits = match self.bits {
+                RunBits::Bytes(selector) => {
+                    k.prmt_by(words[0], *words.last().expect("a word"), selector)
                 }
-            })
-            .collect();
-        self.gather(k, &runs, over)
+                RunBits::Shifted {
+                    ref in_word,
+                    offset,
+                } => {
+                    let mut word = words[0];
+                    for (&later, &here) in words[1..].iter().zip(in_word) {
+                        word = k.selp(later, word, here);
+                    }
+                    k.shr(word, offset)
+                }
+            };
+            let bits = match ok {
+                Some(ok) => k.selp(bits, 0u32, ok[r]),
+                None => bits,
+            };
+            let lower: Vec<Reg<U32>> = (words.iter().zip(&self.below))
+                .map(|(&w, &b)| {
+                    let lower = k.and(w, b);
+                    k.popc(lower)
+                })
+                .collect();
+            let mut start = (lower.into_iter())
+                .reduce(|sum, count| k.add(sum, count))
+                .expect("a mask word");
+            for i in 0..self.row_runs {
+                if i > 0 {
+                    // The set bits of the run before.
+                    let before = k.bfe_u32(bits, RUN_BITS * (i - 1), RUN_BITS);
+                    let count = k.popc(before);
+                    start = k.add(start, count);
+                }
+                runs.push(Run {
+                    item,
+                    bits: (bits, i),
+                    start,
+                });
+            }
+        }
+        let registers = self.gather(k, &runs, over);
+        registers
+            .chunks(self.row_runs as usize)
+            .map(|row| row.concat())
+            .collect()
     }
 
     /// Whether one of the rows `rows` (indices in the side's tile in buffer
@@ -367,13 +310,6 @@ impl FragmentGather {
             })
             .collect()
     }
-}
-
-/// Mask word and bit offset in it of key chunk `chunk`'s block (the
-/// `ROW_LANES` lanes' runs): a whole byte, as a block is 8 or 16 groups.
-fn block_start(chunk: u32, run_groups: u32) -> (usize, u32) {
-    let group = chunk * ROW_LANES * run_groups;
-    ((group / 32) as usize, group % 32)
 }
 
 /// Byte `i` of the result: byte `sources[i].1` of register `sources[i].0`

@@ -306,7 +306,7 @@ impl Skeleton<'_> {
             .collect();
         let key_row = k.mad_lo(lanes.warp, TILE, lanes.row);
         let gather =
-            (m.key_fragments()).map(|g| FragmentGather::keys(k, g, s, &plan.key, lanes.quad));
+            (m.key_fragments()).map(|g| FragmentGather::for_keys(k, g, s, &plan.key, lanes.quad));
         let key_chunk = match gather {
             Some(_) => k.mov(0u32),
             None => k.shl(chunk, 4u32),
@@ -381,7 +381,7 @@ impl Skeleton<'_> {
         // The largest σ: the first tile sets the real one.
         let sigma = (m.item_scale).map(|_| k.mov(f32::from_bits(MAX_EXPONENT << 23)));
         let gather = (m.value_fragments())
-            .map(|g| FragmentGather::values(k, g, m, &self.plan.value, lanes.row));
+            .map(|g| FragmentGather::for_values(k, g, m, &self.plan.value, lanes.row));
         let channels = match gather {
             Some(_) => k.mov(0u32),
             None => k.mad_lo(lanes.row, m.group_words() * 4, m.value_offset),
@@ -586,28 +586,31 @@ impl Skeleton<'_> {
             if let Some(ok) = self.mma_slot_ok(k, m, t.lanes.warp, j) {
                 k.bra_if(ok, false, skip);
             }
-            let rows: Vec<Vec<Reg<U32>>> = (0..2)
-                .map(|half| {
-                    let offset = (j * plan.warps * TILE + 8 * half) * stride;
-                    if let Some(gather) = &t.gather {
-                        let item = k.add(lane_base, offset);
-                        let over = over.expect("gathers check their rows");
-                        return gather.key_registers(k, item, over);
-                    }
-                    let words: Vec<Reg<U32>> = (0..score.lane_chunks())
-                        .flat_map(|c| {
-                            let at = Shared::at(lane_base)
-                                .plus(i64::from(offset + CHUNK * lane_chunk(spread, c)));
-                            let at = swizzled_if(k, m.key_rows.swizzled, at);
-                            k.ld_shared_v4::<U32>(at)
-                        })
-                        .collect();
-                    words
-                        .into_iter()
-                        .flat_map(|w| key_registers(k, score.key, w))
-                        .collect()
-                })
-                .collect();
+            let half_offset = |half: u32| (j * plan.warps * TILE + 8 * half) * stride;
+            let rows: Vec<Vec<Reg<U32>>> = match &t.gather {
+                Some(gather) => {
+                    let items = [0, 1].map(|half| k.add(lane_base, half_offset(half)));
+                    let over = over.expect("gathers check their rows");
+                    gather.rows(k, &items, None, over)
+                }
+                None => (0..2)
+                    .map(|half| {
+                        let offset = half_offset(half);
+                        let words: Vec<Reg<U32>> = (0..score.lane_chunks())
+                            .flat_map(|c| {
+                                let at = Shared::at(lane_base)
+                                    .plus(i64::from(offset + CHUNK * lane_chunk(spread, c)));
+                                let at = swizzled_if(k, m.key_rows.swizzled, at);
+                                k.ld_shared_v4::<U32>(at)
+                            })
+                            .collect();
+                        words
+                            .into_iter()
+                            .flat_map(|w| key_registers(k, score.key, w))
+                            .collect()
+                    })
+                    .collect(),
+            };
             for s in 0..score.key_steps() as usize {
                 let a = [
                     rows[0][2 * s],
@@ -959,7 +962,7 @@ impl Skeleton<'_> {
                         })
                         .unzip();
                     let over = tile.over.expect("gathers check their rows");
-                    (gather.value_words(k, &items_at, &ok, over).into_iter())
+                    (gather.rows(k, &items_at, Some(&ok), over).into_iter())
                         .map(|words| TokenWords { words, skew: 0 })
                         .collect()
                 }
