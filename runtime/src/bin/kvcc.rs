@@ -102,8 +102,7 @@ enum Command {
         warmup: usize,
         #[arg(long, default_value_t = 50)]
         iters: usize,
-        /// queued: steps back to back, each step's events time the GPU's work;
-        /// synced: each step waited for, so the host's launch latency counts too.
+        /// How steps are launched and timed.
         #[arg(long, default_value = "queued")]
         timing: StepTiming,
         /// JSON written by benches/gpu/baseline.py in the same session.
@@ -135,7 +134,7 @@ enum Command {
         /// Page sizes to try besides the spec's (items per page).
         #[arg(long, value_delimiter = ',', default_value = "32,64,128,256,512")]
         pages: Vec<u32>,
-        /// auto (exhaustive up to --exhaustive-limit points, else descent), exhaustive, descent.
+        /// How the space is searched.
         #[arg(long, default_value = "auto")]
         search: kvcc_runtime::tune::Strategy,
         #[arg(long, default_value_t = 48)]
@@ -144,8 +143,7 @@ enum Command {
         warmup: usize,
         #[arg(long, default_value_t = 30)]
         iters: usize,
-        /// queued: steps back to back, each step's events time the GPU's work;
-        /// synced: each step waited for, so the host's launch latency counts too.
+        /// How steps are launched and timed.
         #[arg(long, default_value = "queued")]
         timing: StepTiming,
         /// Least time a winner must save over the default (in the alternating

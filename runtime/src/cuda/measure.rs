@@ -231,8 +231,8 @@ pub struct Timing {
     pub max_ms: f64,
 }
 
-/// How timed steps meet the host.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+/// How timed steps meet the host (`--timing queued|synced`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum StepTiming {
     /// Enqueued back to back, as a serving loop runs them: the host's launch
@@ -249,17 +249,6 @@ impl StepTiming {
         match self {
             StepTiming::Queued => "queued",
             StepTiming::Synced => "synced",
-        }
-    }
-}
-
-impl std::str::FromStr for StepTiming {
-    type Err = String;
-    fn from_str(s: &str) -> Result<StepTiming, String> {
-        match s {
-            "queued" => Ok(StepTiming::Queued),
-            "synced" => Ok(StepTiming::Synced),
-            _ => Err(format!("unknown timing `{s}`; use queued or synced")),
         }
     }
 }

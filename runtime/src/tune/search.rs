@@ -55,28 +55,17 @@ impl Space {
             values.dedup();
             values
         };
-        let mut splits = vec![None, Some(2), Some(4), Some(8), Some(16)];
-        if !splits.contains(&default.splits) {
-            splits.insert(0, default.splits);
-        }
-        let mut tile_items = vec![None, Some(16), Some(32), Some(64), Some(128)];
-        if !tile_items.contains(&default.tile_items) {
-            tile_items.insert(0, default.tile_items);
-        }
+        let tiles = [None, Some(16), Some(32), Some(64), Some(128)];
         Space {
             page_items: with(page_items.to_vec(), default.page_items),
             warps: with(vec![2, 4, 8], default.warps),
-            splits,
-            tile_items,
+            splits: with_first(default.splits, [None, Some(2), Some(4), Some(8), Some(16)]),
+            tile_items: with_first(default.tile_items, tiles),
             stages: with(vec![2, 3, 4], default.stages),
-            tensor_cores: if default.tensor_cores {
-                vec![true, false]
-            } else {
-                vec![false, true]
-            },
+            tensor_cores: with_first(default.tensor_cores, [true, false]),
             head_block: with(vec![4, 8], default.head_block),
             max_accumulators: with(vec![16, 32], default.max_accumulators),
-            pipeline: vec![default.pipeline, !default.pipeline],
+            pipeline: with_first(default.pipeline, [false, true]),
             bulk_copies: with_first(default.bulk_copies, [None, Some(true), Some(false)]),
         }
     }
@@ -220,11 +209,13 @@ impl KernelConfig {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+/// How the space is searched (`--search auto|exhaustive|descent`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum Strategy {
-    /// Exhaustive when the space has at most `exhaustive_limit` points, else descent.
+    /// Exhaustive when the space has at most `--exhaustive-limit` points, else descent.
     Auto,
+    /// Every point of the space.
     Exhaustive,
     /// Coordinate descent from the default, and again from the fastest
     /// seed: sweep one move's axes at a time with the others at the best so
@@ -239,20 +230,6 @@ impl Strategy {
             Strategy::Auto if space.size() <= exhaustive_limit => Strategy::Exhaustive,
             Strategy::Auto => Strategy::Descent,
             s => s,
-        }
-    }
-}
-
-impl std::str::FromStr for Strategy {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Strategy, String> {
-        match s {
-            "auto" => Ok(Strategy::Auto),
-            "exhaustive" => Ok(Strategy::Exhaustive),
-            "descent" => Ok(Strategy::Descent),
-            _ => Err(format!(
-                "unknown search `{s}`; use auto, exhaustive or descent"
-            )),
         }
     }
 }

@@ -386,12 +386,11 @@ impl Plan {
             let tensor_rows = |s: &Stream| {
                 bulk && s.stride.is_multiple_of(SWIZZLE_LINE) && tile_items <= MAX_BOX_ITEMS
             };
+            // Bitmap sides (gathered or staged rows) are read otherwise.
             let keys = tensor_rows(&key)
-                && !m.key_rows.staged
                 && m.key_gather.is_none()
                 && (m.score.as_ref()).is_some_and(|s| s.key == Element::Half && s.spread_chunks());
             let values = tensor_rows(&value)
-                && !m.value_rows.staged
                 && m.value_gather.is_none()
                 && m.value == Element::Half
                 && m.value_aligned

@@ -220,10 +220,10 @@ impl FragmentGather {
         buf: Reg<U32>,
         rows: &[(Reg<U32>, Reg<Pred>)],
     ) -> Reg<Pred> {
+        let first = k.add(buf, self.rows_at);
         let overs: Vec<Reg<Pred>> = (rows.iter())
             .map(|&(row, read)| {
-                let at = k.add(buf, self.rows_at);
-                let item = k.mad_lo(row, self.stride, at);
+                let item = k.mad_lo(row, self.stride, first);
                 let words = self.mask(k, item);
                 let counts: Vec<Reg<U32>> = (words.iter().enumerate())
                     .map(|(w, &word)| {
