@@ -517,6 +517,15 @@ impl Kernel {
         self.line(format_args!("mad.lo.u32 {d}, {a}, {b}, {c}"));
         d
     }
+    /// `c` plus the products of the unsigned bytes of `a` and `b`, byte by
+    /// byte (`dp4a.u32.u32`): with `b` one nonzero byte, a byte of `a`
+    /// scaled and offset in one instruction.
+    pub fn dp4a(&mut self, a: Reg<U32>, b: impl Into<Op<U32>>, c: impl Into<Op<U32>>) -> Reg<U32> {
+        let d = self.reg();
+        let (b, c) = (b.into(), c.into());
+        self.line(format_args!("dp4a.u32.u32 {d}, {a}, {b}, {c}"));
+        d
+    }
     /// Full 64-bit product of two u32.
     pub fn mul_wide(&mut self, a: impl Into<Op<U32>>, b: impl Into<Op<U32>>) -> Reg<U64> {
         let d = self.reg();
