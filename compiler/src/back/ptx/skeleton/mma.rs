@@ -983,6 +983,10 @@ impl Skeleton<'_> {
                     .collect(),
             };
             for (ct, sums) in t.acc.iter().enumerate() {
+                if t.gather.is_some() {
+                    channel_pair_products(k, &values, sums, b[ct]);
+                    continue;
+                }
                 for (tile_index, c) in sums.iter().enumerate() {
                     let channel = 2 * tile_index as u32;
                     let a = [
@@ -1460,6 +1464,57 @@ fn token_pair(
             // The element's byte of both tokens at bytes 0 and 2.
             let x = k.prmt(a, b, i | i << 4 | (4 + j) << 8 | (4 + j) << 12);
             int_pair(k, x, bits, signed, bits == 4 && channel % 2 == 1)
+        }
+    }
+}
+
+/// The products of one column tile's step with the values as stored: each
+/// A register one word of a token (its two channels), where
+/// [`token_pair`] pairs two tokens' halves of a channel by a byte permute
+/// per register (gathered values, eighteenth round). The reduction takes 8
+/// tokens, each as (token, channel parity), and each B tile weighs one
+/// parity, its other rows zero: twice the `mma.sync`s, on an idle pipe.
+///
+/// A step's tokens are `values` (the lane's `STEP_TOKENS`, channel pair
+/// words in the lane group's order); `b`: the lane's weights of its tokens
+/// as the tokens-as-reduction fragments pack them, `(w0, w1)` and `(w8,
+/// w9)` (f16 halves). Reduction step `s` takes tokens `s` and `8 + s` (of the
+/// lane's 0, 1, 8, 9); its M tile `i` takes the lane group's channel pairs
+/// `2i` (row `g`) and `2i + 1` (row `g + 8`): C tile (`i`, parity `p`) is
+/// channel `4i + p` (row `g`) and `4i + 2 + p` (row `g + 8`) of the lane
+/// group's channels, that is `sums` entries of tiles `2i` and `2i + 1` at row
+/// half `p` ([`MmaValues::acc`]'s layout, kept for the epilogue).
+fn channel_pair_products(
+    k: &mut Kernel,
+    values: &[TokenWords],
+    sums: &[[Reg<F32>; 4]],
+    b: [Reg<U32>; 2],
+) {
+    // Per step and parity: the B fragment, each token's weight at its parity's half.
+    let low = |k: &mut Kernel, w: Reg<U32>| k.and(w, 0xFFFFu32);
+    let high = |k: &mut Kernel, w: Reg<U32>| k.and(w, 0xFFFF_0000u32);
+    let weights = [
+        [b.map(|w| low(k, w)), b.map(|w| k.shl(w, 16u32))],
+        [b.map(|w| k.shr(w, 16u32)), b.map(|w| high(k, w))],
+    ];
+    for (step, weights) in weights.iter().enumerate() {
+        let (first, second) = (&values[step].words, &values[2 + step].words);
+        for (i, pair) in sums.chunks(2).enumerate() {
+            let a = [
+                first[2 * i],
+                first[2 * i + 1],
+                second[2 * i],
+                second[2 * i + 1],
+            ];
+            for (p, &b) in weights.iter().enumerate() {
+                let c = [
+                    pair[0][2 * p],
+                    pair[0][2 * p + 1],
+                    pair[1][2 * p],
+                    pair[1][2 * p + 1],
+                ];
+                k.mma_f16_f32(c, a, b);
+            }
         }
     }
 }
