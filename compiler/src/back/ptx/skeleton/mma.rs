@@ -13,8 +13,10 @@
 //! - accumulate, per 16-token step of the warp: `Oᵀ += Vᵀ · P'ᵀ`. A = value
 //!   channels × tokens (row `r` of channel tile `t` is channel `2 · t + r / 8`
 //!   of lane group `r % 8`'s channels, two tokens per register by byte
-//!   permutes); B = the softmax weights (times the items' scales and a
-//!   power of two σ) as (head, part) columns. Each warp sums its own steps
+//!   permutes; gathered values, as stored: a token's channel pair per
+//!   register, the reduction over (token, channel parity),
+//!   [`channel_pair_products`]); B = the softmax weights (times the items'
+//!   scales and a power of two σ) as (head, part) columns. Each warp sums its own steps
 //!   in registers; the warps' sums meet in the accumulator array once, after
 //!   the stream.
 //!
