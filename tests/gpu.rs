@@ -177,18 +177,13 @@ fn gpu_tuning_space_matches_interpreter_and_page_size_is_enforced() {
             .decode(&cache.view(), &queries, 8)
             .expect("interpreter");
         let default = KernelConfig::default_for(&format);
+        let kernels_of = |config: KernelConfig| {
+            FormatKernels::load_configs(gpu, &format, &vec![config; format.tiers().len()], 4)
+                .unwrap_or_else(|e| panic!("{} {config}: {e}", format.name()))
+        };
         // One upload serves every configuration (as `kvcc tune` and `kvcc
         // bench` reuse theirs): what depends on the kernel is the step's.
-        let uploaded = {
-            let kernels = FormatKernels::load_configs(
-                gpu,
-                &format,
-                &[default; 1].repeat(format.tiers().len()),
-                4,
-            )
-            .expect("default kernels");
-            DeviceCache::upload(gpu, &kernels, &cache).expect("upload")
-        };
+        let uploaded = DeviceCache::upload(gpu, &kernels_of(default), &cache).expect("upload");
         // Pipelined with partial and empty tiles, a warp without a token
         // tile and values loading two tiles ahead.
         let partial_pipelined = KernelConfig {
@@ -254,9 +249,7 @@ fn gpu_tuning_space_matches_interpreter_and_page_size_is_enforced() {
                 ..partial_pipelined
             },
         ] {
-            let configs = vec![config; format.tiers().len()];
-            let kernels = FormatKernels::load_configs(gpu, &format, &configs, 4)
-                .unwrap_or_else(|e| panic!("{} {config}: {e}", format.name()));
+            let kernels = kernels_of(config);
             let device = &uploaded;
             let mut step = kvcc::runtime::cuda::DeviceDecode::new(gpu, &kernels, device, 8, None)
                 .expect("decode step");
@@ -276,10 +269,6 @@ fn gpu_tuning_space_matches_interpreter_and_page_size_is_enforced() {
         }
         // A step keeps what it was made for: launched with kernels of another
         // tile (whose tensor copies move other boxes), it is refused.
-        let kernels_of = |config: KernelConfig| {
-            FormatKernels::load_configs(gpu, &format, &vec![config; format.tiers().len()], 4)
-                .expect("kernels")
-        };
         let made_for = kernels_of(KernelConfig {
             bulk_copies: Some(true),
             ..default
@@ -293,12 +282,19 @@ fn gpu_tuning_space_matches_interpreter_and_page_size_is_enforced() {
             .expect("decode step");
         step.set_queries(gpu, &made_for, &uploaded, &queries)
             .expect("queries");
-        let swizzled =
-            made_for.options.iter().any(|o| o.target.bulk_copies()) && format.name() == "dense_f16";
         let launched = step.launch(gpu, &other, &uploaded);
         assert_eq!(
             matches!(launched, Err(CudaError::Shape(_))),
-            swizzled,
+            made_for.tensor_copies(),
+            "{}: {launched:?}",
+            format.name()
+        );
+        // …and so is another cache, even one of the same pages: the step's
+        // buffers and tensor maps are its own cache's.
+        let again = DeviceCache::upload(gpu, &made_for, &cache).expect("upload");
+        let launched = step.launch(gpu, &made_for, &again);
+        assert!(
+            matches!(launched, Err(CudaError::Shape(_))),
             "{}: {launched:?}",
             format.name()
         );

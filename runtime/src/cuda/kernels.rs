@@ -34,6 +34,12 @@ impl FormatKernels {
         FormatKernels::load_tiers(gpu, format, vec![options; tiers], vec![None; tiers])
     }
 
+    /// Whether some tier's kernel loads a stream by tensor copies (its decode
+    /// steps then hold tensor maps over their cache's pools).
+    pub fn tensor_copies(&self) -> bool {
+        (self.decode.iter()).any(|(_, kernel)| !kernel.tensor_maps.is_empty())
+    }
+
     /// Kernels with one configuration per tier (tuned or default) for a query
     /// group. Refuses configurations for another page size than the format's:
     /// pages written with one page size cannot be read by kernels for another.

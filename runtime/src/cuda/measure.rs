@@ -245,11 +245,11 @@ pub enum StepTiming {
 }
 
 impl StepTiming {
-    pub fn name(self) -> &'static str {
-        match self {
-            StepTiming::Queued => "queued",
-            StepTiming::Synced => "synced",
-        }
+    /// The name `--timing` takes (and the JSON writes).
+    pub fn name(self) -> String {
+        use clap::ValueEnum;
+        let value = self.to_possible_value().expect("no variant is skipped");
+        value.get_name().to_string()
     }
 }
 

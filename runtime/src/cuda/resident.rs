@@ -2,6 +2,7 @@
 //! with pages, then the merge (see `kvcc_compiler::back::ptx::abi`).
 
 use std::ffi::c_void;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use cudarc::driver::{
     sys, CudaFunction, CudaSlice, DevicePtr, DevicePtrMut, DriverError, LaunchConfig, PushKernelArg,
@@ -14,6 +15,10 @@ use crate::cache::PagedCache;
 
 /// Pools, page lists and tables of every tier, uploaded once.
 pub struct DeviceCache {
+    /// This upload among the process's: a decode step serves only the cache
+    /// it was prepared for (its buffers' sizes and tensor maps are that
+    /// cache's).
+    id: u64,
     pub sequences: usize,
     pub kv_heads: usize,
     pools: Vec<CudaSlice<u8>>,
@@ -82,7 +87,9 @@ impl DeviceCache {
             table_buffer.resize(table_buffer.len().max(4), 0.0);
             tables.push(stream.clone_htod(&table_buffer).during(upload("tables"))?);
         }
+        static UPLOADS: AtomicU64 = AtomicU64::new(0);
         Ok(DeviceCache {
+            id: UPLOADS.fetch_add(1, Ordering::Relaxed),
             sequences: view.page_tables.len(),
             kv_heads: view.kv_heads,
             pools,
@@ -102,6 +109,8 @@ fn abi_alignment() -> usize {
 
 /// Query, partial and output buffers of decode steps over one `DeviceCache`.
 pub struct DeviceDecode {
+    /// The cache this step was prepared for (`DeviceCache::id`).
+    cache: u64,
     pub q_heads: usize,
     /// Splits per tier (0: tier not launched).
     pub splits: Vec<u32>,
@@ -218,6 +227,7 @@ impl DeviceDecode {
                 .during(|| format!("allocating {what}"))
         };
         Ok(DeviceDecode {
+            cache: cache.id,
             q_heads,
             splits,
             slot_bases,
@@ -233,6 +243,17 @@ impl DeviceDecode {
         })
     }
 
+    /// Refuses a cache other than the one the step was prepared for: its
+    /// partials, output and tensor maps are sized and encoded for that one.
+    fn check_cache(&self, cache: &DeviceCache) -> Result<(), CudaError> {
+        match cache.id == self.cache {
+            true => Ok(()),
+            false => Err(CudaError::Shape(
+                "the decode step was prepared for another device cache".into(),
+            )),
+        }
+    }
+
     /// Uploads `[sequence][q_head][head_dim]` queries (checked for NaN/Inf first).
     pub fn set_queries(
         &mut self,
@@ -241,6 +262,7 @@ impl DeviceDecode {
         cache: &DeviceCache,
         queries: &[f32],
     ) -> Result<(), CudaError> {
+        self.check_cache(cache)?;
         Interpreter::new(kernels.format.tiers(), InterpOptions::default()).check_queries(
             queries,
             cache.sequences,
@@ -270,6 +292,7 @@ impl DeviceDecode {
         kernels: &FormatKernels,
         cache: &DeviceCache,
     ) -> Result<(), CudaError> {
+        self.check_cache(cache)?;
         let scale = 1.0 / (kernels.format.head_dim() as f32).sqrt();
         let (q_heads, kv_heads, sequences) = (
             self.q_heads as u32,
@@ -310,40 +333,31 @@ impl DeviceDecode {
         if sequences > 0 {
             let (function, kernel) = &kernels.merge;
             let launch = kernel.launch(q_heads, sequences);
-            if gpu.target().dependent_launches() {
-                self.launch_merge_dependent(gpu, function, launch, q_heads)
-                    .during(|| format!("launching {} (dependent)", kernel.name))?;
-            } else {
-                let mut args = gpu.stream.launch_builder(function);
-                args.arg(&self.partials)
-                    .arg(&mut self.output)
-                    .arg(&q_heads)
-                    .arg(&self.slot_count);
-                // SAFETY: arguments follow abi::MERGE_PARAMS.
-                unsafe { args.launch(config(launch)) }
-                    .during(|| format!("launching {}", kernel.name))?;
-            }
+            let dependent = gpu.target().dependent_launches();
+            self.launch_merge(gpu, function, launch, dependent)
+                .during(|| format!("launching {}", kernel.name))?;
         }
         Ok(())
     }
 
-    /// The merge as a programmatic dependent launch: its CTAs may start once
-    /// every CTA of the last decode kernel has left its stream loop, and
-    /// wait for the partials themselves (`griddepcontrol.wait`), so the
-    /// launch gap overlaps the decode kernel's tail. cudarc's launch builder
-    /// takes no launch attributes, hence the driver call.
-    fn launch_merge_dependent(
+    /// The merge; `dependent`, as a programmatic dependent launch: its CTAs
+    /// may start once every CTA of the last decode kernel has left its
+    /// stream loop, and wait for the partials themselves
+    /// (`griddepcontrol.wait`), so the launch gap overlaps the decode
+    /// kernel's tail. cudarc's launch builder takes no launch attributes,
+    /// hence the driver call.
+    fn launch_merge(
         &mut self,
         gpu: &Gpu,
         function: &CudaFunction,
         launch: abi::Launch,
-        q_heads: u32,
+        dependent: bool,
     ) -> Result<(), DriverError> {
         let stream = &gpu.stream;
         stream.context().bind_to_thread()?;
         let (partials, _reading) = self.partials.device_ptr(stream);
         let (output, _writing) = self.output.device_ptr_mut(stream);
-        let slot_count = self.slot_count;
+        let (q_heads, slot_count) = (self.q_heads as u32, self.slot_count);
         // abi::MERGE_PARAMS in order: two pointers, two u32.
         let mut params: [*mut c_void; 4] = [
             (&partials as *const sys::CUdeviceptr).cast_mut().cast(),
@@ -369,7 +383,7 @@ impl DeviceDecode {
             sharedMemBytes: launch.shared_bytes,
             hStream: stream.cu_stream(),
             attrs: &mut attribute,
-            numAttrs: 1,
+            numAttrs: u32::from(dependent),
         };
         // SAFETY: the parameters follow abi::MERGE_PARAMS in order and type and
         // outlive the call (the driver copies them); the buffers are sized by
@@ -392,6 +406,7 @@ impl DeviceDecode {
         cache: &DeviceCache,
         head_dim: usize,
     ) -> Result<Vec<f32>, CudaError> {
+        self.check_cache(cache)?;
         let mut out = gpu
             .stream
             .clone_dtoh(&self.output)

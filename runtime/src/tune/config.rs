@@ -28,8 +28,9 @@ pub struct KernelConfig {
     /// scores only; entries written before the knob had none).
     #[serde(default)]
     pub pipeline: bool,
-    /// Tiles load by bulk copies on sm_90 (`None`: unless a stream's rows
-    /// need padding; entries written before the knob had none).
+    /// Tiles load by bulk copies on sm_90 (`None`: unless both streams' rows
+    /// would be padded and stay unswizzled, `ptx::Options::bulk_copies`;
+    /// entries written before the knob had none).
     #[serde(default)]
     pub bulk_copies: Option<bool>,
     /// Query heads per score / accumulate work unit.

@@ -954,12 +954,16 @@ impl Skeleton<'_> {
                 k.bra_if(ok, false, skip);
             }
             let first = j * plan.warps * TILE;
+            // Whether the lane's token `d` of the step is one of the tile's items.
+            let in_tile = |k: &mut Kernel, d: u32| {
+                let at = k.add(t.token, first + d);
+                k.setp(Cmp::Lt, at, items)
+            };
             let values: Vec<TokenWords> = match &t.gather {
                 Some(gather) => {
                     let (items_at, ok): (Vec<Reg<U32>>, Vec<Reg<Pred>>) = (STEP_TOKENS.iter())
                         .map(|&d| {
-                            let at = k.add(t.token, first + d);
-                            let ok = k.setp(Cmp::Lt, at, items);
+                            let ok = in_tile(k, d);
                             (k.add(lane_base, (first + d) * stride), ok)
                         })
                         .unzip();
@@ -975,8 +979,7 @@ impl Skeleton<'_> {
                         // Stale f16 rows past the tile's items may hold any
                         // bits (0 · NaN poisons a sum); integers are always finite.
                         if m.value == Element::Half {
-                            let at = k.add(t.token, first + d);
-                            let ok = k.setp(Cmp::Lt, at, items);
+                            let ok = in_tile(k, d);
                             token.words =
                                 (token.words.iter()).map(|&w| k.selp(w, 0u32, ok)).collect();
                         }

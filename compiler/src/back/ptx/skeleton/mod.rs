@@ -204,9 +204,7 @@ impl<'a> Skeleton<'a> {
         k.bra_if(none, true, empty);
 
         let bulk = plan.barriers.is_some();
-        if bulk {
-            self.init_barriers(k);
-        }
+        self.init_barriers(k);
         k.comment("stage the tables score/accumulate read into shared memory");
         let buffer = TableBuffer::of(self.m);
         let tables = self.tables(k);
