@@ -272,8 +272,9 @@ impl FragmentGather {
                 let starts: Vec<(Reg<U32>, u32)> = four.iter().map(|r| (r.start, 0)).collect();
                 let mut ranks = vec![pack_bytes(k, &starts)];
                 for j in 1..self.run_groups {
-                    let step = k.shr(bits, j - 1);
-                    let step = k.and(step, 0x0101_0101u32);
+                    // Masked, then shifted: ptxas folds the shift into the add (one `lea.hi`).
+                    let step = k.and(bits, 0x0101_0101u32 << (j - 1));
+                    let step = k.shr(step, j - 1);
                     let previous = ranks[j as usize - 1];
                     ranks.push(k.add(previous, step));
                 }
