@@ -10,13 +10,14 @@
 //! groups, each in one byte of the mask or within one word. The lane packs
 //! four runs' mask bits into the bytes of a word and their ranks (the set
 //! bits below each group) into the bytes of others: popcounts for each
-//! row's first run, then one add per group of a run for the four runs at
-//! once. A register is then its address (one `dp4a`: its rank's byte,
-//! scaled, plus the item), a zero and a load predicated on its bit (ptxas
-//! sets four predicates from a byte at once), from the packed groups in the
-//! tile buffer (docs/ptx-backend.md, eighteenth round). Expanded rows were written
-//! and read again through shared memory, whose pipe bounded MosaicKV
-//! (sixteenth round).
+//! row's first run, then per group of a run, for the four runs at once, its
+//! bits masked and added shifted (one `lea.hi`, nineteenth round). A
+//! register is then its address (one `dp4a`: its rank's byte, scaled, plus
+//! the item), a zero and a load predicated on its bit (ptxas sets four
+//! predicates from a byte at once), from the packed groups in the tile
+//! buffer (docs/ptx-backend.md, eighteenth round). Expanded rows were
+//! written and read again through shared memory, whose pipe bounded
+//! MosaicKV (sixteenth round).
 //!
 //! Masks with more set bits than `keep` (no encoder writes them; stale rows
 //! past a tile's items may hold them) have their ranks clamped to
