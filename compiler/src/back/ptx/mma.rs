@@ -56,6 +56,11 @@ pub const TILE: u32 = 16;
 pub const COLUMNS: u32 = 8;
 /// Lanes sharing one fragment row (`lane % 4`), each loading 16 bytes of it.
 pub const ROW_LANES: u32 = 4;
+/// Registers a lane holds for the whole stream on the tensor cores (its
+/// accumulators and query fragments) at most: past this the tile's working
+/// set spills (192, head_dim 256 with 8 query heads, spilled on sm_80), and
+/// the tier takes the fma path instead.
+const MAX_HELD_REGISTERS: u32 = 128;
 
 /// How an item element enters the tensor cores: as an exact f16 (values,
 /// f16 keys) or an 8-bit integer (integer keys).
@@ -414,7 +419,10 @@ pub fn plan(
             (score, None, rows)
         }
     };
-    fits.then(|| MmaPlan {
+    let column_tiles = (2 * group_max).div_ceil(COLUMNS);
+    let query_registers = (score.as_ref()).map_or(0, |s| s.query_tiles() * s.key_registers());
+    let held = column_tiles * (4 * value_dims / TILE + query_registers);
+    (fits && held <= MAX_HELD_REGISTERS).then(|| MmaPlan {
         value: channel.element,
         item_scale: channel.scale,
         value_dims,
@@ -427,7 +435,7 @@ pub fn plan(
         value_aligned: value_rows.align() == CHUNK
             && value_offset.is_multiple_of(CHUNK)
             && group_bytes.is_multiple_of(CHUNK),
-        column_tiles: (2 * group_max).div_ceil(COLUMNS),
+        column_tiles,
         token_tiles: tile_items / TILE,
     })
 }
