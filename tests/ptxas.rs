@@ -170,6 +170,44 @@ fn random_specs_assemble_without_local_memory() {
     assert!(problems.is_empty(), "{}", problems.join("\n"));
 }
 
+/// What the random specs once found (seed 1795297849463998009): head_dim 256
+/// with 8 query heads holds too many registers for the tensor cores (their
+/// kernel spilled on sm_80), so the tier must take the fma path there.
+#[test]
+fn long_heads_in_wide_groups_assemble_without_local_memory() {
+    let Some(assembler) = ptxas::find_or_skip("long_heads_in_wide_groups_assemble") else {
+        return;
+    };
+    let text = r#"
+        name = "wide"
+        head_dim = 256
+        [page]
+        items = 64
+        max_query_group = 8
+        [[tier]]
+        name = "t0"
+        key.field = [{ kind = "coeff", bits = 8, scale = "page_component" }]
+        value.transform = { kind = "hadamard" }
+        value.field = [{ kind = "coeff", bits = 4, scale = "item" }]
+    "#;
+    let format = Format::parse(text, "wide.toml").expect("a valid spec");
+    let mut jobs = Vec::new();
+    for target in Target::ALL {
+        let options = Options {
+            warps: 8,
+            tile_items: Some(16),
+            tile_bytes: 16384,
+            head_block: 2,
+            max_accumulators: 16,
+            ..Options::for_target(target)
+        };
+        let output = ptx::write(&format, &options).expect("the kernel fits");
+        jobs.extend(jobs_of("wide", &output, None));
+    }
+    let problems = assemble_all(&assembler, jobs);
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+}
+
 /// SplitMix64.
 struct Rng(u64);
 

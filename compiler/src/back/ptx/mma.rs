@@ -257,6 +257,13 @@ impl MmaPlan {
         }
     }
 
+    /// Registers a lane holds for the whole stream: per column tile, its
+    /// accumulators (4 per channel tile) and query fragments.
+    pub fn held_registers(&self) -> u32 {
+        let queries = (self.score.as_ref()).map_or(0, |s| s.query_tiles() * s.key_registers());
+        self.column_tiles * (4 * self.channel_tiles() + queries)
+    }
+
     /// Channel tiles of the accumulate (16 channels each).
     pub fn channel_tiles(&self) -> u32 {
         self.value_dims / TILE
@@ -419,10 +426,7 @@ pub fn plan(
             (score, None, rows)
         }
     };
-    let column_tiles = (2 * group_max).div_ceil(COLUMNS);
-    let query_registers = (score.as_ref()).map_or(0, |s| s.query_tiles() * s.key_registers());
-    let held = column_tiles * (4 * value_dims / TILE + query_registers);
-    (fits && held <= MAX_HELD_REGISTERS).then(|| MmaPlan {
+    let plan = fits.then(|| MmaPlan {
         value: channel.element,
         item_scale: channel.scale,
         value_dims,
@@ -435,9 +439,10 @@ pub fn plan(
         value_aligned: value_rows.align() == CHUNK
             && value_offset.is_multiple_of(CHUNK)
             && group_bytes.is_multiple_of(CHUNK),
-        column_tiles,
+        column_tiles: (2 * group_max).div_ceil(COLUMNS),
         token_tiles: tile_items / TILE,
-    })
+    });
+    plan.filter(|m| m.held_registers() <= MAX_HELD_REGISTERS)
 }
 
 /// The codec's body when it is a bitmap of f16 groups covering its `dims`,
