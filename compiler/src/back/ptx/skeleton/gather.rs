@@ -149,19 +149,17 @@ impl FragmentGather {
 
     /// The lane's registers of the rows of the items at `items`: per row,
     /// its groups' words in order (keys: [`MmaScore::key_element`]'s order;
-    /// values: the lane group's channel words), zero for the rows `ok`
-    /// leaves out (`None`: all read); `over`: whether some row of the tile
-    /// has more set bits than `keep` ([`Self::rows_over`]). The warp runs
-    /// this together.
+    /// values: the lane group's channel words); `over`: whether some row of
+    /// the tile has more set bits than `keep` ([`Self::rows_over`]). The
+    /// warp runs this together.
     pub(super) fn rows(
         &self,
         k: &mut Kernel,
         items: &[Reg<U32>],
-        ok: Option<&[Reg<Pred>]>,
         over: Reg<Pred>,
     ) -> Vec<Vec<Reg<U32>>> {
         let mut runs = Vec::new();
-        for (r, &item) in items.iter().enumerate() {
+        for &item in items {
             let words = self.mask(k, item);
             let bits = match self.bits {
                 RunBits::Bytes(selector) => {
@@ -177,10 +175,6 @@ impl FragmentGather {
                     }
                     k.shr(word, offset)
                 }
-            };
-            let bits = match ok {
-                Some(ok) => k.selp(bits, 0u32, ok[r]),
-                None => bits,
             };
             let lower: Vec<Reg<U32>> = (words.iter().zip(&self.below))
                 .map(|(&w, &b)| {
@@ -247,6 +241,21 @@ impl FragmentGather {
         (overs.into_iter())
             .reduce(|a, b| k.or_pred(a, b))
             .expect("a row")
+    }
+
+    /// Zeroes the masks of the rows `rows` (indices in the side's tile in
+    /// buffer `buf`) whose predicate holds.
+    pub(super) fn zero_masks(&self, k: &mut Kernel, buf: Reg<U32>, rows: &[(Reg<U32>, Reg<Pred>)]) {
+        let first = k.add(buf, self.rows_at);
+        for &(row, stale) in rows {
+            let item = k.mad_lo(row, self.stride, first);
+            k.guarded(stale, true, |k| {
+                for w in 0..self.g.mask_words() {
+                    let at = Shared::at(item).plus(i64::from(self.mask_at + 4 * w));
+                    k.st_shared::<U32>(at, 0u32);
+                }
+            });
+        }
     }
 
     /// The mask words of the item at `item`.

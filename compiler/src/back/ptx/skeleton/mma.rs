@@ -40,9 +40,12 @@ const HALF_EXPONENT: u32 = 14;
 /// The same for queries as integers: below 2^22, so their top byte
 /// `d0` of [`Queries`] stays within ±64.
 const INT_EXPONENT: u32 = 21;
-/// Independent accumulator chains of a score tile's `mma.sync`s on f16 rows:
-/// one chain waits a full tensor-core latency per 16 elements. Integer keys
-/// have one chain per B tile ([`ScoreSums`]).
+/// Independent accumulator chains of a score tile's `mma.sync`s on f16 rows
+/// loaded whole: one chain waits a full tensor-core latency per 16
+/// elements. Gathered rows take one: a step's gather hides that latency,
+/// and the second chain's sums cost more than it saves (MosaicKV 1% slower
+/// on an H200, twentieth round). Integer keys have one chain per B tile
+/// ([`ScoreSums`]).
 const HALF_SCORE_CHAINS: u32 = 2;
 /// f32 exponent bias and largest finite biased exponent.
 const BIAS: u32 = 127;
@@ -79,8 +82,8 @@ pub(super) struct MmaScoreThread {
     /// With item scales: byte offset of the scale of the lane's first token
     /// in the value rows.
     scale_lane: Option<Reg<U32>>,
-    /// The lanes whose C rows are the lane's B tokens: `2 · quad` and
-    /// `2 · quad + 8`, then `2 · quad + 1` and `2 · quad + 9`.
+    /// The lanes whose C rows (halves 0 and 1) are the lane's B token pairs
+    /// ([`StepTokens`]).
     sources: [Reg<U32>; 2],
 }
 
@@ -110,8 +113,10 @@ pub(super) struct MmaValues {
     value_lane: Reg<U32>,
     /// Gathered value fragments: the lane's state.
     gather: Option<FragmentGather>,
-    /// The lane's first token of a step (`16 · warp + 2 · quad`).
+    /// The lane's first token of a step (`16 · warp + spacing · quad`),
+    /// and its others' offsets from it ([`StepTokens`]).
     token: Reg<U32>,
+    steps: [u32; 4],
 }
 
 /// The pipelined stream's carried tile ([`Skeleton::mma_tile`]): its
@@ -162,9 +167,9 @@ struct Queries {
     to_logits: Vec<Reg<F32>>,
 }
 
-/// A slot's score sums per column tile: f16 keys in `HALF_SCORE_CHAINS`
-/// chains of f32 accumulators taking the steps in turn; integer keys in one
-/// s32 accumulator per B tile (sums exact).
+/// A slot's score sums per column tile: f16 keys in `chains` chains of f32
+/// accumulators taking the steps in turn; integer keys in one s32
+/// accumulator per B tile (sums exact).
 enum ScoreSums {
     Half(Vec<Vec<[Reg<F32>; 4]>>),
     Int {
@@ -174,7 +179,7 @@ enum ScoreSums {
 }
 
 impl ScoreSums {
-    fn new(k: &mut Kernel, score: &MmaScore, column_tiles: u32) -> ScoreSums {
+    fn new(k: &mut Kernel, score: &MmaScore, column_tiles: u32, chains: u32) -> ScoreSums {
         let tiles = |k: &mut Kernel, per_tile: u32| {
             (0..column_tiles)
                 .map(|_| {
@@ -185,7 +190,7 @@ impl ScoreSums {
                 .collect()
         };
         match score.key {
-            Element::Half => ScoreSums::Half(tiles(k, HALF_SCORE_CHAINS.min(score.key_steps()))),
+            Element::Half => ScoreSums::Half(tiles(k, chains.min(score.key_steps()))),
             Element::Int { signed, .. } => ScoreSums::Int {
                 signed,
                 sums: (0..column_tiles)
@@ -337,9 +342,11 @@ impl Skeleton<'_> {
             })
             .collect();
         let scale_lane = (m.item_scale).map(|bit| k.mad_lo(key_row, m.value_rows.stride, bit / 8));
-        let source = k.shl(lanes.quad, 3u32);
+        // Lane 4·r + q holds C row r's columns 2q, 2q + 1.
+        let steps = StepTokens::of(m);
+        let source = k.mul(lanes.quad, 4 * steps.spacing);
         let source = k.add(source, row_head);
-        let sources = [source, k.add(source, 4u32)];
+        let sources = [source, k.add(source, 4 * steps.second)];
         MmaScoreThread {
             lanes,
             query_at,
@@ -363,7 +370,8 @@ impl Skeleton<'_> {
             m.value
         ));
         let lanes = self.mma_lanes(k);
-        let token = k.shl(lanes.quad, 1u32);
+        let steps = StepTokens::of(m);
+        let token = k.mul(lanes.quad, steps.spacing);
         let token = k.mad_lo(lanes.warp, TILE, token);
         let zero = k.mov(0.0f32);
         let (mut out_ok, mut acc) = (Vec::new(), Vec::new());
@@ -398,6 +406,7 @@ impl Skeleton<'_> {
             value_lane,
             gather,
             token,
+            steps: steps.offsets(),
         }
     }
 
@@ -542,8 +551,9 @@ impl Skeleton<'_> {
         Queries { tiles, to_logits }
     }
 
-    /// The logits (times the softmax scale, in log2 units) of the lane's C
-    /// entries, by slot, column tile and row half: token
+    /// The lane's C sums, by slot, column tile and row half, in units of
+    /// their column tile's `to_logits` (the softmax folds that factor into
+    /// the step it takes anyway, twentieth round): token
     /// `16 · (warp + slot · warps) + row + 8 · half`, head `4 · column tile +
     /// quad`. Every lane runs every slot whose tile exists (rows past the
     /// tile's items read stale bytes: an mma row depends only on its own A
@@ -583,7 +593,11 @@ impl Skeleton<'_> {
         let lane_base = k.add(base, t.key_lane);
         let mut logits = Vec::new();
         for j in 0..self.mma_slots(m) {
-            let mut sums = ScoreSums::new(k, score, m.column_tiles);
+            let chains = match t.gather {
+                Some(_) => 1,
+                None => HALF_SCORE_CHAINS,
+            };
+            let mut sums = ScoreSums::new(k, score, m.column_tiles, chains);
             let skip = k.label();
             if let Some(ok) = self.mma_slot_ok(k, m, t.lanes.warp, j) {
                 k.bra_if(ok, false, skip);
@@ -593,7 +607,7 @@ impl Skeleton<'_> {
                 Some(gather) => {
                     let items = [0, 1].map(|half| k.add(lane_base, half_offset(half)));
                     let over = over.expect("gathers check their rows");
-                    gather.rows(k, &items, None, over)
+                    gather.rows(k, &items, over)
                 }
                 None => (0..2)
                     .map(|half| {
@@ -623,10 +637,9 @@ impl Skeleton<'_> {
                 sums.step(k, s, a, &queries.tiles);
             }
             k.place(skip);
-            for (ct, &factor) in queries.to_logits.iter().enumerate() {
+            for ct in 0..queries.to_logits.len() {
                 for half in 0..2 {
-                    let sum = sums.logit(k, ct, half);
-                    logits.push(k.mul(sum, factor));
+                    logits.push(sums.logit(k, ct, half));
                 }
             }
         }
@@ -708,7 +721,12 @@ impl Skeleton<'_> {
     ) {
         let in_tile = self.mma_rows_in(k, score, tile.items);
         let values_buf = pending.map_or(tile.buf, |p| p.buf);
-        let over = self.mma_rows_over(k, Some((score, tile.buf)), Some((values, values_buf)));
+        let values_items = pending.map_or(tile.items, |p| p.items);
+        let over = self.mma_rows_over(
+            k,
+            Some((score, tile.buf)),
+            Some((values, values_buf, values_items)),
+        );
         let Some(pending) = pending else {
             // The item scales and σ first: they do not wait for the score.
             let scales = self.mma_item_scales(k, score, values, tile.buf, &in_tile);
@@ -743,7 +761,8 @@ impl Skeleton<'_> {
         values: &MmaValues,
         over: Option<Reg<Pred>>,
     ) {
-        let over = over.or_else(|| self.mma_rows_over(k, None, Some((values, pending.buf))));
+        let over = over
+            .or_else(|| self.mma_rows_over(k, None, Some((values, pending.buf, pending.items))));
         let in_tile = self.mma_rows_in(k, score, pending.items);
         let scales = self.mma_item_scales(k, score, values, pending.buf, &in_tile);
         let tile = ValueTile {
@@ -758,17 +777,23 @@ impl Skeleton<'_> {
     /// tokens of the key tile in buffer `keys.1` and of the value tile in
     /// `values.1`) has more set bits than its bitmap's `keep`, in any lane.
     /// Lane `l` checks the warp's token `l % 16` of slot `2 · i + l / 16`.
+    ///
+    /// First, in a tile with fewer items (`values.2`) than rows, the masks of
+    /// the warp's value rows past them are zeroed: their gathered words are
+    /// then zeros, where stale rows may hold any bits (0 · NaN poisons a sum),
+    /// without a test per row in every tile (twentieth round). Stale key rows
+    /// only meet logits the softmax drops.
     fn mma_rows_over(
         &self,
         k: &mut Kernel,
         keys: Option<(&MmaScoreThread, Reg<U32>)>,
-        values: Option<(&MmaValues, Reg<U32>)>,
+        values: Option<(&MmaValues, Reg<U32>, Reg<U32>)>,
     ) -> Option<Reg<Pred>> {
         let plan = self.plan;
         let m = plan.mma.as_ref().expect("tensor-core plan");
         let sides: Vec<(&FragmentGather, Reg<U32>)> = [
             keys.and_then(|(t, buf)| Some((t.gather.as_ref()?, buf))),
-            values.and_then(|(t, buf)| Some((t.gather.as_ref()?, buf))),
+            values.and_then(|(t, buf, _)| Some((t.gather.as_ref()?, buf))),
         ]
         .into_iter()
         .flatten()
@@ -790,6 +815,25 @@ impl Skeleton<'_> {
                 (k.min(row, plan.tile_items - 1), read)
             })
             .collect();
+        if let Some((gather, buf, items)) =
+            values.and_then(|(t, buf, items)| Some((t.gather.as_ref()?, buf, items)))
+        {
+            let full = k.setp(Cmp::Ge, items, plan.tile_items);
+            let zeroed = k.label();
+            k.bra_if(full, true, zeroed);
+            let stale: Vec<(Reg<U32>, Reg<Pred>)> = (rows.iter())
+                .map(|&(row, read)| {
+                    let past = k.setp(Cmp::Ge, row, items);
+                    (row, k.and_pred(past, read))
+                })
+                .collect();
+            gather.zero_masks(k, buf, &stale);
+            // A tile's items are the CTA's, so is the branch. A warp barrier
+            // would do (each warp zeroes and reads its own rows), but ptxas
+            // drops it in a converged warp and racecheck then flags the rows.
+            k.bar_sync();
+            k.place(zeroed);
+        }
         let overs: Vec<Reg<Pred>> = (sides.iter())
             .map(|&(gather, buf)| gather.rows_over(k, buf, &rows))
             .collect();
@@ -872,7 +916,7 @@ impl Skeleton<'_> {
         let slots = self.mma_slots(m);
         let ok: Vec<Vec<Reg<Pred>>> = (0..slots)
             .map(|j| {
-                (STEP_TOKENS.iter())
+                (t.steps.iter())
                     .map(|&d| {
                         let token = k.add(t.token, j * plan.warps * TILE + d);
                         k.setp(Cmp::Lt, token, tile.items)
@@ -883,7 +927,7 @@ impl Skeleton<'_> {
         // Per slot, the lane's 4 tokens' item scales times σ.
         let scales: Option<Vec<Reg<F32>>> = m.item_scale.map(|bit| {
             let scales: Vec<Reg<F32>> = (0..slots)
-                .flat_map(|j| STEP_TOKENS.iter().map(move |&d| (j, d)))
+                .flat_map(|j| t.steps.iter().map(move |&d| (j, d)))
                 .zip(ok.iter().flatten())
                 .map(|((j, d), &ok)| {
                     let offset = (j * plan.warps * TILE + d) * stride + bit / 8;
@@ -901,9 +945,9 @@ impl Skeleton<'_> {
             let first = j * plan.warps * TILE;
             let mut columns = Vec::new();
             for &(column, head_ok) in &shared.columns {
-                let w: Vec<Reg<F32>> = (0..STEP_TOKENS.len())
-                    .map(|i| {
-                        let offset = (first + STEP_TOKENS[i]) * row_bytes;
+                let w: Vec<Reg<F32>> = (t.steps.iter().enumerate())
+                    .map(|(i, &d)| {
+                        let offset = (first + d) * row_bytes;
                         let w = k.mov(0.0f32);
                         k.guarded(ok[j as usize][i], true, |k| {
                             let at = Shared::at(column).plus(offset.into());
@@ -911,7 +955,7 @@ impl Skeleton<'_> {
                             k.assign(w, loaded);
                         });
                         let w = match &scales {
-                            Some(s) => k.mul(w, s[STEP_TOKENS.len() * j as usize + i]),
+                            Some(s) => k.mul(w, s[t.steps.len() * j as usize + i]),
                             None => w,
                         };
                         k.selp(w, 0.0f32, head_ok)
@@ -924,7 +968,7 @@ impl Skeleton<'_> {
             }
             b.push(columns);
         }
-        let over = self.mma_rows_over(k, None, Some((t, tile.buf)));
+        let over = self.mma_rows_over(k, None, Some((t, tile.buf, tile.items)));
         let tile = ValueTile {
             buf: tile.buf,
             items: tile.items,
@@ -961,18 +1005,16 @@ impl Skeleton<'_> {
             };
             let values: Vec<TokenWords> = match &t.gather {
                 Some(gather) => {
-                    let (items_at, ok): (Vec<Reg<U32>>, Vec<Reg<Pred>>) = (STEP_TOKENS.iter())
-                        .map(|&d| {
-                            let ok = in_tile(k, d);
-                            (k.add(lane_base, (first + d) * stride), ok)
-                        })
-                        .unzip();
+                    let items_at: Vec<Reg<U32>> = (t.steps.iter())
+                        .map(|&d| k.add(lane_base, (first + d) * stride))
+                        .collect();
+                    // Rows past the tile's items have zero masks (Self::mma_rows_over).
                     let over = tile.over.expect("gathers check their rows");
-                    (gather.rows(k, &items_at, Some(&ok), over).into_iter())
+                    (gather.rows(k, &items_at, over).into_iter())
                         .map(|words| TokenWords { words, skew: 0 })
                         .collect()
                 }
-                None => (STEP_TOKENS.iter())
+                None => (t.steps.iter())
                     .map(|&d| {
                         let offset = (first + d) * stride;
                         let mut token = self.mma_value_words(k, m, lane_base, offset);
@@ -1232,7 +1274,9 @@ fn f16_part(k: &mut Kernel, a: Reg<F32>, b: Reg<F32>, low: Reg<Pred>) -> Reg<U32
     k.selp(rest, high, low)
 }
 
-/// The warp's online softmax of the logits of [`Skeleton::mma_logits`].
+/// The warp's online softmax of the C sums of [`Skeleton::mma_logits`]
+/// (logits over their column tile's `to_logits`, a positive factor: the
+/// maxima are taken on the sums, the weights' exponents by one `fma`).
 /// When a logit passes its head's reference by more than the slack in
 /// some lane (a warp vote), the warp's references move to the tile's
 /// maxima and the sums and accumulators decay; the weights are then
@@ -1264,7 +1308,9 @@ fn mma_softmax(
         valid.push(ok);
         scores.push(s);
     }
-    let most: Vec<Reg<F32>> = most.into_iter().map(|b| b.expect("a logit")).collect();
+    let most: Vec<Reg<F32>> = (most.into_iter().zip(&t.queries.to_logits))
+        .map(|(best, &factor)| k.mul(best.expect("a logit"), factor))
+        .collect();
     let mut over = None;
     for (head, &best) in t.heads.iter().zip(&most) {
         let limit = k.add(head.reference, RESCALE_SLACK_BITS);
@@ -1293,10 +1339,11 @@ fn mma_softmax(
     }
     k.place(settled);
 
+    let below: Vec<Reg<F32>> = t.heads.iter().map(|h| k.neg_f32(h.reference)).collect();
     let mut weights = Vec::new();
     for (i, &s) in scores.iter().enumerate() {
-        let head = &t.heads[column_of(i)];
-        let d = k.sub(s, head.reference);
+        let (head, column) = (&t.heads[column_of(i)], column_of(i));
+        let d = k.fma(s, t.queries.to_logits[column], below[column]);
         let w = k.ex2(d);
         // Also keeps 2^(−∞ + ∞) out of heads with no logits yet.
         let w = k.selp(w, 0.0f32, valid[i]);
@@ -1342,8 +1389,9 @@ fn weight_parts(
 
 /// The accumulate's B fragments from the score lanes' weight parts
 /// ([`mma_softmax`]), per slot and column tile: lane `(row, quad)`
-/// takes head `row / 2`'s tokens `2 · quad + {0, 1, 8, 9}`, hi parts on even
-/// rows and lo parts on odd ones, from the two lanes whose C rows they are.
+/// takes head `row / 2`'s tokens `quad + {0, 8}` and `quad + {4, 12}`, hi
+/// parts on even rows and lo parts on odd ones, each pair as one register
+/// of the lane whose C rows they are (its row halves 0 and 1).
 fn mma_exchange(
     k: &mut Kernel,
     t: &MmaScoreThread,
@@ -1354,18 +1402,11 @@ fn mma_exchange(
     for slot in parts {
         let mut columns = Vec::new();
         for &[hi, lo] in slot {
-            let mut from = Vec::new();
-            for &source in &t.sources {
+            columns.push(t.sources.map(|source| {
                 let high = k.shfl_idx(hi, source);
                 let low = k.shfl_idx(lo, source);
-                from.push(k.selp(low, high, t.lanes.low_part));
-            }
-            // Tokens (2·quad, 2·quad + 1) from the sources' row halves 0,
-            // then (2·quad + 8, 2·quad + 9) from their halves 1.
-            columns.push([
-                k.prmt(from[0], from[1], 0x5410),
-                k.prmt(from[0], from[1], 0x7632),
-            ]);
+                k.selp(low, high, t.lanes.low_part)
+            }));
         }
         b.push(columns);
     }
@@ -1430,9 +1471,39 @@ fn key_registers(k: &mut Kernel, element: Element, w: Reg<U32>) -> Vec<Reg<U32>>
     }
 }
 
-/// The lane's tokens of an accumulate step, from its first: `2 · quad + {0,
-/// 1, 8, 9}`.
-const STEP_TOKENS: [u32; 4] = [0, 1, 8, 9];
+/// The tokens of a 16-token accumulate step lane quad `q` takes: `spacing ·
+/// q + {0, 8, second, second + 8}`, two pairs `(r, r + 8)` whose weights are
+/// one register each of the score's C fragments (row `r`'s halves), so they
+/// reach the B fragments without byte permutes (twentieth round).
+#[derive(Clone, Copy)]
+struct StepTokens {
+    spacing: u32,
+    second: u32,
+}
+
+impl StepTokens {
+    fn of(m: &MmaPlan) -> StepTokens {
+        match m.value_fragments() {
+            // A gathering load's lanes then read four adjacent rows, whose
+            // words meet fewer bank conflicts than every other row's.
+            Some(_) => StepTokens {
+                spacing: 1,
+                second: 4,
+            },
+            // Tokens whose words pair by a known skew start on even rows.
+            None => StepTokens {
+                spacing: 2,
+                second: 1,
+            },
+        }
+    }
+
+    /// The tokens' offsets from the lane's first, in the order the
+    /// products take them.
+    fn offsets(self) -> [u32; 4] {
+        [0, 8, self.second, self.second + 8]
+    }
+}
 
 /// One token's value words: the lane group's channels start `skew` bytes
 /// into the first.
@@ -1480,11 +1551,11 @@ fn token_pair(
 /// tokens, each as (token, channel parity), and each B tile weighs one
 /// parity, its other rows zero: twice the `mma.sync`s, on an idle pipe.
 ///
-/// A step's tokens are `values` (the lane's `STEP_TOKENS`, channel pair
-/// words in the lane group's order); `b`: the lane's weights of its tokens
-/// as the tokens-as-reduction fragments pack them, `(w0, w1)` and `(w8,
-/// w9)` (f16 halves). Reduction step `s` takes tokens `s` and `8 + s` (of the
-/// lane's 0, 1, 8, 9); its M tile `i` takes the lane group's channel pairs
+/// A step's tokens are `values` (the lane's [`StepTokens`] `t + {0, 8, e, e +
+/// 8}`, channel pair words in the lane group's order); `b`: the lane's
+/// weights of its tokens as the tokens-as-reduction fragments pack them,
+/// `(w0, w8)` and `(we, we+8)` (f16 halves). Reduction step `s` takes tokens
+/// `8 · s` and `8 · s + e`; its M tile `i` takes the lane group's channel pairs
 /// `2i` (row `g`) and `2i + 1` (row `g + 8`): C tile (`i`, parity `p`) is
 /// channel `4i + p` (row `g`) and `4i + 2 + p` (row `g + 8`) of the lane
 /// group's channels, that is `sums` entries of tiles `2i` and `2i + 1` at row
