@@ -317,8 +317,8 @@ fn quoted_after(message: &str, prefix: &str) -> Option<String> {
     rest.find('`').map(|end| rest[..end].to_string())
 }
 
-/// The unexpected value of "invalid type: <unexpected>, expected ..." (or
-/// "invalid value: ...").
+/// The unexpected value of `"invalid type: <unexpected>, expected ..."` (or
+/// `"invalid value: ..."`).
 fn unexpected_of(message: &str) -> Option<String> {
     let rest = message
         .strip_prefix("invalid type: ")

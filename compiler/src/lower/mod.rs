@@ -1,4 +1,4 @@
-//! Lowering: a tier's layout becomes an IR [`Module`](crate::ir::Module).
+//! Lowering: a tier's layout becomes an IR [`crate::ir::Module`].
 //!
 //! Key and value codecs lower independently (`key`, `value`); `transform` holds
 //! the transform stages both use, `fields` the field readers both use.

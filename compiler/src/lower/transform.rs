@@ -91,7 +91,7 @@ pub fn project(
     })
 }
 
-/// out[i] = Σ_k B[i][k]·acc[k] + μ[i]·l: the PCA inverse on an unnormalized
+/// `out[i] = Σ_k B[i][k]·acc[k] + μ[i]·l`: the PCA inverse on an unnormalized
 /// accumulator whose weights sum to `Input::Denominator`.
 pub fn reconstruct(
     dim: u32,
@@ -119,7 +119,7 @@ pub fn reconstruct(
     })
 }
 
-/// Σ_i table[i]·input[i] into output[0].
+/// `Σ_i table[i]·input[i]` into `output[0]`.
 pub fn dot_with_table(
     dim: u32,
     table: Handle<TableDecl>,
@@ -140,7 +140,7 @@ pub fn dot_with_table(
     })
 }
 
-/// output[i] = input[i] · factor(i), for `n` elements.
+/// `output[i] = input[i] · factor(i)`, for `n` elements.
 pub fn elementwise(
     n: u32,
     input: Handle<ArrayDecl>,

@@ -29,7 +29,7 @@ impl Default for TrainOptions {
     }
 }
 
-/// Tables of one tier for one kv head, from its keys and values ([token][head_dim]).
+/// Tables of one tier for one kv head, from its keys and values (`[token][head_dim]`).
 pub fn train_tables(
     layout: &TierLayout,
     keys: &[f32],

@@ -1591,7 +1591,7 @@ impl<'a> Skeleton<'a> {
         }
     }
 
-    /// acc[h][c] = acc[h][c] * decay[h] + Σ_i p[h][i] · v_i[c] for the tile,
+    /// `acc[h][c] = acc[h][c] * decay[h] + Σ_i p[h][i] · v_i[c]` for the tile,
     /// with the accumulators in shared memory between tiles (several rounds
     /// of channels or head blocks).
     fn accumulate(&self, k: &mut Kernel, tile: &Tile, rescale: Rescale) {
