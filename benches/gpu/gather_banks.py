@@ -8,7 +8,8 @@ are 72 bytes (an 8-byte mask, then the kept pairs by rank), unpadded, as bulk
 copies leave them. Layouts compared (docs/gpu-bench.md, twentieth round):
 
 - keys: lane (g, t) of a load reads row g of the half-tile; `contiguous`:
-  quad lane t owns groups 16t..16t+15 (the kernel's), `interleaved`: 4r + t;
+  quad lane t owns groups 16t..16t+15 (the kernel's), `strided`: mask bytes
+  t and t + 4, `interleaved`: groups 4r + t;
 - values: lane (g, t) reads its lane group g's byte of the mask (groups
   8g..8g+7) of one of its tokens; `every-other`: tokens 2t + {0, 1, 8, 9}
   (before the twentieth round), `adjacent`: t + {0, 8, 4, 12} (since).
@@ -69,6 +70,7 @@ def main():
     tiles = [[row() for _ in range(16)] for _ in range(args.tiles)]
     layouts = [
         ("keys, contiguous groups", lambda m: key_loads(m, lambda t, r: 16 * t + r)),
+        ("keys, strided runs", lambda m: key_loads(m, lambda t, r: 32 * (r // 8) + 8 * t + r % 8)),
         ("keys, interleaved groups", lambda m: key_loads(m, lambda t, r: 4 * r + t)),
         ("values, every-other rows", lambda m: value_loads(m, lambda t, k: 2 * t + [0, 1, 8, 9][k])),
         ("values, adjacent rows", lambda m: value_loads(m, lambda t, k: t + [0, 8, 4, 12][k])),
