@@ -122,9 +122,9 @@ impl Gather {
     }
 
     /// Whether fragments can be gathered from the packed groups
-    /// (`skeleton/gather.rs`) when a lane holds `lane_pairs` consecutive f16
-    /// pairs of a row: groups of one or two whole words, whole groups per
-    /// lane, in runs [`lane_runs`] takes.
+    /// (`skeleton/gather.rs`) when a lane holds `lane_pairs` f16 pairs of a
+    /// row: groups of one or two whole words, whole groups per lane, in runs
+    /// [`lane_runs`] takes.
     pub fn gathers_rows(&self, lane_pairs: u32, item_stride: u32) -> bool {
         let per_group = self.group_registers();
         self.word_copies(item_stride)
@@ -132,15 +132,22 @@ impl Gather {
             && lane_pairs.is_multiple_of(per_group)
             && lane_runs(lane_pairs / per_group, self.mask_words()).is_some()
     }
+
+    /// [`lane_runs`] of a lane holding `lane_pairs` f16 pairs of a row that
+    /// [`Self::gathers_rows`] admits.
+    pub fn lane_runs(&self, lane_pairs: u32) -> (u32, u32) {
+        lane_runs(lane_pairs / self.group_registers(), self.mask_words())
+            .expect("the plan gathers only runs that fit (Gather::gathers_rows)")
+    }
 }
 
 /// Most groups of a gathered run: a byte of the words packing four runs.
 pub const RUN_BITS: u32 = 8;
 
-/// A lane's `lane_groups` consecutive groups of a row as `(runs, groups per
-/// run)`: one run of a power of two up to `RUN_BITS` groups (inside one mask
-/// word, as the lane's first group is a multiple of it), or up to four
-/// whole bytes of a one- or two-word mask; `None` otherwise.
+/// A lane's `lane_groups` groups of a row as `(runs, groups per run)`: one
+/// run of a power of two up to `RUN_BITS` groups (inside one mask word, as
+/// the lane's first group is a multiple of it), or up to four whole bytes of
+/// a one- or two-word mask; `None` otherwise.
 pub fn lane_runs(lane_groups: u32, mask_words: u32) -> Option<(u32, u32)> {
     match lane_groups {
         n if n.is_power_of_two() && n <= RUN_BITS => Some((1, n)),
@@ -224,9 +231,10 @@ pub struct MmaScore {
     pub key: Element,
     pub key_scale: Option<u32>,
     pub key_dims: u32,
-    /// Key fragments gathered from a bitmap's groups: a lane's chunk is its
-    /// whole quarter of the row ([`MmaScore::chunk_elements`]).
-    pub gathered: bool,
+    /// Key fragments gathered from a bitmap's groups: the runs of groups a
+    /// lane holds ([`lane_runs`]), its chunks, every fourth run of the row
+    /// ([`MmaScore::chunk_elements`]); `None`: rows loaded whole.
+    pub gathered_runs: Option<u32>,
 }
 
 impl MmaPlan {
@@ -297,12 +305,16 @@ impl MmaScore {
         }
     }
 
-    /// Key elements in one lane's chunk: 16 bytes, or (gathered) the lane's
-    /// quarter of the row, so that its pairs are consecutive.
+    /// Key elements in one lane's chunk: 16 bytes, or (gathered) one run of
+    /// groups, whose pairs are consecutive. A row's chunks go to its lanes in
+    /// turn, so a gathering load's four lanes of a row read groups a quarter
+    /// row apart: their ranks, and banks, lie closer than a lane's own
+    /// quarter's ends (keys: 1.55 → 1.46 wavefronts per load, simulated by
+    /// `benches/gpu/gather_banks.py`, twentieth round).
     pub fn chunk_elements(&self) -> u32 {
-        match self.gathered {
-            true => self.key_dims / ROW_LANES,
-            false => 8 * CHUNK / self.key.bits(),
+        match self.gathered_runs {
+            Some(runs) => self.key_dims / ROW_LANES / runs,
+            None => 8 * CHUNK / self.key.bits(),
         }
     }
 
@@ -402,10 +414,10 @@ pub fn plan(
     let gathered = gathered_score(module, key)
         .map(
             |(score, g)| match g.gathers_rows(score.key_dims / ROW_LANES / 2, key.shared_stride) {
-                // One chunk per lane: its pairs are consecutive.
+                // One chunk per run of the lane's groups.
                 true => (
                     MmaScore {
-                        gathered: true,
+                        gathered_runs: Some(g.lane_runs(score.key_dims / ROW_LANES / 2).0),
                         ..score
                     },
                     g,
@@ -493,7 +505,7 @@ fn gathered_score(module: &Module, key: &Stream) -> Option<(MmaScore, Gather)> {
             key: Element::Half,
             key_scale: None,
             key_dims: codec.dims,
-            gathered: false,
+            gathered_runs: None,
         },
         g,
     ))
@@ -537,7 +549,7 @@ fn dot_product(f: &Function) -> Option<MmaScore> {
         key: element,
         key_scale: scale,
         key_dims: dims,
-        gathered: false,
+        gathered_runs: None,
     })
 }
 
@@ -698,26 +710,32 @@ mod tests {
             key: element,
             key_scale: None,
             key_dims: 128,
-            gathered: false,
+            gathered_runs: None,
         }
     }
 
     /// The four lanes of a fragment row hold every key element exactly once,
-    /// whatever the element width.
+    /// whatever the element width, and gathered in one or two runs a lane.
     #[test]
     fn lanes_of_a_row_cover_every_key_element_once() {
-        for element in [
-            Element::Half,
-            Element::Int {
+        let gathered = |runs| MmaScore {
+            gathered_runs: Some(runs),
+            ..score_of(Element::Half)
+        };
+        for m in [
+            score_of(Element::Half),
+            score_of(Element::Int {
                 bits: 8,
                 signed: true,
-            },
-            Element::Int {
+            }),
+            score_of(Element::Int {
                 bits: 4,
                 signed: false,
-            },
+            }),
+            gathered(1),
+            gathered(2),
         ] {
-            let m = score_of(element);
+            let element = m.key;
             let mut seen = vec![0; 128];
             for quad in 0..ROW_LANES {
                 for r in 0..m.key_registers() {

@@ -2,12 +2,12 @@
 //! pairs), gathered straight into the tensor cores' A fragments
 //! (docs/ptx-backend.md, seventeenth round).
 //!
-//! The f16 pairs a lane holds of a row are consecutive, so their groups'
-//! mask bits are too: of a key row, pairs `16 · quad + 0..16` with 128
-//! elements (gathered keys take one chunk per lane,
-//! [`MmaScore::chunk_elements`]); of a value row, its lane group's channels
-//! (pairs `8 · row + 0..8` with 128 channels). They form runs of at most 8
-//! groups, each in one byte of the mask or within one word. The lane packs
+//! The f16 pairs a lane holds of a row come in runs of consecutive groups,
+//! at most 8, each in one byte of the mask or within one word: of a key row,
+//! a chunk each ([`MmaScore::chunk_elements`]), the quad's in turn (pairs
+//! `8 · quad + 0..8` and `32 + 8 · quad + 0..8` with 128 elements, twentieth
+//! round; a quarter row each before); of a value row, its lane group's
+//! channels (pairs `8 · row + 0..8` with 128 channels). The lane packs
 //! four runs' mask bits into the bytes of a word and their ranks (the set
 //! bits below each group) into the bytes of others: popcounts for each
 //! row's first run, then per group of a run, for the four runs at once, its
@@ -25,7 +25,7 @@
 //! only when one of its rows of the tile has such a mask: each lane checks
 //! one row per side, once per tile.
 
-use super::super::mma::{lane_runs, Gather, MmaPlan, MmaScore, RUN_BITS};
+use super::super::mma::{lane_runs, Gather, MmaPlan, MmaScore, ROW_LANES, RUN_BITS};
 use super::super::plan::{stride_align, Stream};
 use super::expand::load_units;
 use crate::back::ptx::builder::{Cmp, Kernel, Pred, Reg, Shared, U32};
@@ -36,10 +36,14 @@ const RUNS_PER_WORD: u32 = 32 / RUN_BITS;
 /// A lane's constant state for gathering one side's bitmap into fragments.
 pub(super) struct FragmentGather {
     g: Gather,
-    /// A row's runs (consecutive) and groups per run.
+    /// A lane's runs of a row and groups per run.
     row_runs: u32,
     run_groups: u32,
-    /// Per mask word, its bits below the lane's first run.
+    /// With runs strided over the lanes: the bit offset of the lane's first
+    /// group in the mask's first word (the run after it starts a word on).
+    strided: Option<Reg<U32>>,
+    /// Per mask word up to the lanes' last first group, its bits below the
+    /// lane's first run.
     below: Vec<Reg<U32>>,
     bits: RunBits,
     /// The side's rows in a tile buffer: offset and stride.
@@ -75,18 +79,43 @@ struct Run {
 
 impl FragmentGather {
     /// The state of lane `lane` (its place among the lanes sharing a row)
-    /// holding `lane_groups` consecutive groups of a row of stream `s`.
-    fn new(k: &mut Kernel, g: Gather, lane_groups: u32, lane: Reg<U32>, s: &Stream) -> Self {
+    /// holding `lane_groups` groups of a row of stream `s`: consecutive, or
+    /// (`strided`) as runs every `lanes`-th run of the row, the lanes' runs in
+    /// turn ([`MmaScore::chunk_elements`]).
+    fn new(
+        k: &mut Kernel,
+        g: Gather,
+        lane_groups: u32,
+        lane: Reg<U32>,
+        strided: bool,
+        s: &Stream,
+    ) -> Self {
         let (row_runs, run_groups) = lane_runs(lane_groups, g.mask_words())
             .expect("the plan gathers only runs that fit (mma::Gather::gathers_rows)");
-        let first = k.mul(lane, lane_groups);
+        let lanes = g.groups / lane_groups;
+        // Groups from a lane's first to the next lane's, and from a run to
+        // the lane's next.
+        let (lane_step, run_step) = match strided && row_runs > 1 {
+            true => (run_groups, lanes * run_groups),
+            false => (lane_groups, run_groups),
+        };
+        let first = k.mul(lane, lane_step);
         let word = k.shr(first, 5u32);
         let offset = k.and(first, 31u32);
+        let strided = (run_step > run_groups).then(|| {
+            debug_assert!(
+                row_runs == 2 && run_step == 32 && (lanes - 1) * lane_step < 32,
+                "strided runs: two bytes per lane a word apart, the first in word 0"
+            );
+            offset
+        });
         let bits = match run_groups == RUN_BITS && g.mask_words() <= 2 {
             true => {
-                // Result byte i: mask byte `first / 8 + i`.
+                // Result byte i: mask byte `first / 8 + i · run_step / 8`
+                // (bytes past the lane's runs are masked off).
                 let byte = k.shr(first, 3u32);
-                RunBits::Bytes(k.mad_lo(byte, 0x1111u32, 0x3210u32))
+                let steps = (run_step / RUN_BITS) * 0x3210;
+                RunBits::Bytes(k.mad_lo(byte, 0x1111u32, steps))
             }
             false => RunBits::Shifted {
                 in_word: (1..g.mask_words())
@@ -97,7 +126,9 @@ impl FragmentGather {
         };
         let bit = k.shl(1u32, offset);
         let partial = k.sub(bit, 1u32);
-        let below = (0..g.mask_words())
+        // Words past every lane's first group hold none of their bits below.
+        let last_first = (lanes - 1) * lane_step;
+        let below = (0..=last_first / 32)
             .map(|w| {
                 let here = k.setp(Cmp::Eq, word, w);
                 let after = k.setp(Cmp::Gt, word, w);
@@ -110,6 +141,7 @@ impl FragmentGather {
             g,
             row_runs,
             run_groups,
+            strided,
             below,
             bits,
             rows_at: s.buffer_offset,
@@ -130,8 +162,8 @@ impl FragmentGather {
         quad: Reg<U32>,
     ) -> Self {
         k.comment("key fragments gathered from the bitmap's packed groups");
-        let lane_pairs = score.chunk_elements() / 2;
-        Self::new(k, g, lane_pairs / g.group_registers(), quad, key)
+        let lane_pairs = score.key_dims / ROW_LANES / 2;
+        Self::new(k, g, lane_pairs / g.group_registers(), quad, true, key)
     }
 
     /// Value rows of `value` accumulated by `m`; `row`: the lane's fragment
@@ -144,7 +176,14 @@ impl FragmentGather {
         row: Reg<U32>,
     ) -> Self {
         k.comment("value fragments gathered from the bitmap's packed groups");
-        Self::new(k, g, m.channel_tiles() / g.group_registers(), row, value)
+        Self::new(
+            k,
+            g,
+            m.channel_tiles() / g.group_registers(),
+            row,
+            false,
+            value,
+        )
     }
 
     /// The lane's registers of the rows of the items at `items`: per row,
@@ -187,8 +226,12 @@ impl FragmentGather {
                 .expect("a mask word");
             for i in 0..self.row_runs {
                 if i > 0 {
-                    // The set bits of the run before.
-                    let before = k.bfe_u32(bits, RUN_BITS * (i - 1), RUN_BITS);
+                    // The set bits from the run before to this one: its own,
+                    // or (strided) the next 32 of the row.
+                    let before = match self.strided {
+                        Some(offset) => k.shf_r_wrap(words[0], words[1], offset),
+                        None => k.bfe_u32(bits, RUN_BITS * (i - 1), RUN_BITS),
+                    };
                     let count = k.popc(before);
                     start = k.add(start, count);
                 }
