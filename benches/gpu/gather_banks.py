@@ -8,8 +8,8 @@ are 72 bytes (an 8-byte mask, then the kept pairs by rank), unpadded, as bulk
 copies leave them. Layouts compared (docs/gpu-bench.md, twentieth round):
 
 - keys: lane (g, t) of a load reads row g of the half-tile; `contiguous`:
-  quad lane t owns groups 16t..16t+15 (the kernel's), `strided`: mask bytes
-  t and t + 4, `interleaved`: groups 4r + t;
+  quad lane t owns groups 16t..16t+15 (before the twentieth round),
+  `strided`: mask bytes t and t + 4 (since), `interleaved`: groups 4r + t;
 - values: lane (g, t) reads its lane group g's byte of the mask (groups
   8g..8g+7) of one of its tokens; `every-other`: tokens 2t + {0, 1, 8, 9}
   (before the twentieth round), `adjacent`: t + {0, 8, 4, 12} (since).
