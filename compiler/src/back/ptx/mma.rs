@@ -130,14 +130,18 @@ impl Gather {
         self.word_copies(item_stride)
             && matches!(per_group, 1 | 2)
             && lane_pairs.is_multiple_of(per_group)
-            && lane_runs(lane_pairs / per_group, self.mask_words()).is_some()
+            && self.runs(lane_pairs).is_some()
     }
 
     /// [`lane_runs`] of a lane holding `lane_pairs` f16 pairs of a row that
     /// [`Self::gathers_rows`] admits.
     pub fn lane_runs(&self, lane_pairs: u32) -> (u32, u32) {
-        lane_runs(lane_pairs / self.group_registers(), self.mask_words())
+        self.runs(lane_pairs)
             .expect("the plan gathers only runs that fit (Gather::gathers_rows)")
+    }
+
+    fn runs(&self, lane_pairs: u32) -> Option<(u32, u32)> {
+        lane_runs(lane_pairs / self.group_registers(), self.mask_words())
     }
 }
 

@@ -137,7 +137,7 @@ impl Pending {
 
 /// A tile whose values accumulate: its buffer and valid items, and (with
 /// gathered values) whether one of the warp's rows of it has more set bits
-/// than its bitmap keeps ([`Skeleton::mma_rows_over`]).
+/// than its bitmap keeps ([`Skeleton::mma_ready_rows`]).
 #[derive(Clone, Copy)]
 struct ValueTile {
     buf: Reg<U32>,
@@ -592,11 +592,11 @@ impl Skeleton<'_> {
         let base = self.mma_rows(k, tile.buf, m.key_rows);
         let lane_base = k.add(base, t.key_lane);
         let mut logits = Vec::new();
+        let chains = match t.gather {
+            Some(_) => 1,
+            None => HALF_SCORE_CHAINS,
+        };
         for j in 0..self.mma_slots(m) {
-            let chains = match t.gather {
-                Some(_) => 1,
-                None => HALF_SCORE_CHAINS,
-            };
             let mut sums = ScoreSums::new(k, score, m.column_tiles, chains);
             let skip = k.label();
             if let Some(ok) = self.mma_slot_ok(k, m, t.lanes.warp, j) {
@@ -722,7 +722,7 @@ impl Skeleton<'_> {
         let in_tile = self.mma_rows_in(k, score, tile.items);
         let values_buf = pending.map_or(tile.buf, |p| p.buf);
         let values_items = pending.map_or(tile.items, |p| p.items);
-        let over = self.mma_rows_over(
+        let over = self.mma_ready_rows(
             k,
             Some((score, tile.buf)),
             Some((values, values_buf, values_items)),
@@ -752,7 +752,7 @@ impl Skeleton<'_> {
 
     /// The pending tile's values times its weights (times its item scales
     /// and σ, whose rescale of the accumulators comes first); `over` as
-    /// [`Self::mma_rows_over`] answers for them (`None`: checked here).
+    /// [`Self::mma_ready_rows`] answers for them (`None`: checked here).
     pub(super) fn mma_drain(
         &self,
         k: &mut Kernel,
@@ -762,7 +762,7 @@ impl Skeleton<'_> {
         over: Option<Reg<Pred>>,
     ) {
         let over = over
-            .or_else(|| self.mma_rows_over(k, None, Some((values, pending.buf, pending.items))));
+            .or_else(|| self.mma_ready_rows(k, None, Some((values, pending.buf, pending.items))));
         let in_tile = self.mma_rows_in(k, score, pending.items);
         let scales = self.mma_item_scales(k, score, values, pending.buf, &in_tile);
         let tile = ValueTile {
@@ -773,17 +773,18 @@ impl Skeleton<'_> {
         self.mma_weighted_products(k, score, values, tile, &pending.weights, scales);
     }
 
-    /// With gathered fragments: whether a row the warp gathers from (its
+    /// With gathered fragments, readies the rows the warp gathers from (its
     /// tokens of the key tile in buffer `keys.1` and of the value tile in
-    /// `values.1`) has more set bits than its bitmap's `keep`, in any lane.
-    /// Lane `l` checks the warp's token `l % 16` of slot `2 · i + l / 16`.
+    /// `values.1`) and answers whether one has more set bits than its
+    /// bitmap's `keep`, in any lane. Lane `l` takes the warp's token `l %
+    /// 16` of slot `2 · i + l / 16`.
     ///
-    /// First, in a tile with fewer items (`values.2`) than rows, the masks of
-    /// the warp's value rows past them are zeroed: their gathered words are
-    /// then zeros, where stale rows may hold any bits (0 · NaN poisons a sum),
+    /// Readying: in a tile with fewer items (`values.2`) than rows, the masks
+    /// of the warp's value rows past them are zeroed, so their gathered words
+    /// are zeros, where stale rows may hold any bits (0 · NaN poisons a sum),
     /// without a test per row in every tile (twentieth round). Stale key rows
     /// only meet logits the softmax drops.
-    fn mma_rows_over(
+    fn mma_ready_rows(
         &self,
         k: &mut Kernel,
         keys: Option<(&MmaScoreThread, Reg<U32>)>,
@@ -815,8 +816,14 @@ impl Skeleton<'_> {
                 (k.min(row, plan.tile_items - 1), read)
             })
             .collect();
-        if let Some((gather, buf, items)) =
-            values.and_then(|(t, buf, items)| Some((t.gather.as_ref()?, buf, items)))
+        if let Some((
+            MmaValues {
+                gather: Some(gather),
+                ..
+            },
+            buf,
+            items,
+        )) = values
         {
             let full = k.setp(Cmp::Ge, items, plan.tile_items);
             let zeroed = k.label();
@@ -968,7 +975,7 @@ impl Skeleton<'_> {
             }
             b.push(columns);
         }
-        let over = self.mma_rows_over(k, None, Some((t, tile.buf, tile.items)));
+        let over = self.mma_ready_rows(k, None, Some((t, tile.buf, tile.items)));
         let tile = ValueTile {
             buf: tile.buf,
             items: tile.items,
@@ -1008,7 +1015,7 @@ impl Skeleton<'_> {
                     let items_at: Vec<Reg<U32>> = (t.steps.iter())
                         .map(|&d| k.add(lane_base, (first + d) * stride))
                         .collect();
-                    // Rows past the tile's items have zero masks (Self::mma_rows_over).
+                    // Rows past the tile's items have zero masks (Self::mma_ready_rows).
                     let over = tile.over.expect("gathers check their rows");
                     (gather.rows(k, &items_at, over).into_iter())
                         .map(|words| TokenWords { words, skew: 0 })
@@ -1342,7 +1349,8 @@ fn mma_softmax(
     let below: Vec<Reg<F32>> = t.heads.iter().map(|h| k.neg_f32(h.reference)).collect();
     let mut weights = Vec::new();
     for (i, &s) in scores.iter().enumerate() {
-        let (head, column) = (&t.heads[column_of(i)], column_of(i));
+        let column = column_of(i);
+        let head = &t.heads[column];
         let d = k.fma(s, t.queries.to_logits[column], below[column]);
         let w = k.ex2(d);
         // Also keeps 2^(−∞ + ∞) out of heads with no logits yet.
