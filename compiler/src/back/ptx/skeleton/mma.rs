@@ -1005,11 +1005,6 @@ impl Skeleton<'_> {
                 k.bra_if(ok, false, skip);
             }
             let first = j * plan.warps * TILE;
-            // Whether the lane's token `d` of the step is one of the tile's items.
-            let in_tile = |k: &mut Kernel, d: u32| {
-                let at = k.add(t.token, first + d);
-                k.setp(Cmp::Lt, at, items)
-            };
             let values: Vec<TokenWords> = match &t.gather {
                 Some(gather) => {
                     let items_at: Vec<Reg<U32>> = (t.steps.iter())
@@ -1028,7 +1023,8 @@ impl Skeleton<'_> {
                         // Stale f16 rows past the tile's items may hold any
                         // bits (0 · NaN poisons a sum); integers are always finite.
                         if m.value == Element::Half {
-                            let ok = in_tile(k, d);
+                            let at = k.add(t.token, first + d);
+                            let ok = k.setp(Cmp::Lt, at, items);
                             token.words =
                                 (token.words.iter()).map(|&w| k.selp(w, 0u32, ok)).collect();
                         }
