@@ -16,7 +16,8 @@
 //!   permutes; gathered values, as stored: a token's channel pair per
 //!   register, the reduction over (token, channel parity),
 //!   [`channel_pair_products`]); B = the softmax weights (times the items'
-//!   scales and a power of two σ) as (head, part) columns. Each warp sums its own steps
+//!   scales and a power of two σ) as (head, part) columns (gathered values:
+//!   (head, channel parity) columns, one `mma.sync` per part). Each warp sums its own steps
 //!   in registers; the warps' sums meet in the accumulator array once, after
 //!   the stream.
 //!
@@ -113,6 +114,10 @@ pub(super) struct MmaValues {
     value_lane: Reg<U32>,
     /// Gathered value fragments: the lane's state.
     gather: Option<FragmentGather>,
+    /// With gathered values: per row half of a weights pair, the `prmt`
+    /// selector that moves that half to the lane's B column parity
+    /// ([`parity_fragments`]).
+    parity_selectors: Option<[Reg<U32>; 2]>,
     /// The lane's first token of a step (`16 · warp + spacing · quad`),
     /// and its others' offsets from it ([`StepTokens`]).
     token: Reg<U32>,
@@ -374,16 +379,31 @@ impl Skeleton<'_> {
         let token = k.mul(lanes.quad, steps.spacing);
         let token = k.mad_lo(lanes.warp, TILE, token);
         let zero = k.mov(0.0f32);
+        // Gathered values: columns (head, channel parity), one C tile per two
+        // channel tiles ([`channel_pair_products`]).
+        let acc_tiles = match m.value_fragments() {
+            Some(_) => m.channel_tiles() / 2,
+            None => m.channel_tiles(),
+        };
         let (mut out_ok, mut acc) = (Vec::new(), Vec::new());
         for ct in 0..m.column_tiles {
             let out_head = k.add(lanes.quad, 4 * ct);
             out_ok.push(k.setp(Cmp::Lt, out_head, self.group));
             acc.push(
-                (0..m.channel_tiles())
+                (0..acc_tiles)
                     .map(|_| [0; 4].map(|_| k.mov(zero)))
                     .collect(),
             );
         }
+        let parity_selectors = m.value_fragments().map(|_| {
+            [0u32, 1].map(|half| {
+                // Bytes 4..8 are the zero operand's.
+                let (low, high) = (2 * half, 2 * half + 1);
+                let even = low | high << 4 | 0x4400;
+                let odd = 0x44 | low << 8 | high << 12;
+                k.selp(odd, even, lanes.low_part)
+            })
+        });
         let shared = m
             .score
             .is_none()
@@ -405,6 +425,7 @@ impl Skeleton<'_> {
             sigma,
             value_lane,
             gather,
+            parity_selectors,
             token,
             steps: steps.offsets(),
         }
@@ -863,7 +884,7 @@ impl Skeleton<'_> {
         scales: Option<Vec<Reg<F32>>>,
     ) {
         let parts = weight_parts(k, weights, score.heads.len(), scales.as_deref());
-        let b = mma_exchange(k, score, &parts);
+        let b = mma_exchange(k, score, values, &parts);
         self.mma_products(k, tile, values, &b);
     }
 
@@ -968,10 +989,19 @@ impl Skeleton<'_> {
                         k.selp(w, 0.0f32, head_ok)
                     })
                     .collect();
-                columns.push([
-                    f16_part(k, w[0], w[1], t.lanes.low_part),
-                    f16_part(k, w[2], w[3], t.lanes.low_part),
-                ]);
+                columns.push(match t.parity_selectors {
+                    Some(selectors) => {
+                        let pairs = [(w[0], w[1]), (w[2], w[3])].map(|(a, b)| {
+                            let (hi, lo) = f16_parts(k, a, b);
+                            [hi, lo]
+                        });
+                        parity_fragments(k, pairs, selectors)
+                    }
+                    None => vec![[
+                        f16_part(k, w[0], w[1], t.lanes.low_part),
+                        f16_part(k, w[2], w[3], t.lanes.low_part),
+                    ]],
+                });
             }
             b.push(columns);
         }
@@ -985,13 +1015,13 @@ impl Skeleton<'_> {
     }
 
     /// The values of `tile` times the weights' B fragments `b` (per slot and
-    /// column tile) into the lane's accumulators.
+    /// column tile, [`mma_exchange`]'s) into the lane's accumulators.
     fn mma_products(
         &self,
         k: &mut Kernel,
         tile: ValueTile,
         t: &MmaValues,
-        b: &[Vec<[Reg<U32>; 2]>],
+        b: &[Vec<Vec<[Reg<U32>; 2]>>],
     ) {
         let plan = self.plan;
         let m = plan.mma.as_ref().expect("tensor-core plan");
@@ -1034,7 +1064,7 @@ impl Skeleton<'_> {
             };
             for (ct, sums) in t.acc.iter().enumerate() {
                 if t.gather.is_some() {
-                    channel_pair_products(k, &values, sums, b[ct]);
+                    channel_pair_products(k, &values, sums, &b[ct]);
                     continue;
                 }
                 for (tile_index, c) in sums.iter().enumerate() {
@@ -1045,7 +1075,7 @@ impl Skeleton<'_> {
                         token_pair(k, m.value, &values[2], &values[3], channel),
                         token_pair(k, m.value, &values[2], &values[3], channel + 1),
                     ];
-                    k.mma_f16_f32(*c, a, b[ct]);
+                    k.mma_f16_f32(*c, a, b[ct][0]);
                 }
             }
             k.place(skip);
@@ -1208,21 +1238,30 @@ impl Skeleton<'_> {
                 let row = k.mad_lo(clamped, acc_stride, acc_base);
                 let row = k.mad_lo(channel0, 4u32, row);
                 let unscale = t.sigma.map(|sigma| unscale_of(k, sigma));
-                for (tile_index, c) in (0u32..).zip(acc) {
-                    for half in 0..2u32 {
-                        let at = Shared::at(row).plus(i64::from(4 * (2 * tile_index + half)));
-                        let h = 2 * half as usize;
-                        let sum = k.add(c[h], c[h + 1]);
-                        let sum = match unscale {
-                            Some(u) => k.mul(sum, u),
-                            None => sum,
-                        };
-                        k.guarded(t.out_ok[ct], true, |k| {
-                            let old = k.ld_shared::<F32>(at);
-                            let new = k.add(old, sum);
-                            k.st_shared(at, new);
-                        });
-                    }
+                // Per lane group channel, its sum's registers: columns
+                // (head, part) add their two parts; gathered values' columns
+                // are (head, parity).
+                let parts: Vec<(Reg<F32>, Option<Reg<F32>>)> = match t.gather {
+                    Some(_) => acc.iter().flatten().map(|&c| (c, None)).collect(),
+                    None => (acc.iter())
+                        .flat_map(|c| [0, 2].map(|h| (c[h], Some(c[h + 1]))))
+                        .collect(),
+                };
+                for (channel, (first, second)) in (0u32..).zip(parts) {
+                    let at = Shared::at(row).plus(i64::from(4 * channel));
+                    let sum = match second {
+                        Some(second) => k.add(first, second),
+                        None => first,
+                    };
+                    let sum = match unscale {
+                        Some(u) => k.mul(sum, u),
+                        None => sum,
+                    };
+                    k.guarded(t.out_ok[ct], true, |k| {
+                        let old = k.ld_shared::<F32>(at);
+                        let new = k.add(old, sum);
+                        k.st_shared(at, new);
+                    });
                 }
             }
             k.place(skip);
@@ -1392,27 +1431,58 @@ fn weight_parts(
 }
 
 /// The accumulate's B fragments from the score lanes' weight parts
-/// ([`mma_softmax`]), per slot and column tile: lane `(row, quad)`
-/// takes head `row / 2`'s tokens `quad + {0, 8}` and `quad + {4, 12}`, hi
-/// parts on even rows and lo parts on odd ones, each pair as one register
-/// of the lane whose C rows they are (its row halves 0 and 1).
+/// ([`mma_softmax`]), per slot and column tile. Lane `(row, quad)` takes
+/// head `row / 2`'s tokens `quad + {0, 8}` and `quad + {4, 12}`, each pair
+/// from the lane whose C rows they are (its row halves 0 and 1): hi parts
+/// on even rows and lo parts on odd ones, one fragment (columns (head,
+/// part)); or, for gathered values, both parts per reduction step
+/// ([`parity_fragments`]).
 fn mma_exchange(
     k: &mut Kernel,
     t: &MmaScoreThread,
+    values: &MmaValues,
     parts: &[Vec<[Reg<U32>; 2]>],
-) -> Vec<Vec<[Reg<U32>; 2]>> {
+) -> Vec<Vec<Vec<[Reg<U32>; 2]>>> {
     k.comment("the weights from the score's C fragments to the accumulate's B fragments");
     let mut b = Vec::new();
     for slot in parts {
         let mut columns = Vec::new();
         for &[hi, lo] in slot {
-            columns.push(t.sources.map(|source| {
-                let high = k.shfl_idx(hi, source);
-                let low = k.shfl_idx(lo, source);
-                k.selp(low, high, t.lanes.low_part)
-            }));
+            columns.push(match values.parity_selectors {
+                Some(selectors) => {
+                    let pairs = t
+                        .sources
+                        .map(|source| [hi, lo].map(|part| k.shfl_idx(part, source)));
+                    parity_fragments(k, pairs, selectors)
+                }
+                None => vec![t.sources.map(|source| {
+                    let high = k.shfl_idx(hi, source);
+                    let low = k.shfl_idx(lo, source);
+                    k.selp(low, high, t.lanes.low_part)
+                })],
+            });
         }
         b.push(columns);
+    }
+    b
+}
+
+/// Gathered values' B fragments of one slot and column tile, whose columns
+/// are (head, channel parity): from `pairs` (per token pair `(t, t + 8)`,
+/// the `[hi, lo]` f16 parts of its weights), per reduction step `s` (row
+/// half `s` of both pairs) and part, the weight at the half of the lane's
+/// column parity and zero at the other ([`channel_pair_products`]).
+fn parity_fragments(
+    k: &mut Kernel,
+    pairs: [[Reg<U32>; 2]; 2],
+    selectors: [Reg<U32>; 2],
+) -> Vec<[Reg<U32>; 2]> {
+    let zero = k.mov(0u32);
+    let mut b = Vec::new();
+    for selector in selectors {
+        for part in 0..2 {
+            b.push(pairs.map(|pair| k.prmt_by(pair[part], zero, selector)));
+        }
     }
     b
 }
@@ -1552,47 +1622,35 @@ fn token_pair(
 /// A register one word of a token (its two channels), where
 /// [`token_pair`] pairs two tokens' halves of a channel by a byte permute
 /// per register (gathered values, eighteenth round). The reduction takes 8
-/// tokens, each as (token, channel parity), and each B tile weighs one
-/// parity, its other rows zero: twice the `mma.sync`s, on an idle pipe.
+/// tokens, each as (token, channel parity), and the columns are (head,
+/// channel parity): a B column weighs its parity's rows, its others zero,
+/// and the weights' hi and lo parts are two `mma.sync`s into the same C
+/// tile. So a C tile holds four channels of one head where the (head,
+/// part) columns of the other tiers need two tiles (twenty-second round).
 ///
 /// A step's tokens are `values` (the lane's [`StepTokens`] `t + {0, 8, e, e +
-/// 8}`, channel pair words in the lane group's order); `b`: the lane's
-/// weights of its tokens as the tokens-as-reduction fragments pack them,
-/// `(w0, w8)` and `(we, we+8)` (f16 halves). Reduction step `s` takes tokens
-/// `8 · s` and `8 · s + e`; its M tile `i` takes the lane group's channel pairs
-/// `2i` (row `g`) and `2i + 1` (row `g + 8`): C tile (`i`, parity `p`) is
-/// channel `4i + p` (row `g`) and `4i + 2 + p` (row `g + 8`) of the lane
-/// group's channels, that is `sums` entries of tiles `2i` and `2i + 1` at row
-/// half `p` ([`MmaValues::acc`]'s layout, kept for the epilogue).
+/// 8}`, channel pair words in the lane group's order); `b`: per reduction
+/// step and part, the lane's B fragment ([`parity_fragments`]). Reduction
+/// step `s` takes tokens `8 · s` and `8 · s + e`; M tile `i` takes the lane
+/// group's channel pairs `2i` (row `g`) and `2i + 1` (row `g + 8`): C
+/// register `j` of tile `i` is channel `4i + j` of the lane group's
+/// channels, of head `quad`.
 fn channel_pair_products(
     k: &mut Kernel,
     values: &[TokenWords],
     sums: &[[Reg<F32>; 4]],
-    b: [Reg<U32>; 2],
+    b: &[[Reg<U32>; 2]],
 ) {
-    // Per step and parity: the B fragment, each token's weight at its parity's half.
-    let low = |k: &mut Kernel, w: Reg<U32>| k.and(w, 0xFFFFu32);
-    let high = |k: &mut Kernel, w: Reg<U32>| k.and(w, 0xFFFF_0000u32);
-    let weights = [
-        [b.map(|w| low(k, w)), b.map(|w| k.shl(w, 16u32))],
-        [b.map(|w| k.shr(w, 16u32)), b.map(|w| high(k, w))],
-    ];
-    for (step, weights) in weights.iter().enumerate() {
+    for (step, parts) in b.chunks(2).enumerate() {
         let (first, second) = (&values[step].words, &values[2 + step].words);
-        for (i, pair) in sums.chunks(2).enumerate() {
+        for (i, &c) in sums.iter().enumerate() {
             let a = [
                 first[2 * i],
                 first[2 * i + 1],
                 second[2 * i],
                 second[2 * i + 1],
             ];
-            for (p, &b) in weights.iter().enumerate() {
-                let c = [
-                    pair[0][2 * p],
-                    pair[0][2 * p + 1],
-                    pair[1][2 * p],
-                    pair[1][2 * p + 1],
-                ];
+            for &b in parts {
                 k.mma_f16_f32(c, a, b);
             }
         }
