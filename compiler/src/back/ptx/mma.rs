@@ -152,7 +152,7 @@ pub const RUN_BITS: u32 = 8;
 /// run of a power of two up to `RUN_BITS` groups (inside one mask word, as
 /// the lane's first group is a multiple of it), or up to four whole bytes of
 /// a one- or two-word mask; `None` otherwise.
-pub fn lane_runs(lane_groups: u32, mask_words: u32) -> Option<(u32, u32)> {
+fn lane_runs(lane_groups: u32, mask_words: u32) -> Option<(u32, u32)> {
     match lane_groups {
         n if n.is_power_of_two() && n <= RUN_BITS => Some((1, n)),
         n if n.is_multiple_of(RUN_BITS) && n / RUN_BITS <= 4 && mask_words <= 2 => {
@@ -309,6 +309,12 @@ impl MmaScore {
         }
     }
 
+    /// The f16 pairs of a key row each of its four lanes holds (gathered
+    /// keys).
+    pub fn lane_pairs(&self) -> u32 {
+        self.key_dims / ROW_LANES / 2
+    }
+
     /// Key elements in one lane's chunk: 16 bytes, or (gathered) one run of
     /// groups, whose pairs are consecutive. A row's chunks go to its lanes in
     /// turn, so a gathering load's four lanes of a row read groups a quarter
@@ -417,11 +423,11 @@ pub fn plan(
     };
     let gathered = gathered_score(module, key)
         .map(
-            |(score, g)| match g.gathers_rows(score.key_dims / ROW_LANES / 2, key.shared_stride) {
+            |(score, g)| match g.gathers_rows(score.lane_pairs(), key.shared_stride) {
                 // One chunk per run of the lane's groups.
                 true => (
                     MmaScore {
-                        gathered_runs: Some(g.lane_runs(score.key_dims / ROW_LANES / 2).0),
+                        gathered_runs: Some(g.lane_runs(score.lane_pairs()).0),
                         ..score
                     },
                     g,

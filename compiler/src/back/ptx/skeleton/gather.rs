@@ -25,7 +25,7 @@
 //! only when one of its rows of the tile has such a mask: each lane checks
 //! one row per side, once per tile.
 
-use super::super::mma::{lane_runs, Gather, MmaPlan, MmaScore, ROW_LANES, RUN_BITS};
+use super::super::mma::{Gather, MmaPlan, MmaScore, RUN_BITS};
 use super::super::plan::{stride_align, Stream};
 use super::expand::load_units;
 use crate::back::ptx::builder::{Cmp, Kernel, Pred, Reg, Shared, U32};
@@ -79,19 +79,19 @@ struct Run {
 
 impl FragmentGather {
     /// The state of lane `lane` (its place among the lanes sharing a row)
-    /// holding `lane_groups` groups of a row of stream `s`: consecutive, or
+    /// holding `lane_pairs` f16 pairs of a row of stream `s`: consecutive, or
     /// (`strided`) as runs every `lanes`-th run of the row, the lanes' runs in
     /// turn ([`MmaScore::chunk_elements`]).
     fn new(
         k: &mut Kernel,
         g: Gather,
-        lane_groups: u32,
+        lane_pairs: u32,
         lane: Reg<U32>,
         strided: bool,
         s: &Stream,
     ) -> Self {
-        let (row_runs, run_groups) = lane_runs(lane_groups, g.mask_words())
-            .expect("the plan gathers only runs that fit (mma::Gather::gathers_rows)");
+        let (row_runs, run_groups) = g.lane_runs(lane_pairs);
+        let lane_groups = lane_pairs / g.group_registers();
         let lanes = g.groups / lane_groups;
         // Groups from a lane's first to the next lane's, and from a run to
         // the lane's next.
@@ -162,8 +162,7 @@ impl FragmentGather {
         quad: Reg<U32>,
     ) -> Self {
         k.comment("key fragments gathered from the bitmap's packed groups");
-        let lane_pairs = score.key_dims / ROW_LANES / 2;
-        Self::new(k, g, lane_pairs / g.group_registers(), quad, true, key)
+        Self::new(k, g, score.lane_pairs(), quad, true, key)
     }
 
     /// Value rows of `value` accumulated by `m`; `row`: the lane's fragment
@@ -176,14 +175,8 @@ impl FragmentGather {
         row: Reg<U32>,
     ) -> Self {
         k.comment("value fragments gathered from the bitmap's packed groups");
-        Self::new(
-            k,
-            g,
-            m.channel_tiles() / g.group_registers(),
-            row,
-            false,
-            value,
-        )
+        // A lane group holds 2 channels per channel tile: one pair.
+        Self::new(k, g, m.channel_tiles(), row, false, value)
     }
 
     /// The lane's registers of the rows of the items at `items`: per row,
