@@ -281,6 +281,12 @@ impl MmaPlan {
         self.value_dims / TILE
     }
 
+    /// Output sums a lane holds after the stream: its lane group's channels
+    /// of one head per column tile.
+    pub fn lane_sums(&self) -> u32 {
+        self.column_tiles * self.group_channels()
+    }
+
     /// Value channels per lane group (`lane / 4`): 2 per channel tile.
     pub fn group_channels(&self) -> u32 {
         2 * self.channel_tiles()

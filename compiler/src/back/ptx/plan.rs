@@ -203,6 +203,13 @@ pub struct Plan {
     /// Whether the first tile's copy is issued before the prologue runs (its
     /// arrays then live apart from the tile buffers).
     pub prefetch: bool,
+    /// With tensor-core accumulates: each warp's output sums after the stream
+    /// ([`MmaPlan::lane_sums`] per lane, lane-major), added over the warps
+    /// into the accumulators. In the dead tile buffers when they hold them
+    /// (the epilogue's arrays there are written only after the sums are
+    /// added; the softmax states and sums past the buffers are read beside
+    /// them), else past everything.
+    pub warp_sums: u32,
     pub shared_bytes: u32,
 }
 
@@ -217,6 +224,9 @@ fn bulk_copies(options: &Options) -> bool {
 const SWIZZLE_ALIGN: u32 = 1024;
 /// Most items of one tensor-copy box (a box dimension is at most 256).
 const MAX_BOX_ITEMS: u32 = 256;
+
+/// Lanes of a warp.
+const WARP_LANES: u32 = 32;
 
 /// Bytes of one mbarrier.
 pub const BARRIER_BYTES: u32 = 8;
@@ -477,7 +487,15 @@ impl Plan {
             &mut arrays,
             &mut array_stride,
         );
-        let shared_end = stream_end.max(epilogue_bump.0);
+        let sums_bytes = mma
+            .as_ref()
+            .map_or(0, |m| options.warps * m.lane_sums() * WARP_LANES * 4);
+        let warp_sums = match buffers + sums_bytes <= logits {
+            true => buffers,
+            false => Bump(stream_end.max(epilogue_bump.0)).take(sums_bytes),
+        };
+        let shared_end =
+            (stream_end.max(epilogue_bump.0)).max(round_up(warp_sums + sums_bytes, CHUNK));
         let limit = options.target.max_shared_bytes();
 
         // The prologue's arrays are dead once the page loop starts: in the
@@ -581,6 +599,7 @@ impl Plan {
             logits,
             head_stride,
             prefetch,
+            warp_sums,
             shared_bytes,
         })
     }

@@ -32,8 +32,8 @@
 use super::super::mma::{lane_chunk, Element, MmaPlan, MmaScore, Rows, ROW_LANES, TILE};
 use super::super::plan::CHUNK;
 use super::gather::FragmentGather;
-use super::{Rescale, Skeleton, Tile, RESCALE_SLACK_BITS};
-use crate::back::ptx::builder::{Cmp, Kernel, Pred, Reg, Shared, F32, S32, U32};
+use super::{divide, Rescale, Skeleton, Tile, RESCALE_SLACK_BITS};
+use crate::back::ptx::builder::{Cmp, Kernel, Op, Pred, Reg, Shared, F32, S32, U32};
 
 /// Binary exponent σ gives the largest scaled operand of a column: below
 /// f16's 65504, and the low parts of the others well inside f16's range.
@@ -1218,56 +1218,122 @@ impl Skeleton<'_> {
         }
     }
 
-    /// After the stream: each warp in turn adds its sums (the two parts of
-    /// each head) into the accumulator array, which starts at zero.
+    /// After the stream: every warp stores its sums (per lane group channel:
+    /// the two parts of each head added, times 1/σ) to its own area of
+    /// [`Plan::warp_sums`](super::super::plan::Plan::warp_sums); past a
+    /// barrier, every thread adds the warps' sums of its (head, channel)s
+    /// into the accumulator array. A sum's word is its register's
+    /// (lane-major: a store is one wavefront) with the lane swizzled by its
+    /// channel ([`sum_swizzle`]: a warp's 32 channels of a head then read 32
+    /// banks). Serialized, one warp per barrier, this took a third of a
+    /// one-tile split's time (docs/gpu-bench.md, twenty-third round).
     pub(super) fn mma_store(&self, k: &mut Kernel, t: &MmaValues) {
         let plan = self.plan;
         let m = plan.mma.as_ref().expect("tensor-core plan");
+        let channels = m.group_channels();
+        let warp_bytes = m.lane_sums() * WARP_LANES * 4;
+        let sums = k.add(self.smem, plan.warp_sums);
+        let lane = k.mad_lo(t.lanes.row, ROW_LANES, t.lanes.quad);
+        let own = k.mad_lo(t.lanes.warp, warp_bytes, sums);
+        k.comment("each warp's sums into its own area");
+        for (ct, acc) in (0u32..).zip(&t.acc) {
+            let unscale = t.sigma.map(|sigma| unscale_of(k, sigma));
+            // Per lane group channel, its sum's registers: columns
+            // (head, part) add their two parts; gathered values' columns
+            // are (head, parity).
+            let parts: Vec<(Reg<F32>, Option<Reg<F32>>)> = match t.gather {
+                Some(_) => acc.iter().flatten().map(|&c| (c, None)).collect(),
+                None => (acc.iter())
+                    .flat_map(|c| [0, 2].map(|h| (c[h], Some(c[h + 1]))))
+                    .collect(),
+            };
+            for (channel, (first, second)) in (0u32..).zip(parts) {
+                let sum = match second {
+                    Some(second) => k.add(first, second),
+                    None => first,
+                };
+                let sum = match unscale {
+                    Some(u) => k.mul(sum, u),
+                    None => sum,
+                };
+                let swizzled = k.xor(lane, sum_swizzle(channel, channels));
+                let at = k.mad_lo(swizzled, 4u32, own);
+                let register = ct * channels + channel;
+                k.st_shared(
+                    Shared::at(at).plus(i64::from(register * WARP_LANES * 4)),
+                    sum,
+                );
+            }
+        }
+        k.bar_sync();
+        k.comment("the warps' sums of each (head, channel) into the accumulators");
         let acc_index = self.m.value.accumulator.index();
         let acc_base = self.array_base(k, acc_index);
         let acc_stride = plan.array_stride[acc_index];
-        let channel0 = k.mul(t.lanes.row, m.group_channels());
-        k.comment("the warps' sums into the accumulators, one warp at a time");
-        for w in 0..plan.warps {
-            let mine = k.setp(Cmp::Eq, t.lanes.warp, w);
-            let skip = k.label();
-            k.bra_if(mine, false, skip);
-            for (ct, acc) in t.acc.iter().enumerate() {
-                let head = k.add(t.lanes.quad, 4 * ct as u32);
-                let clamped = k.min(head, plan.group_max - 1);
-                let row = k.mad_lo(clamped, acc_stride, acc_base);
-                let row = k.mad_lo(channel0, 4u32, row);
-                let unscale = t.sigma.map(|sigma| unscale_of(k, sigma));
-                // Per lane group channel, its sum's registers: columns
-                // (head, part) add their two parts; gathered values' columns
-                // are (head, parity).
-                let parts: Vec<(Reg<F32>, Option<Reg<F32>>)> = match t.gather {
-                    Some(_) => acc.iter().flatten().map(|&c| (c, None)).collect(),
-                    None => (acc.iter())
-                        .flat_map(|c| [0, 2].map(|h| (c[h], Some(c[h + 1]))))
-                        .collect(),
-                };
-                for (channel, (first, second)) in (0u32..).zip(parts) {
-                    let at = Shared::at(row).plus(i64::from(4 * channel));
-                    let sum = match second {
-                        Some(second) => k.add(first, second),
-                        None => first,
-                    };
-                    let sum = match unscale {
-                        Some(u) => k.mul(sum, u),
-                        None => sum,
-                    };
-                    k.guarded(t.out_ok[ct], true, |k| {
-                        let old = k.ld_shared::<F32>(at);
-                        let new = k.add(old, sum);
-                        k.st_shared(at, new);
-                    });
-                }
+        let head_channels = ROW_GROUPS * channels;
+        let total = k.mul(self.group, head_channels);
+        self.strided(k, self.tid, Op::Reg(total), plan.threads, |k, idx| {
+            let (head, channel) = divide(k, idx, head_channels);
+            // A column tile's heads are its lanes' quads.
+            let (ct, quad) = divide(k, head, ROW_LANES);
+            let (row, group_channel) = divide(k, channel, channels);
+            let lane = k.mad_lo(row, ROW_LANES, quad);
+            let swizzle = sum_swizzle_of(k, group_channel, channels);
+            let lane = k.xor(lane, swizzle);
+            let register = k.mad_lo(ct, channels, group_channel);
+            let word = k.mad_lo(register, WARP_LANES, lane);
+            let at = k.mad_lo(word, 4u32, sums);
+            let mut sum = k.ld_shared::<F32>(Shared::at(at));
+            for w in 1..plan.warps {
+                let other = Shared::at(at).plus(i64::from(w * warp_bytes));
+                let x = k.ld_shared::<F32>(other);
+                sum = k.add(sum, x);
             }
-            k.place(skip);
-            k.bar_sync();
-        }
+            let row_at = k.mad_lo(head, acc_stride, acc_base);
+            let dst = k.mad_lo(channel, 4u32, row_at);
+            k.st_shared(Shared::at(dst), sum);
+        });
+        k.bar_sync();
     }
+}
+
+/// Lanes of a warp.
+const WARP_LANES: u32 = 32;
+/// Lane groups (fragment rows, `lane / 4`) of a warp: each holds its
+/// `channels` of a head.
+const ROW_GROUPS: u32 = WARP_LANES / ROW_LANES;
+
+/// The XOR on the lane of group channel `c`'s sum ([`Skeleton::mma_store`])
+/// for `channels` per lane group: `c`'s low two bits, its others above the
+/// lane bits that the rows of 32 consecutive channels take. Those 32 channels
+/// then land in 32 banks (the rows' lane bits differ; the channels' XORs
+/// cover each remaining bit pattern once). None unless `channels` is a
+/// power of two from 4 to 32.
+fn sum_swizzle(c: u32, channels: u32) -> u32 {
+    match sum_swizzle_shift(channels) {
+        Some(shift) => (c & 3) | ((c >> 2) << shift),
+        None => 0,
+    }
+}
+
+/// [`sum_swizzle`] of a channel in a register.
+fn sum_swizzle_of(k: &mut Kernel, c: Reg<U32>, channels: u32) -> Op<U32> {
+    match sum_swizzle_shift(channels) {
+        Some(shift) => {
+            let low = k.and(c, 3u32);
+            let high = k.shr(c, 2u32);
+            let high = k.shl(high, shift);
+            Op::Reg(k.or(low, high))
+        }
+        None => Op::Imm(0),
+    }
+}
+
+/// Where [`sum_swizzle`] puts a channel's bits past the low two: above the
+/// quad's two lane bits and the `log2(32 / channels)` bits of the rows.
+fn sum_swizzle_shift(channels: u32) -> Option<u32> {
+    (channels.is_power_of_two() && (4..=WARP_LANES).contains(&channels))
+        .then(|| 2 + (WARP_LANES / channels).trailing_zeros())
 }
 
 /// σ = 2^(`exponent` − e) for the largest |x| = 2^e·(1.…) of a B column (its

@@ -396,8 +396,23 @@ impl<'a> Skeleton<'a> {
         });
     }
 
-    /// Queries of the group's heads into their `query` arrays, 16 bytes a load.
+    /// Queries of the group's heads into their `query` arrays, 16 bytes a
+    /// load. When thread 0 has just issued the first tile's bulk copies, it
+    /// waited on a global load for the page id: the other warps load the
+    /// queries, so that the CTA's barrier waits on one load latency, not two
+    /// (each thread's loads in flight together).
     fn load_queries(&self, k: &mut Kernel) {
+        let plan = self.plan;
+        let issued = plan.prefetch && plan.barriers.is_some() && plan.warps > 1;
+        let loaded = k.label();
+        let (start, step) = match issued {
+            true => {
+                let first_warp = k.setp(Cmp::Lt, self.tid, 32u32);
+                k.bra_if(first_warp, true, loaded);
+                (k.sub(self.tid, 32u32), plan.threads - 32)
+            }
+            false => (self.tid, plan.threads),
+        };
         let head_dim = self.m.head_dim;
         let vectors = head_dim / 4;
         let query = self.m.query.index();
@@ -406,7 +421,13 @@ impl<'a> Skeleton<'a> {
         let queries = k.ld_pointer(&self.p.queries);
         let q_row = self.q_row(k);
         let total = k.mul(self.group, vectors);
-        self.strided(k, self.tid, Op::Reg(total), self.plan.threads, |k, idx| {
+        let factor = match issued {
+            true => (plan.group_max * vectors)
+                .div_ceil(step)
+                .min(QUERY_LOADS_IN_FLIGHT),
+            false => 1,
+        };
+        self.strided_unrolled(k, start, Op::Reg(total), step, factor, |k, idx| {
             let (h, v) = divide(k, idx, vectors);
             let row = k.add(q_row, h);
             let four_v = k.shl(v, 2u32);
@@ -417,6 +438,7 @@ impl<'a> Skeleton<'a> {
             let dst = k.mad_lo(v, CHUNK, head);
             k.st_shared_v4(Shared::at(dst), values);
         });
+        k.place(loaded);
     }
 
     /// Runs kernel stages for every head of the group: iterations
@@ -647,8 +669,8 @@ impl<'a> Skeleton<'a> {
     /// [`Self::issue_tile_of`] by bulk copies: thread 0 copies the header
     /// and each stream of `part` as one run each (a swizzled stream as one
     /// box of its tensor map: always a whole tile, items past the page
-    /// zeroed), all completing on the part's mbarrier, which it tells the
-    /// total bytes to expect.
+    /// zeroed), runs that continue one another as one, all completing on the
+    /// part's mbarrier, which it tells the total bytes to expect.
     fn bulk_tile(&self, k: &mut Kernel, t: Reg<U32>, page_id: Reg<U32>, part: Part) {
         let plan = self.plan;
         let skip = k.label();
@@ -681,6 +703,7 @@ impl<'a> Skeleton<'a> {
             };
             copies.push((dst, BulkSource::Run(src), bytes));
         }
+        let copies = merge_runs(copies);
         let total = copies
             .iter()
             .fold(Op::Imm(0), |sum, &(_, _, bytes)| match (sum, bytes) {
@@ -1929,6 +1952,38 @@ struct Tile {
     items: Reg<U32>,
     /// The tile's first item in its page (`None`: tiles are whole pages).
     first: Option<Reg<U32>>,
+}
+
+/// Most query loads a thread keeps in flight before storing them.
+const QUERY_LOADS_IN_FLIGHT: u32 = 4;
+
+/// A bulk copy: destination, source, bytes.
+type BulkCopy = (Shared, BulkSource, Op<U32>);
+
+/// Runs whose bytes continue the previous run's in both spaces join it:
+/// each copy is a chain of dependent uniform instructions on the issuing
+/// thread's path.
+fn merge_runs(copies: Vec<BulkCopy>) -> Vec<BulkCopy> {
+    let mut merged: Vec<BulkCopy> = Vec::with_capacity(copies.len());
+    for copy in copies {
+        if let (
+            Some((dst, BulkSource::Run(src), Op::Imm(bytes))),
+            (to, BulkSource::Run(from), Op::Imm(more)),
+        ) = (merged.last_mut(), copy)
+        {
+            let end = i64::from(*bytes);
+            if dst.base == to.base
+                && dst.offset + end == to.offset
+                && src.base == from.base
+                && src.offset + end == from.offset
+            {
+                *bytes += more;
+                continue;
+            }
+        }
+        merged.push(copy);
+    }
+    merged
 }
 
 /// What of a tile a copy brings: the header goes with the keys.
