@@ -56,6 +56,8 @@ pub const TILE: u32 = 16;
 pub const COLUMNS: u32 = 8;
 /// Lanes sharing one fragment row (`lane % 4`), each loading 16 bytes of it.
 pub const ROW_LANES: u32 = 4;
+/// Lanes of a warp.
+pub const WARP_LANES: u32 = 32;
 /// Registers a lane holds for the whole stream on the tensor cores (its
 /// accumulators and query fragments) at most: past this the tile's working
 /// set spills (192, head_dim 256 with 8 query heads, spilled on sm_80), and
@@ -285,6 +287,11 @@ impl MmaPlan {
     /// of one head per column tile.
     pub fn lane_sums(&self) -> u32 {
         self.column_tiles * self.group_channels()
+    }
+
+    /// Bytes of one warp's output sums ([`Self::lane_sums`] floats a lane).
+    pub fn warp_sums_bytes(&self) -> u32 {
+        self.lane_sums() * WARP_LANES * 4
     }
 
     /// Value channels per lane group (`lane / 4`): 2 per channel tile.

@@ -225,9 +225,6 @@ const SWIZZLE_ALIGN: u32 = 1024;
 /// Most items of one tensor-copy box (a box dimension is at most 256).
 const MAX_BOX_ITEMS: u32 = 256;
 
-/// Lanes of a warp.
-const WARP_LANES: u32 = 32;
-
 /// Bytes of one mbarrier.
 pub const BARRIER_BYTES: u32 = 8;
 
@@ -489,7 +486,7 @@ impl Plan {
         );
         let sums_bytes = mma
             .as_ref()
-            .map_or(0, |m| options.warps * m.lane_sums() * WARP_LANES * 4);
+            .map_or(0, |m| options.warps * m.warp_sums_bytes());
         let warp_sums = match buffers + sums_bytes <= logits {
             true => buffers,
             false => Bump(stream_end.max(epilogue_bump.0)).take(sums_bytes),

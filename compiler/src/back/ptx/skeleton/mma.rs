@@ -29,7 +29,9 @@
 //! between score and accumulate (twelfth round). The warps' states meet
 //! once, after the stream.
 
-use super::super::mma::{lane_chunk, Element, MmaPlan, MmaScore, Rows, ROW_LANES, TILE};
+use super::super::mma::{
+    lane_chunk, Element, MmaPlan, MmaScore, Rows, ROW_LANES, TILE, WARP_LANES,
+};
 use super::super::plan::CHUNK;
 use super::gather::FragmentGather;
 use super::{divide, Rescale, Skeleton, Tile, RESCALE_SLACK_BITS};
@@ -1222,7 +1224,8 @@ impl Skeleton<'_> {
     /// the two parts of each head added, times 1/σ) to its own area of
     /// [`Plan::warp_sums`](super::super::plan::Plan::warp_sums); past a
     /// barrier, every thread adds the warps' sums of its (head, channel)s
-    /// into the accumulator array. A sum's word is its register's
+    /// and stores the total to the accumulator array (not zeroed first:
+    /// this writes every channel of the group's heads). A sum's word is its register's
     /// (lane-major: a store is one wavefront) with the lane swizzled by its
     /// channel ([`sum_swizzle`]: a warp's 32 channels of a head then read 32
     /// banks). Serialized, one warp per barrier, this took a third of a
@@ -1231,7 +1234,7 @@ impl Skeleton<'_> {
         let plan = self.plan;
         let m = plan.mma.as_ref().expect("tensor-core plan");
         let channels = m.group_channels();
-        let warp_bytes = m.lane_sums() * WARP_LANES * 4;
+        let warp_bytes = m.warp_sums_bytes();
         let sums = k.add(self.smem, plan.warp_sums);
         let lane = k.mad_lo(t.lanes.row, ROW_LANES, t.lanes.quad);
         let own = k.mad_lo(t.lanes.warp, warp_bytes, sums);
@@ -1297,8 +1300,6 @@ impl Skeleton<'_> {
     }
 }
 
-/// Lanes of a warp.
-const WARP_LANES: u32 = 32;
 /// Lane groups (fragment rows, `lane / 4`) of a warp: each holds its
 /// `channels` of a head.
 const ROW_GROUPS: u32 = WARP_LANES / ROW_LANES;

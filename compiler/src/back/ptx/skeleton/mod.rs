@@ -17,6 +17,7 @@ use super::builder::{
     Axis, Cmp, Global, Kernel, Op, Param, Pred, Reg, Shared, Type, F32, U32, U64,
 };
 use super::expr::{self, ArrayAccess, Env, ItemSource, Preloaded, Replicas, TableAccess};
+use super::mma::WARP_LANES;
 use super::plan::ScoreSplit;
 use super::plan::{Plan, Stream, BARRIER_BYTES, CHUNK};
 use crate::ir::{Arena, Expr, Module, Stage};
@@ -381,11 +382,15 @@ impl<'a> Skeleton<'a> {
                 k.st_shared(Shared::at(at).plus(plan.tile_max.into()), ORDER_KEY_NEG_INF);
             });
         }
-        let acc = self.m.value.accumulator.index();
-        let words = plan.group_max * plan.array_stride[acc] / 4;
-        self.per_word(k, words, |k, at| {
-            k.st_shared(Shared::at(at).plus(plan.arrays[acc].into()), zero);
-        });
+        // Tensor-core accumulates store their totals after the stream
+        // (`Skeleton::mma_store`); the others add into the zeroed array.
+        if plan.mma.is_none() {
+            let acc = self.m.value.accumulator.index();
+            let words = plan.group_max * plan.array_stride[acc] / 4;
+            self.per_word(k, words, |k, at| {
+                k.st_shared(Shared::at(at).plus(plan.arrays[acc].into()), zero);
+            });
+        }
     }
 
     /// `body(smem + 4·i)` for `i < count`, strided over the CTA's threads.
@@ -407,9 +412,9 @@ impl<'a> Skeleton<'a> {
         let loaded = k.label();
         let (start, step) = match issued {
             true => {
-                let first_warp = k.setp(Cmp::Lt, self.tid, 32u32);
+                let first_warp = k.setp(Cmp::Lt, self.tid, WARP_LANES);
                 k.bra_if(first_warp, true, loaded);
-                (k.sub(self.tid, 32u32), plan.threads - 32)
+                (k.sub(self.tid, WARP_LANES), plan.threads - WARP_LANES)
             }
             false => (self.tid, plan.threads),
         };
