@@ -184,11 +184,20 @@ pub struct Shared {
     pub offset: i64,
 }
 
-/// A global-memory address: 64-bit register plus byte offset.
+/// A global-memory address: 64-bit register plus byte offset, and the L2
+/// cache policy (from [`Kernel::l2_policy`]) its loads and copies take.
 #[derive(Debug, Clone, Copy)]
 pub struct Global {
     pub base: Reg<U64>,
     pub offset: i64,
+    pub policy: Option<Reg<U64>>,
+}
+
+/// Which lines an L2 cache policy evicts first or keeps longest.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Evict {
+    First,
+    Last,
 }
 
 impl Shared {
@@ -205,12 +214,31 @@ impl Shared {
 
 impl Global {
     pub fn at(base: Reg<U64>) -> Global {
-        Global { base, offset: 0 }
+        Global {
+            base,
+            offset: 0,
+            policy: None,
+        }
     }
     pub fn plus(self, bytes: i64) -> Global {
         Global {
-            base: self.base,
             offset: self.offset + bytes,
+            ..self
+        }
+    }
+    /// The same address, read under L2 cache policy `policy`.
+    pub fn cached(self, policy: Reg<U64>) -> Global {
+        Global {
+            policy: Some(policy),
+            ..self
+        }
+    }
+    /// The `.L2::cache_hint` qualifier and trailing policy operand of an
+    /// access to this address (empty without a policy).
+    fn hint(&self) -> (&'static str, String) {
+        match self.policy {
+            Some(p) => (".L2::cache_hint", format!(", {p}")),
+            None => ("", String::new()),
         }
     }
 }
@@ -994,22 +1022,39 @@ impl Kernel {
     pub fn red_shared_max(&mut self, at: Shared, value: Reg<U32>) {
         self.line(format_args!("red.shared.max.u32 {at}, {value}"));
     }
+    /// An L2 cache policy for every line an access touches (sm_80+).
+    pub fn l2_policy(&mut self, evict: Evict) -> Reg<U64> {
+        let d = self.reg();
+        let priority = match evict {
+            Evict::First => "evict_first",
+            Evict::Last => "evict_last",
+        };
+        self.line(format_args!(
+            "createpolicy.fractional.L2::{priority}.b64 {d}, 1.0"
+        ));
+        d
+    }
     /// Read-only, non-coherent global load (tables, page lists, queries).
     pub fn ld_global_nc<T: Bits32>(&mut self, at: Global) -> Reg<T> {
         let d = self.reg();
-        self.line(format_args!("ld.global.nc.{} {d}, {at}", T::SUFFIX));
+        self.ld_global_nc_to(d, at);
         d
     }
     /// [`Self::ld_global_nc`] into `dst`, a register updated in a loop: the
     /// load's latency is hidden until `dst` is next read.
     pub fn ld_global_nc_to<T: Bits32>(&mut self, dst: Reg<T>, at: Global) {
-        self.line(format_args!("ld.global.nc.{} {dst}, {at}", T::SUFFIX));
+        let (hint, policy) = at.hint();
+        self.line(format_args!(
+            "ld.global.nc{hint}.{} {dst}, {at}{policy}",
+            T::SUFFIX
+        ));
     }
     /// 16 bytes, read-only; `at` must be 16-byte aligned.
     pub fn ld_global_nc_v4<T: Bits32>(&mut self, at: Global) -> [Reg<T>; 4] {
         let d = [self.reg(), self.reg(), self.reg(), self.reg()];
+        let (hint, policy) = at.hint();
         self.line(format_args!(
-            "ld.global.nc.v4.{} {{{}, {}, {}, {}}}, {at}",
+            "ld.global.nc{hint}.v4.{} {{{}, {}, {}, {}}}, {at}{policy}",
             T::SUFFIX,
             d[0],
             d[1],
@@ -1027,8 +1072,9 @@ impl Kernel {
     /// The L2 fetches whole 128-byte lines: on an H200 that took dense f16
     /// decode from 0.2935 to 0.2830 ms (256-byte lines: 0.3070; kivi unchanged).
     pub fn cp_async_16(&mut self, dst: Shared, src: Global) {
+        let (hint, policy) = src.hint();
         self.line(format_args!(
-            "cp.async.cg.shared.global.L2::128B {dst}, {src}, 16"
+            "cp.async.cg.shared.global{hint}.L2::128B {dst}, {src}, 16{policy}"
         ));
     }
     /// Closes the current group of `cp.async` copies (an empty group is fine).
@@ -1078,23 +1124,26 @@ impl Kernel {
         barrier: Shared,
     ) {
         let bytes = bytes.into();
+        let (hint, policy) = src.hint();
         self.line(format_args!(
-            "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes {dst}, {src}, {bytes}, {barrier}"
+            "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes{hint} {dst}, {src}, {bytes}, {barrier}{policy}"
         ));
     }
     /// Tensor copy of the box at `coords` (innermost first) of the 4-d tensor
     /// map at generic address `map` global -> shared (`dst` aligned as the
-    /// map's swizzle needs); completes its bytes on the mbarrier at `barrier`.
+    /// map's swizzle needs), its lines under L2 policy `policy`; completes its
+    /// bytes on the mbarrier at `barrier`.
     pub fn cp_async_bulk_tensor_4d(
         &mut self,
         dst: Shared,
         map: Reg<U64>,
         coords: [Reg<U32>; 4],
         barrier: Shared,
+        policy: Reg<U64>,
     ) {
         let [c0, c1, c2, c3] = coords;
         self.line(format_args!(
-            "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes {dst}, [{map}, {{{c0}, {c1}, {c2}, {c3}}}], {barrier}"
+            "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint {dst}, [{map}, {{{c0}, {c1}, {c2}, {c3}}}], {barrier}, {policy}"
         ));
     }
     /// Waits until the phase of parity `parity` (0 or 1) of the mbarrier at
@@ -1252,23 +1301,35 @@ mod tests {
         k.fence_proxy_async_shared();
         k.mbarrier_arrive_expect_tx(bar, bytes);
         k.cp_async_bulk(Shared::at(base).plus(32), Global::at(src), bytes, bar);
+        let streamed = k.l2_policy(Evict::First);
+        let source = Global::at(src).plus(64).cached(streamed);
+        k.cp_async_bulk(Shared::at(base).plus(64), source, bytes, bar);
         k.cp_async_bulk_tensor_4d(
             Shared::at(base).plus(1024),
             src,
             [tid, tid, bytes, tid],
             bar,
+            streamed,
         );
         let parity = k.and(tid, 1u32);
         k.mbarrier_wait(bar, parity);
+        let kept = k.l2_policy(Evict::Last);
+        k.ld_global_nc::<U32>(Global::at(src).plus(4).cached(kept));
         let text = k.finish();
         assert!(text.contains("mbarrier.init.shared::cta.b64 [%r0+8], 1;"));
         assert!(text.contains("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%r0+8], %r2;"));
         assert!(text.contains(
             "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%r0+32], [%rd0], %r2, [%r0+8];"
         ));
+        assert!(text.contains("createpolicy.fractional.L2::evict_first.b64 %rd1, 1.0;"));
         assert!(text.contains(
-            "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%r0+1024], [%rd0, {%r1, %r1, %r2, %r1}], [%r0+8];"
+            "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%r0+64], [%rd0+64], %r2, [%r0+8], %rd1;"
         ));
+        assert!(text.contains(
+            "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%r0+1024], [%rd0, {%r1, %r1, %r2, %r1}], [%r0+8], %rd1;"
+        ));
+        assert!(text.contains("createpolicy.fractional.L2::evict_last.b64 %rd2, 1.0;"));
+        assert!(text.contains("ld.global.nc.L2::cache_hint.u32 %r4, [%rd0+4], %rd2;"));
         // The wait spins on try_wait until the phase completes.
         assert!(text
             .contains("mbarrier.try_wait.parity.shared::cta.b64 %p0, [%r0+8], %r3;\n\t@!%p0 bra"));

@@ -14,7 +14,7 @@ use std::collections::HashSet;
 
 use super::abi::{tensor_map_slot, ParamType, TableBuffer, DECODE_PARAMS, TENSOR_MAP_BYTES};
 use super::builder::{
-    Axis, Cmp, Global, Kernel, Op, Param, Pred, Reg, Shared, Type, F32, U32, U64,
+    Axis, Cmp, Evict, Global, Kernel, Op, Param, Pred, Reg, Shared, Type, F32, U32, U64,
 };
 use super::expr::{self, ArrayAccess, Env, ItemSource, Preloaded, Replicas, TableAccess};
 use super::mma::WARP_LANES;
@@ -152,8 +152,9 @@ impl<'a> Skeleton<'a> {
         k.comment("split s takes pages [s * share, (s + 1) * share) of its row");
         let row = k.mad_lo(sequence, kv_heads, kv_head);
         let row_at = k.global_index(offsets, row, 4);
-        let begin = k.ld_global_nc::<U32>(Global::at(row_at));
-        let end = k.ld_global_nc::<U32>(Global::at(row_at).plus(4));
+        let row_at = kept(k, row_at);
+        let begin = k.ld_global_nc::<U32>(row_at);
+        let end = k.ld_global_nc::<U32>(row_at.plus(4));
         let pages = k.sub(end, begin);
         let rounded = k.add(pages, splits);
         let rounded = k.sub(rounded, 1u32);
@@ -200,12 +201,14 @@ impl<'a> Skeleton<'a> {
 
     fn run(&self, k: &mut Kernel) {
         let plan = self.plan;
+        // Before the page count is known: its barrier waits out the page
+        // offsets' load latency instead of adding to it.
+        self.init_barriers(k);
         let empty = k.label();
         let none = k.setp(Cmp::Eq, self.tiles, 0u32);
         k.bra_if(none, true, empty);
 
         let bulk = plan.barriers.is_some();
-        self.init_barriers(k);
         k.comment("stage the tables score/accumulate read into shared memory");
         let buffer = TableBuffer::of(self.m);
         let tables = self.tables(k);
@@ -438,7 +441,8 @@ impl<'a> Skeleton<'a> {
             let four_v = k.shl(v, 2u32);
             let element = k.mad_lo(row, head_dim, four_v);
             let src = k.global_index(queries, element, 4);
-            let values = k.ld_global_nc_v4::<F32>(Global::at(src));
+            let src = kept(k, src);
+            let values = k.ld_global_nc_v4::<F32>(src);
             let head = k.mad_lo(h, stride, base);
             let dst = k.mad_lo(v, CHUNK, head);
             k.st_shared_v4(Shared::at(dst), values);
@@ -636,7 +640,8 @@ impl<'a> Skeleton<'a> {
             k.div_u32(t, self.plan.tiles_per_page)
         };
         let entry = k.add(self.first, page_index);
-        Global::at(k.global_index(self.page_ids, entry, 4))
+        let at = k.global_index(self.page_ids, entry, 4);
+        kept(k, at)
     }
 
     /// Issues the copies of `part` of tile `t` into its buffer.
@@ -684,10 +689,14 @@ impl<'a> Skeleton<'a> {
         let page = k.global_index(self.pool, page_id, plan.page_bytes);
         let buf = self.buffer(k, t);
         let (first, len) = self.tile_span(k, t);
+        // Pages are read once per step: evicted first, they leave L2 to
+        // the page lists and queries every step reads again.
+        let streamed = k.l2_policy(Evict::First);
         let mut copies = Vec::new();
         if part != Part::Values && plan.header_bytes > 0 {
             let header = Op::Imm(plan.header_bytes);
-            copies.push((Shared::at(buf), BulkSource::Run(Global::at(page)), header));
+            let src = Global::at(page).cached(streamed);
+            copies.push((Shared::at(buf), BulkSource::Run(src), header));
         }
         for &side in part.sides() {
             let s = plan.stream(side);
@@ -706,7 +715,7 @@ impl<'a> Skeleton<'a> {
                 Op::Imm(n) => Op::Imm(n * CHUNK),
                 Op::Reg(n) => Op::Reg(k.shl(n, CHUNK.trailing_zeros())),
             };
-            copies.push((dst, BulkSource::Run(src), bytes));
+            copies.push((dst, BulkSource::Run(src.cached(streamed)), bytes));
         }
         let copies = merge_runs(copies);
         let total = copies
@@ -724,7 +733,7 @@ impl<'a> Skeleton<'a> {
             match src {
                 BulkSource::Run(src) => k.cp_async_bulk(dst, src, bytes, barrier),
                 BulkSource::Box(map, coords) => {
-                    k.cp_async_bulk_tensor_4d(dst, map, coords, barrier)
+                    k.cp_async_bulk_tensor_4d(dst, map, coords, barrier, streamed)
                 }
             }
         }
@@ -1946,6 +1955,14 @@ impl<'a> Skeleton<'a> {
             k.st_global(rec.plus(4 * i64::from(layout.sum_offset())), l);
         });
     }
+}
+
+/// `at` under an L2 policy that keeps its lines longest: the page lists and
+/// queries, which every decode step (every layer, in serving) reads again,
+/// where the pages stream through L2 once (docs/ptx-backend.md, round 24).
+fn kept(k: &mut Kernel, at: Reg<U64>) -> Global {
+    let keep = k.l2_policy(Evict::Last);
+    Global::at(at).cached(keep)
 }
 
 /// One tile in shared memory.
