@@ -487,12 +487,12 @@ impl Plan {
         let sums_bytes = mma
             .as_ref()
             .map_or(0, |m| options.warps * m.warp_sums_bytes());
+        let arrays_end = stream_end.max(epilogue_bump.0);
         let warp_sums = match buffers + sums_bytes <= logits {
             true => buffers,
-            false => Bump(stream_end.max(epilogue_bump.0)).take(sums_bytes),
+            false => Bump(arrays_end).take(sums_bytes),
         };
-        let shared_end =
-            (stream_end.max(epilogue_bump.0)).max(round_up(warp_sums + sums_bytes, CHUNK));
+        let shared_end = arrays_end.max(round_up(warp_sums + sums_bytes, CHUNK));
         let limit = options.target.max_shared_bytes();
 
         // The prologue's arrays are dead once the page loop starts: in the

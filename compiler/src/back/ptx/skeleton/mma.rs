@@ -1239,8 +1239,8 @@ impl Skeleton<'_> {
         let lane = k.mad_lo(t.lanes.row, ROW_LANES, t.lanes.quad);
         let own = k.mad_lo(t.lanes.warp, warp_bytes, sums);
         k.comment("each warp's sums into its own area");
+        let unscale = t.sigma.map(|sigma| unscale_of(k, sigma));
         for (ct, acc) in (0u32..).zip(&t.acc) {
-            let unscale = t.sigma.map(|sigma| unscale_of(k, sigma));
             // Per lane group channel, its sum's registers: columns
             // (head, part) add their two parts; gathered values' columns
             // are (head, parity).

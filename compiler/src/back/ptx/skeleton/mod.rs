@@ -1982,9 +1982,9 @@ const QUERY_LOADS_IN_FLIGHT: u32 = 4;
 /// A bulk copy: destination, source, bytes.
 type BulkCopy = (Shared, BulkSource, Op<U32>);
 
-/// Runs whose bytes continue the previous run's in both spaces join it:
-/// each copy is a chain of dependent uniform instructions on the issuing
-/// thread's path.
+/// Runs whose bytes continue the previous run's in both spaces, under the
+/// same L2 policy, join it: each copy is a chain of dependent uniform
+/// instructions on the issuing thread's path.
 fn merge_runs(copies: Vec<BulkCopy>) -> Vec<BulkCopy> {
     let mut merged: Vec<BulkCopy> = Vec::with_capacity(copies.len());
     for copy in copies {
@@ -1998,6 +1998,7 @@ fn merge_runs(copies: Vec<BulkCopy>) -> Vec<BulkCopy> {
                 && dst.offset + end == to.offset
                 && src.base == from.base
                 && src.offset + end == from.offset
+                && src.policy == from.policy
             {
                 *bytes += more;
                 continue;
