@@ -7,7 +7,7 @@
 //
 //   nvcc -O3 -arch=sm_90a -std=c++17 -o copy_paths benches/gpu/copy_paths.cu && ./copy_paths
 //
-// H200, 2026-11-21 (docs/ptx-backend.md, fourteenth round): 16-byte cp.async into 272-byte
+// H200, 2026-11-21 (docs/ptx-backend.md, Staging and copies): 16-byte cp.async into 272-byte
 // rows peaks at 4.20 TB/s (128 threads, 3 CTAs/SM, 16-32 KB tiles); a bulk copy per 256-byte
 // row at 4.04; bulk copies of contiguous half tiles at 4.40 (2-3 CTAs/SM, 32 KB tiles).
 #include <cstdio>

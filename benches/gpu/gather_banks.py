@@ -5,14 +5,15 @@ Simulates the kernel's gathered loads (skeleton/gather.rs) on fresh random
 masks (16 of 64 f16 pairs kept per row, as the encoder keeps them) and counts
 the wavefronts each warp-wide load needs: per bank, its distinct words. Rows
 are 72 bytes (an 8-byte mask, then the kept pairs by rank), unpadded, as bulk
-copies leave them. Layouts compared (docs/gpu-bench.md, twentieth round):
+copies leave them. Layouts compared (`strided` and `adjacent` are the
+kernel's):
 
 - keys: lane (g, t) of a load reads row g of the half-tile; `contiguous`:
-  quad lane t owns groups 16t..16t+15 (before the twentieth round),
-  `strided`: mask bytes t and t + 4 (since), `interleaved`: groups 4r + t;
+  quad lane t owns groups 16t..16t+15, `strided`: mask bytes t and t + 4,
+  `interleaved`: groups 4r + t;
 - values: lane (g, t) reads its lane group g's byte of the mask (groups
-  8g..8g+7) of one of its tokens; `every-other`: tokens 2t + {0, 1, 8, 9}
-  (before the twentieth round), `adjacent`: t + {0, 8, 4, 12} (since).
+  8g..8g+7) of one of its tokens; `every-other`: tokens 2t + {0, 1, 8, 9},
+  `adjacent`: t + {0, 8, 4, 12}.
 
 Usage: gather_banks.py [--tiles N] [--seed S]
 """

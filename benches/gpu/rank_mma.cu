@@ -6,10 +6,9 @@
 //
 //   nvcc -O3 -arch=sm_90 -o rank_mma benches/gpu/rank_mma.cu && ./rank_mma
 //
-// H200, 2026-11-22 (docs/ptx-backend.md, twenty-first round): all three mma kinds issue at the
-// same rate (0.60 per cycle and SM) and latency (about 30 cycles in a dependent chain); the rank
-// check matches. Used as MosaicKV's rank step it still lost (docs/gpu-bench.md, twenty-first
-// round).
+// H200, 2026-11-22: all three mma kinds issue at the same rate (0.60 per cycle and SM) and
+// latency (about 30 cycles in a dependent chain); the rank check matches. As MosaicKV's rank step
+// it needs 143 registers (3 CTAs/SM), which costs more than the instructions it saves.
 #include <cstdio>
 #include <cstdint>
 #include <cstdlib>
