@@ -3,7 +3,9 @@
 # Binaries are built on a CPU machine and carried in .gpu/ (see build.sh):
 #   .gpu/kvcc, .gpu/gpu-tests (the tests/gpu.rs test binary); wheels in .whl/.
 # Usage: benches/gpu/run.sh STEP...
-#   STEP: env | test | sanitize | ncu | baseline | bench | tune | tuned-bench | shipped
+#   STEP: env | test | sanitize | ncu | baseline | bench | tune | tuned-bench | shipped | before-after
+# before-after: benches the build in $KVCC_BEFORE (default .gpu/before, built by build.sh from an
+# older commit) and .gpu/ alternately, three runs each, and fails if a tier is over 2 % slower.
 # shipped: imports the tune cache exported by an earlier call on another machine
 # ($KVCC_SHIPPED, default .gpu/tune-export-h200.json) into a fresh cache, then
 # tunes: entries for unchanged kernels are hits, entries for changed ones stale.
@@ -93,6 +95,21 @@ for s in "$@"; do
         --save "$out/shipped-tune.json" > "$out/shipped-tune.txt" 2> "$out/shipped-tune.err" || status=1
       python3 -c 'import json,sys; r=json.load(open(sys.argv[1]))["results"]; c=[x for x in r if x["origin"]=="cached"]; s=[x for x in r if x["origin"]=="replaced_stale"]; print(f"after import: {len(c)} of {len(r)} tier/context results served from the shipped cache, {len(s)} swept again because their entry was stale (codegen changed), {len(r)-len(c)-len(s)} swept without an entry")' "$out/shipped-tune.json"
       unset KVCC_TUNE_CACHE
+      ;;
+    before-after)
+      step "kvcc bench: the build in ${KVCC_BEFORE:-.gpu/before} against .gpu/, alternating"
+      before=()
+      after=()
+      for i in 1 2 3; do
+        for build in before after; do
+          bin=.gpu/kvcc
+          [ "$build" = before ] && bin=${KVCC_BEFORE:-.gpu/before}/kvcc
+          "$bin" bench --ctx "${KVCC_BENCH_CTX:-32768}" --save "$out/bench-$build-$i.json" \
+            > "$out/bench-$build-$i.txt" 2> "$out/bench-$build-$i.err" || { status=1; tail -5 "$out/bench-$build-$i.err"; }
+          if [ "$build" = before ]; then before+=("$out/bench-$build-$i.json"); else after+=("$out/bench-$build-$i.json"); fi
+        done
+      done
+      python3 benches/gpu/before_after.py 0.02 "${before[@]}" -- "${after[@]}" | tee "$out/before-after.txt" || status=1
       ;;
   esac
 done
