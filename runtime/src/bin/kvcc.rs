@@ -2,9 +2,10 @@
 
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
-use indicatif::{ProgressBar, ProgressStyle};
+use indicatif::{ProgressBar, ProgressFinish, ProgressStyle};
 use kvcc_compiler::Format;
 use kvcc_runtime::cli::{self, bench, check, demo, eval};
 use kvcc_runtime::cuda::measure::StepTiming;
@@ -76,8 +77,10 @@ enum Command {
         seed: u64,
         #[arg(long, default_value_t = 1000)]
         tokens: usize,
-        #[arg(long, default_value_t = 32_768)]
-        context: u32,
+        /// Tokens to amortize page headers, partial pages and tables over
+        /// (default: --tokens).
+        #[arg(long)]
+        context: Option<u32>,
         /// Executor the fidelity columns come from (interp, jit, cuda); the
         /// interpreter is timed beside it.
         #[arg(long, default_value = "jit")]
@@ -176,8 +179,10 @@ enum Command {
         /// Query rows per (layer, head), evenly spaced.
         #[arg(long, default_value_t = 64)]
         max_queries: usize,
-        #[arg(long, default_value_t = 32_768)]
-        context: u32,
+        /// Tokens to amortize page headers, partial pages and tables over
+        /// (default: the tensors' token count).
+        #[arg(long)]
+        context: Option<u32>,
         /// Executor that decodes the queries (interp, jit, cuda).
         #[arg(long, default_value = "jit")]
         executor: ExecutorKind,
@@ -403,15 +408,24 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             json,
         } => {
             let format = Format::load(&spec)?;
+            let loading = ProgressBar::new_spinner()
+                .with_finish(ProgressFinish::AndClear)
+                .with_message(format!("reading {}", qkv.display()));
+            loading.enable_steady_tick(Duration::from_millis(200));
             let data = load_qkv(&qkv, prefix.as_deref())?;
-            let progress = bar(data.k.shape[0] as u64, "layers");
+            loading.finish_and_clear();
+            let progress = bar(0, "eval").with_finish(ProgressFinish::AndClear);
+            progress.enable_steady_tick(Duration::from_millis(200));
             let report = eval::run(
                 &format,
                 &data,
                 max_queries.max(1),
                 context,
                 executor,
-                |done, _| progress.set_position(done as u64),
+                |done, total| {
+                    progress.set_length(total as u64);
+                    progress.set_position(done as u64);
+                },
             )?;
             progress.finish_and_clear();
             emit(&report, None, json, || eval::render(&report))?;
