@@ -166,17 +166,9 @@ pub fn render(rows: &[DemoRow], options: &DemoOptions) -> String {
     // The selected executor's time beside the interpreter's.
     let timed = options.executor != ExecutorKind::Interp;
     let executor_ms = format!("{executor} ms");
-    let mut headers = vec![
-        "format",
-        "tier",
-        "B/token",
-        "vs f16",
-        "out rel err",
-        "max logit drift",
-        "mean drift",
-        "top-8",
-        "interp ms",
-    ];
+    let mut headers = vec!["format", "tier", "B/token", "vs f16"];
+    headers.extend(Fidelity::HEADERS);
+    headers.push("interp ms");
     if timed {
         headers.push(executor_ms.as_str());
     }

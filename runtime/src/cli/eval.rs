@@ -164,16 +164,10 @@ pub fn run(
 
 pub fn render(report: &EvalReport) -> String {
     let executor_ms = format!("{} ms", report.executor);
-    let mut table = Table::new(&[
-        "tier",
-        "B/token",
-        "vs f16",
-        "out rel err",
-        "max logit drift",
-        "mean drift",
-        "top-8",
-        &executor_ms,
-    ]);
+    let mut headers = vec!["tier", "B/token", "vs f16"];
+    headers.extend(Fidelity::HEADERS);
+    headers.push(&executor_ms);
+    let mut table = Table::new(&headers);
     for column in 1..8 {
         table.right_align(column);
     }
