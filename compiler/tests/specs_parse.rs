@@ -42,6 +42,22 @@ fn missing_file_is_an_io_error() {
     );
 }
 
+#[test]
+fn non_utf8_spec_points_at_the_byte() {
+    let path = std::env::temp_dir().join(format!("kvcc-non-utf8-{}.toml", std::process::id()));
+    std::fs::write(&path, b"name = \"x\"\n# caf\xc3\xa9 \xff\nhead_dim = 64\n").unwrap();
+    let err = load_spec(&path).unwrap_err();
+    std::fs::remove_file(&path).unwrap();
+    let file = path.display().to_string();
+    assert_eq!(err.diagnostics().len(), 1, "{err}");
+    assert_eq!(
+        err.to_string(),
+        format!(
+            "{file}:2:8: the spec is not UTF-8: byte 0xff at byte offset 19; TOML files are UTF-8"
+        )
+    );
+}
+
 /// The full example of `docs/spec-reference.md` parses, checks, and has the
 /// shared-memory estimate the document states.
 #[test]

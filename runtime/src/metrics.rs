@@ -23,6 +23,9 @@ pub struct Fidelity {
 
 /// Running sums behind a [`Fidelity`].
 impl Fidelity {
+    /// Column headers of [`Fidelity::cells`].
+    pub const HEADERS: [&str; 4] = ["out rel err", "max logit drift", "mean drift", "top-8"];
+
     /// Table cells: output error, max and mean logit drift with `digits`
     /// decimals, then the top-8 overlap.
     pub fn cells(&self, digits: usize) -> [String; 4] {

@@ -24,6 +24,8 @@ use std::io::{BufWriter, Read, Write};
 use std::path::{Path, PathBuf};
 
 use half::{bf16, f16};
+use npyz::{Endianness, TypeChar, TypeStr};
+use py_literal::Value;
 use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensorError, SafeTensors, View};
 
@@ -732,18 +734,19 @@ fn read_npy_named(path: &Path, tensor: &str) -> Result<Tensor4> {
 
 /// Maps an npy `descr` to an element type, or returns a hint for the error.
 fn npy_elem(descr: &str) -> Result<Elem, String> {
-    match descr {
-        "<f4" => Ok(Elem::F32),
-        "<f2" => Ok(Elem::F16),
-        "<u2" => Ok(Elem::Bf16),
-        d if d.starts_with('>') => {
+    let ty: TypeStr = descr.parse().map_err(|e| format!("; {e}"))?;
+    match (ty.endianness(), ty.type_char(), ty.size_field()) {
+        (Endianness::Big, ..) => {
             Err("; big-endian data is not supported, convert with `a.astype('<f4')`".into())
         }
-        "<i2" => Err(
+        (_, TypeChar::Float, 4) => Ok(Elem::F32),
+        (_, TypeChar::Float, 2) => Ok(Elem::F16),
+        (_, TypeChar::Uint, 2) => Ok(Elem::Bf16),
+        (_, TypeChar::Int, 2) => Err(
             "; for bfloat16 save the raw bits as uint16: `t.view(torch.int16).numpy().view(np.uint16)`"
                 .into(),
         ),
-        d if d.contains('V') => Err(
+        (_, TypeChar::RawData, _) => Err(
             "; NumPy cannot store bfloat16 natively: save the raw bits as uint16 \
              (`t.view(torch.int16).numpy().view(np.uint16)`) or convert to float32"
                 .into(),
@@ -791,44 +794,49 @@ fn parse_npy_header(bytes: &[u8]) -> Result<NpyHeader, String> {
         raw.iter().map(|&b| b as char).collect()
     };
 
-    let value = PyLit::parse(&text).map_err(|e| format!("cannot parse header {text:?}: {e}"))?;
-    let PyVal::Dict(entries) = value else {
+    let value: Value =
+        strip_long_suffixes(text.trim())
+            .parse()
+            .map_err(|e: py_literal::ParseError| {
+                format!("cannot parse header {text:?}: {}", one_line(&e.to_string()))
+            })?;
+    let Value::Dict(entries) = value else {
         return Err(format!("header is not a dict: {}", text.trim()));
     };
     let get = |key: &str| {
         entries
             .iter()
-            .find(|(k, _)| matches!(k, PyVal::Str(s) if s == key))
+            .find(|(k, _)| k.as_string().is_some_and(|s| s == key))
             .map(|(_, v)| v)
             .ok_or_else(|| format!("header has no '{key}' key: {}", text.trim()))
     };
     let descr = match get("descr")? {
-        PyVal::Str(s) => s.clone(),
+        Value::String(s) => s.clone(),
         other => {
             return Err(format!(
-                "'descr' is {other:?}; structured dtypes are not supported"
+                "'descr' is {other}; structured dtypes are not supported"
             ))
         }
     };
     let fortran_order = match get("fortran_order")? {
-        PyVal::Bool(b) => *b,
+        Value::Boolean(b) => *b,
         other => {
             return Err(format!(
-                "'fortran_order' is {other:?}, expected True or False"
+                "'fortran_order' is {other}, expected True or False"
             ))
         }
     };
     let shape = match get("shape")? {
-        PyVal::Tuple(items) | PyVal::List(items) => items
+        Value::Tuple(items) | Value::List(items) => items
             .iter()
             .map(|d| match d {
-                PyVal::Int(n) => {
-                    usize::try_from(*n).map_err(|_| format!("'shape' has invalid dimension {n}"))
+                Value::Integer(n) => {
+                    usize::try_from(n).map_err(|_| format!("'shape' has invalid dimension {n}"))
                 }
-                other => Err(format!("'shape' has non-integer entry {other:?}")),
+                other => Err(format!("'shape' has non-integer entry {other}")),
             })
             .collect::<Result<Vec<_>, _>>()?,
-        other => return Err(format!("'shape' is {other:?}, expected a tuple")),
+        other => return Err(format!("'shape' is {other}, expected a tuple")),
     };
     Ok(NpyHeader {
         descr,
@@ -838,149 +846,41 @@ fn parse_npy_header(bytes: &[u8]) -> Result<NpyHeader, String> {
     })
 }
 
-/// The subset of Python literals an npy header uses.
-#[derive(Debug, Clone, PartialEq)]
-enum PyVal {
-    Str(String),
-    Int(i128),
-    Bool(bool),
-    None,
-    Tuple(Vec<PyVal>),
-    List(Vec<PyVal>),
-    Dict(Vec<(PyVal, PyVal)>),
+/// The position and expectation of a multi-line parser message:
+/// "--> 1:53 = expected digit".
+fn one_line(message: &str) -> String {
+    let lines: Vec<&str> = message.lines().map(str::trim).collect();
+    let key: Vec<&str> = lines
+        .iter()
+        .filter_map(|l| match l.find("-->") {
+            Some(at) => Some(&l[at..]),
+            None => l.starts_with("= ").then_some(*l),
+        })
+        .collect();
+    if key.is_empty() { lines } else { key }.join(" ")
 }
 
-struct PyLit<'a> {
-    chars: std::iter::Peekable<std::str::Chars<'a>>,
-}
-
-impl<'a> PyLit<'a> {
-    fn parse(text: &'a str) -> Result<PyVal, String> {
-        let mut p = PyLit {
-            chars: text.chars().peekable(),
-        };
-        let v = p.value(0)?;
-        p.skip_ws();
-        match p.chars.next() {
-            None => Ok(v),
-            Some(c) => Err(format!("unexpected {c:?} after the value")),
+/// Drops the `L` of Python 2 long integers (`(3L, 4L)`), as NumPy's
+/// `_filter_header` does before `ast.literal_eval`.
+fn strip_long_suffixes(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut quote = None;
+    let mut prev = ' ';
+    for c in text.chars() {
+        match quote {
+            Some(q) if c == q => quote = None,
+            Some(_) => {}
+            None if c == '\'' || c == '"' => quote = Some(c),
+            None if (c == 'L' || c == 'l') && prev.is_ascii_digit() => {
+                prev = c;
+                continue;
+            }
+            None => {}
         }
+        out.push(c);
+        prev = c;
     }
-
-    fn skip_ws(&mut self) {
-        while self.chars.next_if(|c| c.is_whitespace()).is_some() {}
-    }
-
-    fn value(&mut self, depth: usize) -> Result<PyVal, String> {
-        if depth > 32 {
-            return Err("nested too deeply".to_string());
-        }
-        self.skip_ws();
-        match self.chars.peek().copied() {
-            Some('{') => {
-                self.chars.next();
-                let mut entries = Vec::new();
-                loop {
-                    self.skip_ws();
-                    if self.chars.next_if_eq(&'}').is_some() {
-                        break;
-                    }
-                    let k = self.value(depth + 1)?;
-                    self.skip_ws();
-                    if self.chars.next_if_eq(&':').is_none() {
-                        return Err("expected ':' in dict".to_string());
-                    }
-                    let v = self.value(depth + 1)?;
-                    entries.push((k, v));
-                    self.skip_ws();
-                    match self.chars.next() {
-                        Some(',') => {}
-                        Some('}') => break,
-                        other => {
-                            return Err(format!("expected ',' or '}}' in dict, got {other:?}"))
-                        }
-                    }
-                }
-                Ok(PyVal::Dict(entries))
-            }
-            Some(open @ ('(' | '[')) => {
-                self.chars.next();
-                let close = if open == '(' { ')' } else { ']' };
-                let mut items = Vec::new();
-                loop {
-                    self.skip_ws();
-                    if self.chars.next_if_eq(&close).is_some() {
-                        break;
-                    }
-                    items.push(self.value(depth + 1)?);
-                    self.skip_ws();
-                    match self.chars.next() {
-                        Some(',') => {}
-                        Some(c) if c == close => break,
-                        other => return Err(format!("expected ',' or {close:?}, got {other:?}")),
-                    }
-                }
-                Ok(if open == '(' {
-                    PyVal::Tuple(items)
-                } else {
-                    PyVal::List(items)
-                })
-            }
-            Some(q @ ('\'' | '"')) => {
-                self.chars.next();
-                let mut s = String::new();
-                loop {
-                    match self.chars.next() {
-                        None => return Err("unterminated string".to_string()),
-                        Some(c) if c == q => break,
-                        Some('\\') => match self.chars.next() {
-                            Some('n') => s.push('\n'),
-                            Some('t') => s.push('\t'),
-                            Some(c @ ('\\' | '\'' | '"')) => s.push(c),
-                            Some(c) => {
-                                s.push('\\');
-                                s.push(c);
-                            }
-                            None => return Err("unterminated string".to_string()),
-                        },
-                        Some(c) => s.push(c),
-                    }
-                }
-                Ok(PyVal::Str(s))
-            }
-            Some(c) if c.is_ascii_digit() || c == '-' || c == '+' => {
-                let mut s = String::new();
-                if let Some(sign) = self.chars.next_if(|&c| c == '-' || c == '+') {
-                    s.push(sign);
-                }
-                while let Some(d) = self.chars.next_if(|c| c.is_ascii_digit()) {
-                    s.push(d);
-                }
-                // Python 2 long suffix, as in old headers: `(3L, 4L)`.
-                self.chars.next_if(|&c| c == 'L' || c == 'l');
-                s.parse::<i128>()
-                    .map(PyVal::Int)
-                    .map_err(|_| format!("bad integer {s:?}"))
-            }
-            Some(c) if c.is_ascii_alphabetic() => {
-                let mut word = String::new();
-                while let Some(ch) = self
-                    .chars
-                    .next_if(|c| c.is_ascii_alphanumeric() || *c == '_')
-                {
-                    word.push(ch);
-                }
-                match word.as_str() {
-                    "True" => Ok(PyVal::Bool(true)),
-                    "False" => Ok(PyVal::Bool(false)),
-                    "None" => Ok(PyVal::None),
-                    _ => Err(format!("unexpected name {word:?}")),
-                }
-            }
-            Some(c) => Err(format!("unexpected {c:?}")),
-            None => Err("unexpected end of header".to_string()),
-        }
-    }
+    out
 }
 
 // ---------------------------------------------------------------------------
@@ -1452,6 +1352,20 @@ mod tests {
         fs::write(&bad, b"PK\x03\x04 not npy").unwrap();
         let msg = err_msg(read_npy(&bad));
         assert!(msg.contains("bad magic"), "{msg}");
+    }
+
+    #[test]
+    fn tensor_io_npy_header_syntax_errors_say_where() {
+        let dir = tempfile::tempdir().unwrap();
+        let bad = dir.path().join("cut.npy");
+        write_raw_npy(&bad, 1, "{'descr': '<f4', 'shape': (2, 3", &[]);
+        let msg = err_msg(read_npy(&bad));
+        assert!(
+            msg.contains("cut.npy") && msg.contains("`cut.npy`"),
+            "{msg}"
+        );
+        assert!(msg.contains(": --> 1:32 = expected "), "{msg}");
+        assert_eq!(msg.lines().count(), 1, "{msg}");
     }
 
     #[test]

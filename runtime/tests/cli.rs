@@ -191,6 +191,63 @@ fn check_missing_file_is_a_clear_error() {
     assert_eq!(stderr.lines().count(), 1, "one line is enough:\n{stderr}");
 }
 
+#[test]
+fn check_rejects_a_huge_head_dim_with_divisor_suggestions() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("huge.toml");
+    std::fs::write(
+        &path,
+        "name = \"huge\"\nhead_dim = 2147483647\n\n[[tier]]\nname = \"x\"\nkey.field = [{ kind = \"coeff\", bits = 4, scale = \"item\" }]\nvalue.field = [{ kind = \"radius\", group_size = 16, bits = 8, scale = \"page\" }, { kind = \"codebook\", group_size = 16, bits = 4, codewords = \"direction\" }]\n",
+    )
+    .unwrap();
+    let stderr = fails(&["check", path_str(&path)]);
+    assert!(
+        stderr.contains(
+            "tier[0].value.field[0].group_size: group_size 16 does not divide the codec's 2147483647 dimensions (head_dim); use a divisor of 2147483647 such as 1 or 2147483647"
+        ),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn check_reports_a_spec_that_is_not_utf8_at_the_byte() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("latin1.toml");
+    std::fs::write(&path, b"name = \"x\"\nhead_dim = 64 # caf\xe9\n").unwrap();
+    let stderr = fails(&["check", path_str(&path)]);
+    assert!(
+        stderr.contains(&format!(
+            "{}:2:20: the spec is not UTF-8: byte 0xe9 at byte offset 30",
+            path.display()
+        )),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn check_says_which_context_it_amortizes_over() {
+    let default = ok(&["check", SPHERICAL]);
+    assert!(
+        default.contains("headers and tables over 32768 tokens"),
+        "{default}"
+    );
+    let short = ok(&["check", SPHERICAL, "--context", "256"]);
+    assert!(
+        short.contains("headers and tables over 256 tokens"),
+        "{short}"
+    );
+    let bytes = |args: &[&str]| {
+        let report = json(&ok(args));
+        num(&report["tiers"][0]["effective_bytes_per_token"], "bytes")
+    };
+    let long = bytes(&["check", SPHERICAL, "--json"]);
+    let short = bytes(&["check", SPHERICAL, "--json", "--context", "256"]);
+    assert!(
+        short > long,
+        "tables weigh more over 256 tokens: {short} vs {long}"
+    );
+}
+
 // ---------------------------------------------------------------------------
 // eval
 // ---------------------------------------------------------------------------
@@ -423,6 +480,70 @@ fn eval_missing_input_is_a_clear_error() {
     assert!(stderr.contains(&missing.display().to_string()), "{stderr}");
 }
 
+/// q's tokens are the query rows scored against every key of their layer, so
+/// q may hold fewer tokens than k and v (here 16 against 100).
+#[test]
+fn eval_scores_q_rows_against_all_keys_when_token_counts_differ() {
+    let fx = Fixture::new();
+    let report = fx.eval("dense_f32.toml", &fx.safetensors);
+    assert_ne!(Q_TOKENS, TOKENS);
+    assert_eq!(report["query_rows"], Q_TOKENS, "{report}");
+    let f = only_row(&report, "f32");
+    assert!(
+        num(&f["output_rel_error"], "output_rel_error") <= 1e-5,
+        "{f}"
+    );
+}
+
+#[test]
+fn eval_amortizes_over_the_dump_tokens_and_says_so() {
+    let fx = Fixture::new();
+    let spec = fx.spec("kivi8_64.toml");
+    let input = path_str(&fx.safetensors);
+    let stdout = ok(&["eval", path_str(&spec), "--qkv", input]);
+    assert!(
+        stdout.contains(
+            "B/token per kv head over 100 tokens, headers, partial pages and tables included"
+        ),
+        "{stdout}"
+    );
+    let own = fx.eval("kivi8_64.toml", &fx.safetensors);
+    assert_eq!(own["context"], TOKENS, "{own}");
+    let long = json(&ok(&[
+        "eval",
+        path_str(&spec),
+        "--qkv",
+        input,
+        "--json",
+        "--context",
+        "32768",
+    ]));
+    assert_eq!(long["context"], 32768, "{long}");
+    let bytes = |r: &Value| num(&r["rows"][0]["bytes_per_token"], "bytes_per_token");
+    // 100 tokens fill one whole page of 64 and 36 of the next.
+    assert!(bytes(&own) > bytes(&long), "{own}\n{long}");
+}
+
+#[test]
+fn eval_reports_progress_per_layer_step() {
+    let format = Format::parse(KIVI8_64, "kivi8_64.toml").unwrap();
+    let qkv = synthetic_qkv();
+    let mut seen = Vec::new();
+    kvcc_runtime::cli::eval::run(
+        &format,
+        &qkv,
+        4,
+        None,
+        kvcc_runtime::exec::ExecutorKind::Interp,
+        |done, total| seen.push((done, total)),
+    )
+    .unwrap();
+    // Per layer: training, then the one tier.
+    let total = LAYERS * 2;
+    let expected: Vec<(usize, usize)> = (0..=total).map(|done| (done, total)).collect();
+    assert_eq!(seen, expected);
+}
+
 // ---------------------------------------------------------------------------
 // demo
 // ---------------------------------------------------------------------------
@@ -475,4 +596,37 @@ fn demo_json_has_a_row_per_bundled_tier_plus_mixed() {
         .expect("dense_f16 row");
     let err = num(&dense["fidelity"]["output_rel_error"], "output_rel_error");
     assert!(err < 1e-3, "dense_f16 output_rel_error {err}");
+}
+
+#[test]
+fn demo_amortizes_over_its_own_tokens_and_says_so() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::copy(SPHERICAL, dir.path().join("spherical.toml")).unwrap();
+    let specs = path_str(dir.path());
+    let stdout = ok(&["demo", "--specs", specs, "--tokens", "256"]);
+    assert!(
+        stdout.contains(
+            "(B/token per kv head over 256 tokens, headers, partial pages and tables included)"
+        ),
+        "{stdout}"
+    );
+    let bytes = |args: &[&str]| {
+        let rows = json(&ok(args));
+        num(&rows[0]["bytes_per_token"], "bytes_per_token")
+    };
+    let own = bytes(&["demo", "--specs", specs, "--tokens", "256", "--json"]);
+    let long = bytes(&[
+        "demo",
+        "--specs",
+        specs,
+        "--tokens",
+        "256",
+        "--json",
+        "--context",
+        "32768",
+    ]);
+    assert!(
+        own > long,
+        "spherical's codebooks over 256 tokens: {own} vs {long}"
+    );
 }

@@ -7,6 +7,7 @@
 
 use std::fmt;
 
+use super::suggest::{divisor_suggestions, or_list};
 use crate::spec::{
     BitmapElem, CodecSpec, CodewordKind, CoeffScale, FieldSpec, FormatSpec, TransformSpec,
 };
@@ -837,50 +838,6 @@ fn prev_power_of_two(n: u32) -> u32 {
         1
     } else {
         1 << (31 - n.leading_zeros())
-    }
-}
-
-/// Two divisors of `n` nearest to `near` (one below and one above when possible),
-/// restricted to `allowed` if given, as "16 or 32".
-fn divisor_suggestions(n: u32, near: u32, allowed: Option<&[u32]>) -> String {
-    let divisors: Vec<u32> = (1..=n)
-        .filter(|&d| n.is_multiple_of(d))
-        .filter(|d| allowed.is_none_or(|a| a.contains(d)))
-        .collect();
-    let below = divisors.iter().rev().find(|&&d| d < near).copied();
-    let above = divisors.iter().find(|&&d| d > near).copied();
-    let mut picks: Vec<u32> = match (below, above) {
-        (Some(b), Some(a)) => vec![b, a],
-        (Some(b), None) => {
-            let mut low: Vec<u32> = divisors
-                .iter()
-                .rev()
-                .filter(|&&d| d <= b)
-                .take(2)
-                .copied()
-                .collect();
-            low.reverse();
-            low
-        }
-        (None, Some(a)) => divisors
-            .iter()
-            .filter(|&&d| d >= a)
-            .take(2)
-            .copied()
-            .collect(),
-        (None, None) => divisors.clone(),
-    };
-    picks.dedup();
-    or_list(&picks)
-}
-
-/// "1", "1 or 2", "1, 2 or 4".
-fn or_list(values: &[u32]) -> String {
-    let words: Vec<String> = values.iter().map(u32::to_string).collect();
-    match words.len() {
-        0 => String::from("(none)"),
-        1 => words[0].clone(),
-        k => format!("{} or {}", words[..k - 1].join(", "), words[k - 1]),
     }
 }
 

@@ -7,6 +7,7 @@
 
 pub mod check;
 pub mod diagnostic;
+mod suggest;
 pub mod toml;
 
 pub use self::toml::{load_spec, parse_spec};

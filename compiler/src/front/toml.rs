@@ -20,11 +20,31 @@ use crate::spec::{FieldSpec, FormatSpec};
 /// Reads and parses a spec file; the file name in diagnostics is `path` as given.
 pub fn load_spec(path: &Path) -> Result<FormatSpec, SpecError> {
     let file = path.display().to_string();
-    let source = std::fs::read_to_string(path).map_err(|source| SpecError::Io {
+    let bytes = std::fs::read(path).map_err(|source| SpecError::Io {
         file: file.clone(),
         source,
     })?;
+    let source =
+        String::from_utf8(bytes).map_err(|e| not_utf8(&file, e.as_bytes(), e.utf8_error()))?;
     parse_spec(&source, &file)
+}
+
+/// Points at the first byte that breaks UTF-8: its line, its column (in the
+/// characters before it) and its byte offset.
+fn not_utf8(file: &str, bytes: &[u8], error: std::str::Utf8Error) -> SpecError {
+    let offset = error.valid_up_to();
+    let valid = std::str::from_utf8(&bytes[..offset]).unwrap_or_default();
+    let (line, column) = LineIndex { source: valid }.position(offset);
+    SpecError::Invalid(vec![Diagnostic {
+        file: file.to_string(),
+        line,
+        column,
+        path: String::new(),
+        message: format!(
+            "the spec is not UTF-8: byte 0x{:02x} at byte offset {offset}; TOML files are UTF-8",
+            bytes[offset]
+        ),
+    }])
 }
 
 /// Parses and checks a spec. `file` names the source in diagnostics. On error,

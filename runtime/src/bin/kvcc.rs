@@ -2,9 +2,10 @@
 
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
-use indicatif::{ProgressBar, ProgressStyle};
+use indicatif::{ProgressBar, ProgressFinish, ProgressStyle};
 use kvcc_compiler::Format;
 use kvcc_runtime::cli::{self, bench, check, demo, eval};
 use kvcc_runtime::cuda::measure::StepTiming;
@@ -56,6 +57,20 @@ struct ServingShape {
     kv_heads: usize,
 }
 
+/// How `demo` and `eval` decode and report.
+#[derive(Args)]
+struct FidelityArgs {
+    /// Tokens to amortize page headers, partial pages and tables over
+    /// (default: the data's own token count).
+    #[arg(long)]
+    context: Option<u32>,
+    /// Executor that decodes the queries (interp, jit, cuda).
+    #[arg(long, default_value = "jit")]
+    executor: ExecutorKind,
+    #[arg(long)]
+    json: bool,
+}
+
 #[derive(Subcommand)]
 enum Command {
     /// Validate a spec and print each tier's layout and byte accounting.
@@ -76,14 +91,8 @@ enum Command {
         seed: u64,
         #[arg(long, default_value_t = 1000)]
         tokens: usize,
-        #[arg(long, default_value_t = 32_768)]
-        context: u32,
-        /// Executor the fidelity columns come from (interp, jit, cuda); the
-        /// interpreter is timed beside it.
-        #[arg(long, default_value = "jit")]
-        executor: ExecutorKind,
-        #[arg(long)]
-        json: bool,
+        #[command(flatten)]
+        fidelity: FidelityArgs,
     },
     /// Time the generated GPU kernels against dense decode baselines (needs a GPU).
     Bench {
@@ -176,13 +185,8 @@ enum Command {
         /// Query rows per (layer, head), evenly spaced.
         #[arg(long, default_value_t = 64)]
         max_queries: usize,
-        #[arg(long, default_value_t = 32_768)]
-        context: u32,
-        /// Executor that decodes the queries (interp, jit, cuda).
-        #[arg(long, default_value = "jit")]
-        executor: ExecutorKind,
-        #[arg(long)]
-        json: bool,
+        #[command(flatten)]
+        fidelity: FidelityArgs,
     },
 }
 
@@ -241,16 +245,14 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             specs,
             seed,
             tokens,
-            context,
-            executor,
-            json,
+            fidelity,
         } => {
             let formats = demo::formats(specs.as_deref())?;
             let options = demo::DemoOptions {
                 seed,
                 tokens,
-                context,
-                executor,
+                context: fidelity.context,
+                executor: fidelity.executor,
                 ..Default::default()
             };
             let progress = bar(formats.len() as u64, "demo");
@@ -259,7 +261,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                 progress.inc(1);
             })?;
             progress.finish_and_clear();
-            emit(&rows, None, json, || demo::render(&rows, &options))?;
+            emit(&rows, None, fidelity.json, || demo::render(&rows, &options))?;
         }
         Command::Bench {
             specs,
@@ -398,23 +400,30 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             qkv,
             prefix,
             max_queries,
-            context,
-            executor,
-            json,
+            fidelity,
         } => {
             let format = Format::load(&spec)?;
+            let loading = ProgressBar::new_spinner()
+                .with_finish(ProgressFinish::AndClear)
+                .with_message(format!("reading {}", qkv.display()));
+            loading.enable_steady_tick(Duration::from_millis(200));
             let data = load_qkv(&qkv, prefix.as_deref())?;
-            let progress = bar(data.k.shape[0] as u64, "layers");
+            loading.finish_and_clear();
+            let progress = bar(0, "eval").with_finish(ProgressFinish::AndClear);
+            progress.enable_steady_tick(Duration::from_millis(200));
             let report = eval::run(
                 &format,
                 &data,
                 max_queries.max(1),
-                context,
-                executor,
-                |done, _| progress.set_position(done as u64),
+                fidelity.context,
+                fidelity.executor,
+                |done, total| {
+                    progress.set_length(total as u64);
+                    progress.set_position(done as u64);
+                },
             )?;
             progress.finish_and_clear();
-            emit(&report, None, json, || eval::render(&report))?;
+            emit(&report, None, fidelity.json, || eval::render(&report))?;
         }
     }
     Ok(())

@@ -21,11 +21,20 @@ pub struct DemoOptions {
     pub tokens: usize,
     pub kv_heads: usize,
     pub q_heads: usize,
-    /// Context the bytes/token column amortizes headers and tables over.
-    pub context: u32,
+    /// Tokens the bytes/token column amortizes headers, partial pages and
+    /// tables over; `None` is the data's own `tokens`.
+    pub context: Option<u32>,
     /// Decodes the queries the fidelity columns score (the interpreter is
     /// timed as well).
     pub executor: ExecutorKind,
+}
+
+impl DemoOptions {
+    /// The token count bytes/token is amortized over.
+    pub fn context(&self) -> u32 {
+        self.context
+            .unwrap_or_else(|| u32::try_from(self.tokens).unwrap_or(u32::MAX))
+    }
 }
 
 impl Default for DemoOptions {
@@ -35,7 +44,7 @@ impl Default for DemoOptions {
             tokens: 1000,
             kv_heads: 2,
             q_heads: 8,
-            context: 32_768,
+            context: None,
             executor: ExecutorKind::default(),
         }
     }
@@ -127,12 +136,14 @@ pub fn run(
                 &mut acc,
             )?;
             let bytes_per_token = match format.tier_index(&name) {
-                Some(t) => format.layout(t).effective_bytes_per_token(options.context),
+                Some(t) => format
+                    .layout(t)
+                    .effective_bytes_per_token(options.context()),
                 // Mixed: what these pages actually take, tables of every tier amortized.
                 None => {
                     let tables: u32 = (0..tiers).map(|t| format.layout(t).table_bytes()).sum();
                     (result.page_bytes as f64 / options.kv_heads as f64 / options.tokens as f64)
-                        + f64::from(tables) / f64::from(options.context)
+                        + f64::from(tables) / f64::from(options.context())
                 }
             };
             rows.push(DemoRow {
@@ -155,17 +166,9 @@ pub fn render(rows: &[DemoRow], options: &DemoOptions) -> String {
     // The selected executor's time beside the interpreter's.
     let timed = options.executor != ExecutorKind::Interp;
     let executor_ms = format!("{executor} ms");
-    let mut headers = vec![
-        "format",
-        "tier",
-        "B/token",
-        "vs f16",
-        "out rel err",
-        "max logit drift",
-        "mean drift",
-        "top-8",
-        "interp ms",
-    ];
+    let mut headers = vec!["format", "tier", "B/token", "vs f16"];
+    headers.extend(Fidelity::HEADERS);
+    headers.push("interp ms");
     if timed {
         headers.push(executor_ms.as_str());
     }
@@ -188,7 +191,12 @@ pub fn render(rows: &[DemoRow], options: &DemoOptions) -> String {
         table.row(row);
     }
     format!(
-        "kvcc demo: synthetic K/V (seed {}, {} tokens, {} kv heads, {} query heads), the {executor} executor vs dense fp32 attention\n(B/token per kv head, headers and tables amortized over {} tokens)\n{}",
-        options.seed, options.tokens, options.kv_heads, options.q_heads, options.context, table
+        "kvcc demo: synthetic K/V (seed {}, {} tokens, {} kv heads, {} query heads), the {executor} executor vs dense fp32 attention\n(B/token per kv head over {} tokens, headers, partial pages and tables included)\n{}",
+        options.seed,
+        options.tokens,
+        options.kv_heads,
+        options.q_heads,
+        options.context(),
+        table
     )
 }

@@ -33,6 +33,8 @@ pub struct EvalReport {
     pub kv_heads: usize,
     pub tokens: usize,
     pub query_rows: usize,
+    /// Tokens bytes/token amortizes headers, partial pages and tables over.
+    pub context: u32,
     pub rows: Vec<EvalRow>,
 }
 
@@ -49,13 +51,14 @@ pub enum EvalError {
 }
 
 /// Evaluates every tier on `executor`; at most `max_query_rows` query rows per
-/// (layer, head), evenly spaced, attend to all of their layer's keys.
-/// `progress(done, total)`.
+/// (layer, head), evenly spaced, attend to all of their layer's keys. Bytes
+/// per token are amortized over `context` tokens, by default the dump's own.
+/// `progress(done, total)` counts steps: per layer, training and each tier.
 pub fn run(
     format: &Format,
     qkv: &Qkv,
     max_query_rows: usize,
-    context: u32,
+    context: Option<u32>,
     executor: ExecutorKind,
     mut progress: impl FnMut(usize, usize),
 ) -> Result<EvalReport, EvalError> {
@@ -82,8 +85,10 @@ pub fn run(
     let mut elapsed = vec![Duration::ZERO; plans.len()];
     let executor = executor.executor()?;
     let mut page_bytes = vec![0usize; plans.len()];
+    let context = context.unwrap_or_else(|| u32::try_from(tokens).unwrap_or(u32::MAX));
+    let steps = plans.len() + 1;
+    progress(0, layers * steps);
     for layer in 0..layers {
-        progress(layer, layers);
         let kv = layer * kv_heads * tokens * d..(layer + 1) * kv_heads * tokens * d;
         let (keys, values) = (&qkv.k.data[kv.clone()], &qkv.v.data[kv]);
         let q_layer =
@@ -98,6 +103,7 @@ pub fn run(
             })
             .collect();
         let tables = cache::train(format, keys, values, kv_heads, &TrainOptions::default())?;
+        progress(layer * steps + 1, layers * steps);
         let block = Block {
             keys,
             values,
@@ -119,9 +125,9 @@ pub fn run(
             )?;
             elapsed[i] += result.elapsed;
             page_bytes[i] += result.page_bytes;
+            progress(layer * steps + 2 + i, layers * steps);
         }
     }
-    progress(layers, layers);
     let table_bytes: u32 = (0..tiers).map(|t| format.layout(t).table_bytes()).sum();
     let rows_out = plans
         .iter()
@@ -151,22 +157,17 @@ pub fn run(
         kv_heads,
         tokens,
         query_rows: rows.len(),
+        context,
         rows: rows_out,
     })
 }
 
 pub fn render(report: &EvalReport) -> String {
     let executor_ms = format!("{} ms", report.executor);
-    let mut table = Table::new(&[
-        "tier",
-        "B/token",
-        "vs f16",
-        "out rel err",
-        "max logit drift",
-        "mean drift",
-        "top-8",
-        &executor_ms,
-    ]);
+    let mut headers = vec!["tier", "B/token", "vs f16"];
+    headers.extend(Fidelity::HEADERS);
+    headers.push(&executor_ms);
+    let mut table = Table::new(&headers);
     for column in 1..8 {
         table.right_align(column);
     }
@@ -181,7 +182,14 @@ pub fn render(report: &EvalReport) -> String {
         table.row(row);
     }
     format!(
-        "kvcc eval {}: {} layers, {} query heads over {} kv heads, {} tokens, {} query rows per head\n{}",
-        report.format, report.layers, report.q_heads, report.kv_heads, report.tokens, report.query_rows, table
+        "kvcc eval {}: {} layers, {} query heads over {} kv heads, {} tokens, {} query rows per head\n(B/token per kv head over {} tokens, headers, partial pages and tables included)\n{}",
+        report.format,
+        report.layers,
+        report.q_heads,
+        report.kv_heads,
+        report.tokens,
+        report.query_rows,
+        report.context,
+        table
     )
 }

@@ -3,7 +3,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use super::{Decoded, ExecError, Executor, JitExecutor};
+use super::{Decoded, ExecError, Executor, JitExecutor, Request};
 use crate::cache::PagedCache;
 use crate::cuda::{CudaError, DeviceCache, DeviceDecode, FormatKernels, Gpu};
 use crate::tune::{lookup, KernelConfig, ShapeBucket};
@@ -102,36 +102,26 @@ impl Executor for CudaExecutor {
         "cuda"
     }
 
-    fn decode(
-        &self,
-        cache: &PagedCache,
-        queries: &[f32],
-        q_heads: usize,
-    ) -> Result<Vec<f32>, ExecError> {
-        self.run(cache, queries, q_heads).map_err(|e| match e {
-            CudaError::Decode(d) => ExecError::Decode(d),
-            other => ExecError::Backend {
-                executor: "cuda",
-                format: cache.format().name().to_string(),
-                tier: "all".into(),
-                message: other.to_string(),
-            },
-        })
-    }
-
-    /// Outputs from the GPU. The kernels keep logits on chip, so the logits
-    /// come from the JIT on the same pages (both backends equal the
-    /// interpreter's logits within 1e-5 in the tests).
-    fn decode_with_logits(
-        &self,
-        cache: &PagedCache,
-        queries: &[f32],
-        q_heads: usize,
-    ) -> Result<Decoded, ExecError> {
-        let outputs = self.decode(cache, queries, q_heads)?;
-        let logits = JitExecutor::default()
-            .decode_with_logits(cache, queries, q_heads)?
-            .logits;
+    /// The kernels keep logits on chip, so asked-for logits come from the JIT
+    /// on the same pages (both backends equal the interpreter's logits within
+    /// 1e-5 in the tests).
+    fn execute(&self, r: Request<'_>) -> Result<Decoded, ExecError> {
+        let outputs = self
+            .run(r.cache, r.queries, r.q_heads)
+            .map_err(|e| match e {
+                CudaError::Decode(d) => ExecError::Decode(d),
+                other => ExecError::Backend {
+                    executor: "cuda",
+                    format: r.cache.format().name().to_string(),
+                    tier: "all".into(),
+                    message: other.to_string(),
+                },
+            })?;
+        let logits = if r.logits {
+            JitExecutor::default().execute(r)?.logits
+        } else {
+            Vec::new()
+        };
         Ok(Decoded { outputs, logits })
     }
 }

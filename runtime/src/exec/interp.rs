@@ -2,8 +2,7 @@
 
 use kvcc_compiler::back::interp::{Interpreter, Options};
 
-use super::{Decoded, ExecError, Executor};
-use crate::cache::PagedCache;
+use super::{Decoded, ExecError, Executor, Request};
 
 #[derive(Debug, Clone, Copy, Default)]
 pub struct InterpExecutor;
@@ -13,24 +12,22 @@ impl Executor for InterpExecutor {
         "interp"
     }
 
-    fn decode(
-        &self,
-        cache: &PagedCache,
-        queries: &[f32],
-        q_heads: usize,
-    ) -> Result<Vec<f32>, ExecError> {
-        let interp = Interpreter::new(cache.format().tiers(), Options::default());
-        Ok(interp.decode(&cache.view(), queries, q_heads)?)
-    }
-
-    fn decode_with_logits(
-        &self,
-        cache: &PagedCache,
-        queries: &[f32],
-        q_heads: usize,
-    ) -> Result<Decoded, ExecError> {
+    fn execute(&self, request: Request<'_>) -> Result<Decoded, ExecError> {
+        let Request {
+            cache,
+            queries,
+            q_heads,
+            logits,
+        } = request;
         let interp = Interpreter::new(cache.format().tiers(), Options::default());
         let view = cache.view();
+        if !logits {
+            let outputs = interp.decode(&view, queries, q_heads)?;
+            return Ok(Decoded {
+                outputs,
+                logits: Vec::new(),
+            });
+        }
         interp.check_queries(queries, view.page_tables.len(), q_heads, view.kv_heads)?;
         let d = cache.format().head_dim() as usize;
         let group = q_heads / view.kv_heads;

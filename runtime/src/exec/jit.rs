@@ -18,7 +18,7 @@ use kvcc_compiler::back::interp::{merge, Interpreter, Options, Softmax};
 use kvcc_compiler::page::CacheView;
 use kvcc_compiler::Format;
 
-use super::{Decoded, ExecError, Executor};
+use super::{Decoded, ExecError, Executor, Request};
 use crate::cache::PagedCache;
 
 #[derive(Debug, Clone, Default)]
@@ -88,22 +88,8 @@ impl Executor for JitExecutor {
         "jit"
     }
 
-    fn decode(
-        &self,
-        cache: &PagedCache,
-        queries: &[f32],
-        q_heads: usize,
-    ) -> Result<Vec<f32>, ExecError> {
-        Ok(self.run(cache, queries, q_heads, false)?.outputs)
-    }
-
-    fn decode_with_logits(
-        &self,
-        cache: &PagedCache,
-        queries: &[f32],
-        q_heads: usize,
-    ) -> Result<Decoded, ExecError> {
-        self.run(cache, queries, q_heads, true)
+    fn execute(&self, r: Request<'_>) -> Result<Decoded, ExecError> {
+        self.run(r.cache, r.queries, r.q_heads, r.logits)
     }
 }
 

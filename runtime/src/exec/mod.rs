@@ -28,11 +28,6 @@ pub enum ExecError {
         tier: String,
         message: String,
     },
-    #[error("the {executor} executor cannot report {what}")]
-    Unsupported {
-        executor: &'static str,
-        what: &'static str,
-    },
 }
 
 /// A decode's outputs (`[sequence][q_head][head_dim]`) and each row's logits:
@@ -44,25 +39,47 @@ pub struct Decoded {
     pub logits: Vec<Vec<f32>>,
 }
 
+/// One decode: `queries` (`[sequence][q_head][head_dim]`) over `cache`, and
+/// every row's logits when `logits` is set (they cost the JIT extra work).
+#[derive(Clone, Copy)]
+pub struct Request<'a> {
+    pub cache: &'a PagedCache,
+    pub queries: &'a [f32],
+    pub q_heads: usize,
+    pub logits: bool,
+}
+
 /// Decode attention: `queries` and the result are `[sequence][q_head][head_dim]`.
 pub trait Executor {
     fn name(&self) -> &'static str;
+    /// Runs `request`; `Decoded::logits` is empty unless `request.logits`.
+    fn execute(&self, request: Request<'_>) -> Result<Decoded, ExecError>;
     fn decode(
         &self,
         cache: &PagedCache,
         queries: &[f32],
         q_heads: usize,
-    ) -> Result<Vec<f32>, ExecError>;
+    ) -> Result<Vec<f32>, ExecError> {
+        let request = Request {
+            cache,
+            queries,
+            q_heads,
+            logits: false,
+        };
+        Ok(self.execute(request)?.outputs)
+    }
     /// `decode` with every row's logits (what fidelity metrics compare).
     fn decode_with_logits(
         &self,
-        _cache: &PagedCache,
-        _queries: &[f32],
-        _q_heads: usize,
+        cache: &PagedCache,
+        queries: &[f32],
+        q_heads: usize,
     ) -> Result<Decoded, ExecError> {
-        Err(ExecError::Unsupported {
-            executor: self.name(),
-            what: "logits",
+        self.execute(Request {
+            cache,
+            queries,
+            q_heads,
+            logits: true,
         })
     }
 }

@@ -246,15 +246,12 @@ fn train(
 
     for _ in 0..opts.iterations {
         transpose(&centroids, dim, k, &mut transposed);
-        let changed = assign(
-            points,
-            dim,
-            &transposed,
+        let centroids_t = Centroids {
+            transposed: &transposed,
             k,
             spherical,
-            &mut labels,
-            &mut score,
-        );
+        };
+        let changed = assign(points, dim, centroids_t, &mut labels, &mut score);
         if changed == 0 {
             break;
         }
@@ -406,17 +403,25 @@ fn init_plus_plus(
     cents
 }
 
+/// The `k` centroids an assignment scores points against.
+#[derive(Clone, Copy)]
+struct Centroids<'a> {
+    /// The `dim × k` transpose of the centroids.
+    transposed: &'a [f32],
+    k: usize,
+    /// Best-aligned (cosine) rather than nearest (Euclidean).
+    spherical: bool,
+}
+
 /// Assign every point to its nearest (or best-aligned) centroid; returns how many labels changed.
-/// `transposed` is the `dim × k` transpose of the centroids.
 fn assign(
     points: &[f32],
     dim: usize,
-    transposed: &[f32],
-    k: usize,
-    spherical: bool,
+    centroids: Centroids<'_>,
     labels: &mut [usize],
     score: &mut [f32],
 ) -> usize {
+    let k = centroids.k;
     let n = labels.len();
     let threads = if n.saturating_mul(k).saturating_mul(dim) < PARALLEL_WORK {
         1
@@ -427,7 +432,7 @@ fn assign(
             .min(n)
     };
     if threads <= 1 {
-        return assign_block(points, dim, transposed, k, spherical, labels, score);
+        return assign_block(points, dim, centroids, labels, score);
     }
     let chunk = n.div_ceil(threads);
     std::thread::scope(|s| {
@@ -440,11 +445,9 @@ fn assign(
             return 0;
         };
         let handles: Vec<_> = blocks
-            .map(|((p, l), sc)| {
-                s.spawn(move || assign_block(p, dim, transposed, k, spherical, l, sc))
-            })
+            .map(|((p, l), sc)| s.spawn(move || assign_block(p, dim, centroids, l, sc)))
             .collect();
-        let mut changed = assign_block(p0, dim, transposed, k, spherical, l0, s0);
+        let mut changed = assign_block(p0, dim, centroids, l0, s0);
         for h in handles {
             changed += h.join().unwrap_or_else(|e| std::panic::resume_unwind(e));
         }
@@ -459,12 +462,15 @@ fn assign(
 fn assign_block(
     points: &[f32],
     dim: usize,
-    transposed: &[f32],
-    k: usize,
-    spherical: bool,
+    centroids: Centroids<'_>,
     labels: &mut [usize],
     score: &mut [f32],
 ) -> usize {
+    let Centroids {
+        transposed,
+        k,
+        spherical,
+    } = centroids;
     let mut acc = vec![0.0f32; k];
     let mut changed = 0;
     for ((p, label), sc) in points
@@ -737,11 +743,13 @@ mod tests {
         for spherical in [false, true] {
             let (mut l1, mut s1) = (vec![usize::MAX; n], vec![0.0; n]);
             let (mut l2, mut s2) = (vec![usize::MAX; n], vec![0.0; n]);
-            assert_eq!(assign(&points, dim, &t, k, spherical, &mut l1, &mut s1), n);
-            assert_eq!(
-                assign_block(&points, dim, &t, k, spherical, &mut l2, &mut s2),
-                n
-            );
+            let c = Centroids {
+                transposed: &t,
+                k,
+                spherical,
+            };
+            assert_eq!(assign(&points, dim, c, &mut l1, &mut s1), n);
+            assert_eq!(assign_block(&points, dim, c, &mut l2, &mut s2), n);
             assert_eq!(l1, l2);
             assert_eq!(s1, s2);
             for (i, p) in points.chunks_exact(dim).enumerate() {

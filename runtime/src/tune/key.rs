@@ -200,22 +200,11 @@ mod tests {
         assert_eq!(power_of_two_bucket(1), (1, 2));
         assert_eq!(power_of_two_bucket(0), (0, 1));
         // A new sequence length in the same bucket finds the same key.
-        assert_eq!(
-            ShapeBucket::of(8, 32, 8, 9000),
-            ShapeBucket::of(8, 32, 8, 12000)
-        );
-        assert_ne!(
-            ShapeBucket::of(8, 32, 8, 9000),
-            ShapeBucket::of(8, 32, 8, 17000)
-        );
-        assert_eq!(
-            ShapeBucket::of(5, 32, 8, 9000),
-            ShapeBucket::of(7, 32, 8, 9000)
-        );
-        assert_ne!(
-            ShapeBucket::of(8, 32, 8, 9000),
-            ShapeBucket::of(8, 16, 8, 9000)
-        );
+        let bucket = |batch, q_heads, ctx| ShapeBucket::of(batch, q_heads, 8, ctx);
+        assert_eq!(bucket(8, 32, 9000), bucket(8, 32, 12000));
+        assert_ne!(bucket(8, 32, 9000), bucket(8, 32, 17000));
+        assert_eq!(bucket(5, 32, 9000), bucket(7, 32, 9000));
+        assert_ne!(bucket(8, 32, 9000), bucket(8, 16, 9000));
     }
 
     #[test]
