@@ -17,6 +17,22 @@ pub fn bundled() -> Vec<Format> {
         .collect()
 }
 
+/// Formats whose key codebooks the kernels read directly rather than through
+/// per-query lookup tables (`tests/in/codebook-reads/`).
+pub fn direct_codebook_formats() -> Vec<Format> {
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/in/codebook-reads");
+    let mut files: Vec<_> = std::fs::read_dir(dir)
+        .expect("tests/in/codebook-reads exists")
+        .map(|entry| entry.expect("readable directory entry").path())
+        .filter(|path| path.extension().is_some_and(|ext| ext == "toml"))
+        .collect();
+    files.sort();
+    files
+        .iter()
+        .map(|path| Format::load(path).unwrap_or_else(|e| panic!("{}: {e}", path.display())))
+        .collect()
+}
+
 /// A fresh seed per run (so every run exercises new inputs), printed for replay;
 /// `KVCC_TEST_SEED` pins it.
 pub fn fresh_seed(test: &str) -> u64 {
