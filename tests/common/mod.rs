@@ -239,7 +239,8 @@ mod spec_gen {
 
     const HEAD_DIMS: [u32; 6] = [16, 32, 64, 96, 128, 256];
     const PAGE_ITEMS: [u32; 4] = [1, 7, 16, 64];
-    /// `front::check::SHARED_MEMORY_BUDGET`, in f32 words.
+    /// A bound on a random spec's shared-memory estimate (f32 words), well
+    /// under `front::check::SHARED_MEMORY_BUDGET`, so every target fits it.
     const SHARED_MEMORY_FLOATS: u64 = 96 * 1024 / 4;
     const BODY_KINDS: usize = 5;
     const TRANSFORM_KINDS: usize = 4;

@@ -292,6 +292,12 @@ mod tests {
             assert_eq!(directions.reads(target), CodebookReads::Direct);
             // One coordinate per group: a table saves nothing.
             assert_eq!(scalar.reads(target), CodebookReads::Direct);
+            // At GQA 4 the directions' tables fit again.
+            let directions_gqa4 = TierModel {
+                max_query_group: 4,
+                ..directions.clone()
+            };
+            assert_eq!(directions_gqa4.reads(target), CodebookReads::LookupTable);
         }
         assert_eq!(
             spherical.footprint(CodebookReads::LookupTable).total(),
