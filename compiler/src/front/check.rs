@@ -7,14 +7,14 @@
 
 use std::fmt;
 
+use crate::back::ptx::Target;
+use crate::back::shared_memory::{TierModel, TILE_RESERVE};
 use crate::spec::{
     BitmapElem, CodecSpec, CodewordKind, CoeffScale, FieldSpec, FormatSpec, TransformSpec,
 };
 
-use crate::back::ptx::Target;
-/// The kernels' shared-memory model is the back end's (its targets' budgets).
+/// The kernels' shared-memory model is the back end's: its targets' budgets.
 pub use crate::back::shared_memory::{shared_memory_estimate, SHARED_MEMORY_BUDGET};
-use crate::back::shared_memory::{TierModel, TILE_RESERVE};
 
 /// Most tiers a format may have.
 pub const MAX_TIERS: usize = 16;
