@@ -8,8 +8,8 @@ mod common;
 use std::io::Write;
 
 use common::{
-    assert_rows_close, bitmap_mask_specs, bundled, cache_and_queries, fresh_seed,
-    scrambled_bitmap_masks,
+    assert_rows_close, bitmap_mask_specs, bundled, cache_and_queries, direct_codebook_formats,
+    fresh_seed, scrambled_bitmap_masks,
 };
 use kvcc::compiler::back::interp::{Interpreter, Options};
 use kvcc::compiler::Format;
@@ -111,6 +111,41 @@ fn gpu_matches_interpreter_with_gqa_1_4_8_and_mixed_tiers() {
                 &what,
             );
         }
+    }
+}
+
+/// Key codebooks whose lookup tables would not fit (VQ keys in groups of 4 at
+/// 8 bits, 8-dim directions at 8 bits with GQA 8): the kernels read the
+/// codewords directly. Each tier alone at GQA 4 (where the directions' tables
+/// fit again: both reads run) and 8, then mixed tiers.
+#[test]
+fn gpu_matches_interpreter_on_direct_codebook_formats() {
+    let Some(executor) = gpu("gpu_matches_interpreter_on_direct_codebook_formats") else {
+        return;
+    };
+    let seed = fresh_seed("gpu_direct_codebooks");
+    for format in direct_codebook_formats() {
+        let tiers = format.tiers().len();
+        for group in [4, 8] {
+            for tier in 0..tiers {
+                let what = format!(
+                    "{}/{} (GQA {group})",
+                    format.name(),
+                    format.layout(tier).name
+                );
+                check(&executor, &format, seed, 2, group, &|_, _| tier, &what);
+            }
+        }
+        let what = format!("{} mixed tiers (GQA 8)", format.name());
+        check(
+            &executor,
+            &format,
+            seed,
+            2,
+            8,
+            &|s, p| (s + p) % tiers,
+            &what,
+        );
     }
 }
 

@@ -31,8 +31,9 @@ for s in "$@"; do
       ;;
     sanitize)
       step "compute-sanitizer memcheck + racecheck"
-      # The bundled tiers at the defaults, then the tuning space's other configurations (pipelined ones too).
-      for t in gpu_matches_interpreter_on_every_bundled_tier gpu_tuning_space_matches_interpreter_and_page_size_is_enforced; do
+      # The bundled tiers at the defaults, the formats whose key codebooks are read directly,
+      # then the tuning space's other configurations (pipelined ones too).
+      for t in gpu_matches_interpreter_on_every_bundled_tier gpu_matches_interpreter_on_direct_codebook_formats gpu_tuning_space_matches_interpreter_and_page_size_is_enforced; do
         for tool in memcheck racecheck; do
           compute-sanitizer --tool "$tool" --error-exitcode 9 .gpu/gpu-tests "$t" --test-threads 1 \
             > "$out/sanitize-$tool-$t.log" 2>&1

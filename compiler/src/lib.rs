@@ -6,6 +6,7 @@
 //! - [`ir`]: the one IR (per tier: query prologue, score, accumulate, epilogue).
 //! - [`lower`]: spec tier -> IR; [`valid`]: the IR validator every backend requires.
 //! - [`page`]: page headers and the cache view executors read.
+//! - [`proc`]: IR-to-IR passes backends apply.
 //! - [`Format`]: the pipeline (check, layout, lower, validate) in one call.
 //! - [`back`]: backends: `interp` (the reference interpreter that defines the
 //!   semantics), `text` (readable IR, the snapshot format of `generated/`) and
@@ -20,6 +21,7 @@ pub mod ir;
 pub mod layout;
 pub mod lower;
 pub mod page;
+pub mod proc;
 pub mod spec;
 pub mod valid;
 

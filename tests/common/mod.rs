@@ -17,6 +17,22 @@ pub fn bundled() -> Vec<Format> {
         .collect()
 }
 
+/// Formats whose key codebooks the kernels read directly rather than through
+/// per-query lookup tables (`tests/in/codebook-reads/`).
+pub fn direct_codebook_formats() -> Vec<Format> {
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/in/codebook-reads");
+    let mut files: Vec<_> = std::fs::read_dir(dir)
+        .expect("tests/in/codebook-reads exists")
+        .map(|entry| entry.expect("readable directory entry").path())
+        .filter(|path| path.extension().is_some_and(|ext| ext == "toml"))
+        .collect();
+    files.sort();
+    files
+        .iter()
+        .map(|path| Format::load(path).unwrap_or_else(|e| panic!("{}: {e}", path.display())))
+        .collect()
+}
+
 /// A fresh seed per run (so every run exercises new inputs), printed for replay;
 /// `KVCC_TEST_SEED` pins it.
 pub fn fresh_seed(test: &str) -> u64 {
@@ -223,7 +239,8 @@ mod spec_gen {
 
     const HEAD_DIMS: [u32; 6] = [16, 32, 64, 96, 128, 256];
     const PAGE_ITEMS: [u32; 4] = [1, 7, 16, 64];
-    /// `front::check::SHARED_MEMORY_BUDGET`, in f32 words.
+    /// A bound on a random spec's shared-memory estimate (f32 words), well
+    /// under `front::check::SHARED_MEMORY_BUDGET`, so every target fits it.
     const SHARED_MEMORY_FLOATS: u64 = 96 * 1024 / 4;
     const BODY_KINDS: usize = 5;
     const TRANSFORM_KINDS: usize = 4;

@@ -8,12 +8,15 @@
 use std::fmt;
 
 use super::suggest::{divisor_suggestions, or_list};
+use crate::back::ptx::Target;
+use crate::back::shared_memory::{TierModel, TILE_RESERVE};
 use crate::spec::{
     BitmapElem, CodecSpec, CodewordKind, CoeffScale, FieldSpec, FormatSpec, TransformSpec,
 };
 
-/// Shared memory a tier's attention kernel may use (bytes), see [`shared_memory_estimate`].
-pub const SHARED_MEMORY_BUDGET: u32 = 96 * 1024;
+/// The kernels' shared-memory model is the back end's: its targets' budgets.
+pub use crate::back::shared_memory::{shared_memory_estimate, SHARED_MEMORY_BUDGET};
+
 /// Most tiers a format may have.
 pub const MAX_TIERS: usize = 16;
 /// Most payload bits of one key item or one value item.
@@ -99,77 +102,6 @@ pub fn check_spec(spec: &FormatSpec) -> Vec<Problem> {
     };
     checker.spec(spec);
     checker.problems
-}
-
-/// Estimated shared memory (bytes) of tier `tier_index`'s attention kernel:
-/// `4 * (max_query_group * (lut + 4 * head_dim) + codebook_floats)`, where `lut` sums
-/// `groups * 2^bits` over the tier's key codebooks (per-query score tables) and
-/// `codebook_floats` sums `(per_group ? groups : 1) * 2^bits * group_size` over its
-/// key and value codebooks. Saturates at `u32::MAX`; meaningful for specs whose
-/// codebooks pass [`check_spec`] (a group size that does not divide counts no groups).
-pub fn shared_memory_estimate(spec: &FormatSpec, tier_index: usize) -> u32 {
-    let parts = SharedMemory::of(spec, tier_index);
-    u32::try_from(parts.total()).unwrap_or(u32::MAX)
-}
-
-/// The terms of the shared-memory estimate, in floats (f32 words).
-#[derive(Debug, Clone, Copy)]
-struct SharedMemory {
-    max_query_group: u64,
-    lut: u64,
-    query: u64,
-    codebooks: u64,
-}
-
-impl SharedMemory {
-    fn of(spec: &FormatSpec, tier_index: usize) -> SharedMemory {
-        let tier = &spec.tiers[tier_index];
-        let head_dim = u64::from(spec.head_dim);
-        let mut lut = 0u64;
-        let mut codebooks = 0u64;
-        for (codec, is_key) in [(&tier.key, true), (&tier.value, false)] {
-            let n = u64::from(codec.transform.dims(spec.head_dim));
-            for field in &codec.fields {
-                if let FieldSpec::Codebook {
-                    group_size,
-                    bits,
-                    per_group,
-                    ..
-                } = *field
-                {
-                    let group_size = u64::from(group_size);
-                    let groups = if group_size > 0 && n.is_multiple_of(group_size) {
-                        n / group_size
-                    } else {
-                        0
-                    };
-                    // 2^bits, saturated (bits beyond 63 are an error reported elsewhere).
-                    let entries = 1u64.checked_shl(bits).unwrap_or(u64::MAX);
-                    if is_key {
-                        lut = lut.saturating_add(groups.saturating_mul(entries));
-                    }
-                    let books = if per_group { groups } else { 1 };
-                    codebooks = codebooks
-                        .saturating_add(books.saturating_mul(entries).saturating_mul(group_size));
-                }
-            }
-        }
-        SharedMemory {
-            max_query_group: u64::from(spec.page.max_query_group),
-            lut,
-            query: 4 * head_dim,
-            codebooks,
-        }
-    }
-
-    fn total(&self) -> u64 {
-        let per_query = self.lut.saturating_add(self.query);
-        4u64.saturating_mul(
-            self.max_query_group
-                .saturating_mul(per_query)
-                .saturating_add(self.codebooks),
-        )
-    }
 }
 
 struct Checker {
@@ -321,7 +253,8 @@ impl Checker {
         if !(codebook_bits_ok && head_dim_ok && group_ok) {
             return;
         }
-        let parts = SharedMemory::of(spec, tier_index);
+        // The least the back end can build: key codebooks read directly.
+        let parts = TierModel::of_spec(spec, tier_index).least();
         let total = parts.total();
         let budget = u64::from(SHARED_MEMORY_BUDGET);
         if total <= budget {
@@ -349,7 +282,7 @@ impl Checker {
             let fitting_bits = (1..current).rev().find(|&b| {
                 let mut trial = spec.clone();
                 set_codebook(&mut trial, tier_index, is_key, j, |bits, _| *bits = b);
-                SharedMemory::of(&trial, tier_index).total() <= budget
+                TierModel::of_spec(&trial, tier_index).least().total() <= budget
             });
             if let Some(b) = fitting_bits {
                 fixes.push(format!("lower the codebook bits to at most {b}"));
@@ -362,19 +295,25 @@ impl Checker {
                 set_codebook(&mut trial, tier_index, is_key, j, |_, per_group| {
                     *per_group = false
                 });
-                if SharedMemory::of(&trial, tier_index).total() <= budget {
+                if TierModel::of_spec(&trial, tier_index).least().total() <= budget {
                     fixes.push("use per_group = false".to_string());
                 }
             }
         }
         let fixed_floats = budget / 4;
-        let per_query = parts.lut.saturating_add(parts.query);
         if parts.codebooks < fixed_floats {
-            let group = (fixed_floats - parts.codebooks) / per_query;
+            let group = (fixed_floats - parts.codebooks) / parts.query;
             if group >= 1 {
                 fixes.push(format!("lower page.max_query_group to at most {group}"));
             }
         }
+        let roomiest = Target::roomiest();
+        let key_codebook =
+            (tier.key.fields.iter()).any(|f| matches!(f, FieldSpec::Codebook { .. }));
+        let direct = match key_codebook {
+            true => " even reading its key codebook directly",
+            false => "",
+        };
         let advice = match fixes.len() {
             0 => "lower the codebook bits or group count, or use per_group = false".to_string(),
             1 => fixes[0].clone(),
@@ -383,10 +322,16 @@ impl Checker {
         self.report(
             path,
             format!(
-                "tier {:?} needs an estimated {total} bytes of shared memory, over the budget of \
-                 {SHARED_MEMORY_BUDGET} bytes (4 bytes x (max_query_group {} x ({} key LUT + {} \
-                 query floats) + {} codebook floats)); {advice}",
-                tier.name, parts.max_query_group, parts.lut, parts.query, parts.codebooks
+                "tier {:?} needs an estimated {total} bytes of shared memory{direct} (4 bytes x \
+                 (max_query_group {} x {} query floats + {} codebook floats)), over the budget of \
+                 {SHARED_MEMORY_BUDGET} bytes ({} blocks take {} bytes, less {TILE_RESERVE} for \
+                 the tiles); {advice}",
+                tier.name,
+                parts.max_query_group,
+                parts.query,
+                parts.codebooks,
+                roomiest.name(),
+                roomiest.model().shared_bytes_per_block,
             ),
         );
     }

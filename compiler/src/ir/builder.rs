@@ -26,7 +26,8 @@ impl<'a> ExprBuilder<'a> {
         ExprBuilder { exprs, literals }
     }
 
-    fn literal(&mut self, literal: Literal) -> Handle<Expr> {
+    /// A literal of any type, emitted once.
+    pub fn literal(&mut self, literal: Literal) -> Handle<Expr> {
         let key = literal_key(literal);
         if let Some(&h) = self.literals.get(&key) {
             return h;

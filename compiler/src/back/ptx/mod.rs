@@ -60,10 +60,7 @@ impl Target {
 
     /// Most dynamic shared memory one block may opt into (bytes).
     pub fn max_shared_bytes(self) -> u32 {
-        match self {
-            Target::Sm80 => 163 * 1024,
-            Target::Sm90 => 227 * 1024,
-        }
+        self.model().shared_bytes_per_block
     }
 }
 
@@ -262,6 +259,7 @@ pub fn write_tier(
     options: &Options,
 ) -> Result<TierKernel, Error> {
     options.check()?;
+    let module = &*super::shared_memory::for_target(module, group_max, options.target);
     let m = module.module();
     let plan = plan::Plan::new(m, group_max, options)?;
     let name = format!(
