@@ -1,4 +1,4 @@
-//! IR expressions -> PTX, generic over programs: the skeleton says where the
+//! IR expressions -> PTX, generic over programs: the kernel says where the
 //! program's memories are ([`Env`]) and the emitter walks the arena once.
 //!
 //! **Replicas.** The per-item programs run for several query heads or several
@@ -13,11 +13,14 @@
 //! **Item bits** come from the item's bytes in shared memory, at any bit
 //! alignment: see [`ItemReader`].
 
-use std::collections::HashMap;
-
-use super::builder::{Cmp, Global, Kernel, Op, Pred, Reg, Shared, B16, F32, S32, U32, U64};
-use crate::ir::{Arena, BinaryOp, Expr, Function, Handle, Input, Literal, UnaryOp};
+use super::builder::{Cmp, Global, Kernel, Op, Pred, Reg, Shared, F32, S32, U32, U64};
+use crate::ir::{Arena, BinaryOp, Expr, Handle, Input, Literal, UnaryOp};
+use crate::proc::{known_zeros, operands, significant_bits};
 use crate::valid::Range;
+
+mod reads;
+
+use reads::{Chunks, ItemReader, Source};
 
 /// A value of an IR type.
 #[derive(Clone, Copy)]
@@ -94,7 +97,7 @@ pub enum Replicas<'a> {
     },
 }
 
-/// Everything a program may read, as the skeleton provides it.
+/// Everything a program may read, as the kernel provides it.
 pub struct Env<'a> {
     pub replicas: Replicas<'a>,
     /// Per IR array (`None`: the program may not read it).
@@ -129,7 +132,7 @@ pub fn preload(k: &mut Kernel, exprs: &Arena<Expr>, env: &Env) -> Preloaded {
         if let Expr::Shared { array, index } = *e {
             if let Some(Expr::Literal(Literal::U32(i))) = exprs.try_get(index) {
                 let access =
-                    env.arrays[array.index()].expect("skeleton provides every readable array");
+                    env.arrays[array.index()].expect("the kernel provides every readable array");
                 for r in 0..replicas {
                     let key = (Source::Array(array.index()), r as usize);
                     chunks.shared(k, key, access.base, access.replica_stride * r, *i);
@@ -138,257 +141,6 @@ pub fn preload(k: &mut Kernel, exprs: &Arena<Expr>, env: &Env) -> Preloaded {
         }
     }
     Preloaded(chunks)
-}
-
-/// Elements [`preload`] would keep in registers per replica.
-pub fn preloaded_elements(exprs: &Arena<Expr>) -> u32 {
-    let mut chunks = std::collections::HashSet::new();
-    for (_, e) in exprs.iter() {
-        if let Expr::Shared { array, index } = *e {
-            if let Some(Expr::Literal(Literal::U32(i))) = exprs.try_get(index) {
-                chunks.insert((array.index(), i / 4));
-            }
-        }
-    }
-    4 * chunks.len() as u32
-}
-
-/// A score program split over `lanes` adjacent lanes ([`lane_split`]).
-#[derive(Debug, Clone)]
-pub struct LaneSplit {
-    /// Lane 0's part: the first `terms / lanes` terms of the program's fma
-    /// chain, summed from 0. Lane `l` runs it on the item `l · item_step`
-    /// bytes further and on shared arrays `l · index_step` elements further.
-    pub program: Function,
-    pub item_step: u32,
-    pub index_step: u32,
-    /// Terms of the whole chain.
-    pub terms: u32,
-    /// Whether every shared read of the part is at a constant index (so all
-    /// of them can stay in registers, [`preload`]).
-    pub constant_reads: bool,
-}
-
-/// Splits a program that is a dot product — a chain `fma(a_t, b_t, ..)` from
-/// 0.0 — into `lanes` equal runs of terms when run `s` is run 0 with every
-/// item bit offset moved by `s · Δb` and every shared index by `s · Δi`
-/// (whole bytes; Δi a multiple of 4 so vector loads stay aligned). The sum
-/// of the lanes' partial sums is the program's value up to rounding (the
-/// chain is reassociated into `lanes` partial chains).
-pub fn lane_split(f: &Function, lanes: u32) -> Option<LaneSplit> {
-    let exprs = &f.exprs;
-    let mut terms = Vec::new();
-    let mut cur = f.result?;
-    loop {
-        match exprs.try_get(cur)? {
-            Expr::Fma { a, b, c } => {
-                terms.push((*a, *b));
-                cur = *c;
-            }
-            Expr::Literal(Literal::F32(z)) if *z == 0.0 => break,
-            _ => return None,
-        }
-    }
-    terms.reverse();
-    let n = terms.len() as u32;
-    if lanes < 2 || n == 0 || !n.is_multiple_of(lanes) {
-        return None;
-    }
-    let per = (n / lanes) as usize;
-    let mut steps = Steps::default();
-    for s in 1..lanes as usize {
-        for t in 0..per {
-            let (a0, b0) = terms[t];
-            let (a1, b1) = terms[s * per + t];
-            if !shifted(exprs, a0, a1, s as u32, &mut steps)
-                || !shifted(exprs, b0, b1, s as u32, &mut steps)
-            {
-                return None;
-            }
-        }
-    }
-    let item_bits = steps.bits.unwrap_or(0);
-    let index_step = steps.index.unwrap_or(0);
-    if !item_bits.is_multiple_of(8) || !index_step.is_multiple_of(4) {
-        return None;
-    }
-    // Copy what lane 0's terms read, in arena order, then its chain.
-    let mut needed = vec![false; exprs.len()];
-    let mut stack: Vec<Handle<Expr>> = terms[..per].iter().flat_map(|&(a, b)| [a, b]).collect();
-    while let Some(h) = stack.pop() {
-        if !needed[h.index()] {
-            needed[h.index()] = true;
-            stack.extend(operands(exprs.try_get(h)?));
-        }
-    }
-    let mut program = Function::default();
-    let mut map: HashMap<usize, Handle<Expr>> = HashMap::new();
-    let mut constant_reads = true;
-    for (h, e) in exprs.iter() {
-        if !needed[h.index()] {
-            continue;
-        }
-        let m = |x: Handle<Expr>| map[&x.index()];
-        let copy = match *e {
-            Expr::Literal(l) => Expr::Literal(l),
-            Expr::Input(i) => Expr::Input(i),
-            Expr::ItemBits { bit_offset, width } => Expr::ItemBits {
-                bit_offset: m(bit_offset),
-                width,
-            },
-            Expr::HeaderScale { slot } => Expr::HeaderScale { slot: m(slot) },
-            Expr::Table { table, index } => Expr::Table {
-                table,
-                index: m(index),
-            },
-            Expr::Shared { array, index } => {
-                constant_reads &=
-                    matches!(exprs.try_get(index), Some(Expr::Literal(Literal::U32(_))));
-                Expr::Shared {
-                    array,
-                    index: m(index),
-                }
-            }
-            Expr::Unary { op, arg } => Expr::Unary { op, arg: m(arg) },
-            Expr::Binary { op, left, right } => Expr::Binary {
-                op,
-                left: m(left),
-                right: m(right),
-            },
-            Expr::Fma { a, b, c } => Expr::Fma {
-                a: m(a),
-                b: m(b),
-                c: m(c),
-            },
-            Expr::Select {
-                condition,
-                accept,
-                reject,
-            } => Expr::Select {
-                condition: m(condition),
-                accept: m(accept),
-                reject: m(reject),
-            },
-        };
-        map.insert(h.index(), program.exprs.append(copy));
-    }
-    let mut acc = program.exprs.append(Expr::Literal(Literal::F32(0.0)));
-    for &(a, b) in &terms[..per] {
-        acc = program.exprs.append(Expr::Fma {
-            a: map[&a.index()],
-            b: map[&b.index()],
-            c: acc,
-        });
-    }
-    program.result = Some(acc);
-    Some(LaneSplit {
-        program,
-        item_step: item_bits / 8,
-        index_step,
-        terms: n,
-        constant_reads,
-    })
-}
-
-/// The per-lane shifts [`lane_split`] has found so far.
-#[derive(Default)]
-struct Steps {
-    bits: Option<u32>,
-    index: Option<u32>,
-}
-
-/// Whether two expressions apply the same operation (kind, operator,
-/// table) to their operands, whatever the operands.
-fn same_operation(a: &Expr, b: &Expr) -> bool {
-    match (a, b) {
-        (Expr::HeaderScale { .. }, Expr::HeaderScale { .. })
-        | (Expr::Fma { .. }, Expr::Fma { .. })
-        | (Expr::Select { .. }, Expr::Select { .. }) => true,
-        (Expr::Table { table: x, .. }, Expr::Table { table: y, .. }) => x == y,
-        (Expr::Unary { op: x, .. }, Expr::Unary { op: y, .. }) => x == y,
-        (Expr::Binary { op: x, .. }, Expr::Binary { op: y, .. }) => x == y,
-        _ => false,
-    }
-}
-
-fn literal_u32(exprs: &Arena<Expr>, h: Handle<Expr>) -> Option<u32> {
-    match exprs.try_get(h)? {
-        Expr::Literal(Literal::U32(v)) => Some(*v),
-        _ => None,
-    }
-}
-
-/// Whether `x` is `y` with item bit offsets `s · Δb` and shared indices
-/// `s · Δi` further (one Δ per kind for the whole program).
-fn shifted(
-    exprs: &Arena<Expr>,
-    y: Handle<Expr>,
-    x: Handle<Expr>,
-    s: u32,
-    steps: &mut Steps,
-) -> bool {
-    let step = |slot: &mut Option<u32>, y: Option<u32>, x: Option<u32>| -> bool {
-        let (Some(y), Some(x)) = (y, x) else {
-            return false;
-        };
-        if x < y || !(x - y).is_multiple_of(s) {
-            return false;
-        }
-        let d = (x - y) / s;
-        match *slot {
-            None => {
-                *slot = Some(d);
-                true
-            }
-            Some(old) => old == d,
-        }
-    };
-    let (Some(ey), Some(ex)) = (exprs.try_get(y), exprs.try_get(x)) else {
-        return false;
-    };
-    match (*ey, *ex) {
-        (Expr::Literal(a), Expr::Literal(b)) => a == b,
-        (Expr::Input(a), Expr::Input(b)) => a == b,
-        (
-            Expr::ItemBits {
-                bit_offset: oy,
-                width: wy,
-            },
-            Expr::ItemBits {
-                bit_offset: ox,
-                width: wx,
-            },
-        ) => {
-            wy == wx
-                && step(
-                    &mut steps.bits,
-                    literal_u32(exprs, oy),
-                    literal_u32(exprs, ox),
-                )
-        }
-        (
-            Expr::Shared {
-                array: aa,
-                index: a,
-            },
-            Expr::Shared {
-                array: ab,
-                index: b,
-            },
-        ) => {
-            aa == ab
-                && step(
-                    &mut steps.index,
-                    literal_u32(exprs, a),
-                    literal_u32(exprs, b),
-                )
-        }
-        (a, b) if same_operation(&a, &b) => operands(&a)
-            .into_iter()
-            .zip(operands(&b))
-            .all(|(a, b)| shifted(exprs, a, b, s, steps)),
-        _ => false,
-    }
 }
 
 /// Emitted values: one per expression, or one per replica for those that vary.
@@ -424,7 +176,7 @@ pub fn emit(k: &mut Kernel, exprs: &Arena<Expr>, env: &Env) -> Values {
     let pack_zeros = known_zeros(exprs, pack.trailing_zeros());
     let known = Known {
         zeros: known_zeros(exprs, 0),
-        bits: known_bits(exprs),
+        bits: significant_bits(exprs),
         halves: half_reads(exprs),
     };
     let mut reader = env.item.map(ItemReader::new);
@@ -466,7 +218,8 @@ pub fn emit(k: &mut Kernel, exprs: &Arena<Expr>, env: &Env) -> Values {
             _ => None,
         };
         if let Some((array, index)) = per_head_copy {
-            let access = env.arrays[array.index()].expect("skeleton provides every readable array");
+            let access =
+                env.arrays[array.index()].expect("the kernel provides every readable array");
             let index = values[index.index()][0].u32();
             let at = shared_element(k, access.base, index);
             for r in 0..count {
@@ -560,99 +313,6 @@ fn global_element(k: &mut Kernel, base: Reg<U64>, index: Op<U32>) -> Global {
         Op::Imm(i) => Global::at(base).plus(4 * i64::from(i)),
         Op::Reg(r) => Global::at(k.global_index(base, r, 4)),
     }
-}
-
-pub(super) fn operands(expr: &Expr) -> Vec<Handle<Expr>> {
-    match *expr {
-        Expr::Literal(_) | Expr::Input(_) => vec![],
-        Expr::ItemBits { bit_offset, .. } => vec![bit_offset],
-        Expr::HeaderScale { slot } => vec![slot],
-        Expr::Table { index, .. } | Expr::Shared { index, .. } => vec![index],
-        Expr::Unary { arg, .. } => vec![arg],
-        Expr::Binary { left, right, .. } => vec![left, right],
-        Expr::Fma { a, b, c } => vec![a, b, c],
-        Expr::Select {
-            condition,
-            accept,
-            reject,
-        } => vec![condition, accept, reject],
-    }
-}
-
-/// Trailing zero bits every u32 expression is known to have (32 for zero):
-/// lets a runtime-offset bit read use one 32-bit load when the field cannot
-/// straddle two words (an f16 at `16 * channel`, say).
-/// `channel`: the zeros `Input::Channel` is known to have.
-fn known_zeros(exprs: &Arena<Expr>, channel: u32) -> Vec<u32> {
-    let mut zeros: Vec<u32> = Vec::with_capacity(exprs.len());
-    for (_, expr) in exprs.iter() {
-        let z = |h: Handle<Expr>| zeros[h.index()];
-        let value = match *expr {
-            Expr::Literal(Literal::U32(v)) => v.trailing_zeros(),
-            Expr::Input(Input::Channel) => channel,
-            Expr::Binary { op, left, right } => match op {
-                BinaryOp::Add | BinaryOp::Subtract | BinaryOp::Or | BinaryOp::Min => {
-                    z(left).min(z(right))
-                }
-                BinaryOp::Multiply => (z(left) + z(right)).min(32),
-                BinaryOp::And => z(left).max(z(right)),
-                BinaryOp::ShiftLeft => match exprs[right] {
-                    Expr::Literal(Literal::U32(amount)) => (z(left) + amount).min(32),
-                    _ => z(left),
-                },
-                // By a power of two: the quotient keeps the zeros above it;
-                // the remainder of a multiple of the divisor is zero.
-                BinaryOp::Divide | BinaryOp::Modulo => match exprs[right] {
-                    Expr::Literal(Literal::U32(d)) if d.is_power_of_two() => {
-                        let k = d.trailing_zeros();
-                        match op {
-                            BinaryOp::Divide => z(left).saturating_sub(k),
-                            _ if z(left) >= k => 32,
-                            _ => z(left),
-                        }
-                    }
-                    _ => 0,
-                },
-                _ => 0,
-            },
-            Expr::Select { accept, reject, .. } => z(accept).min(z(reject)),
-            _ => 0,
-        };
-        zeros.push(value);
-    }
-    zeros
-}
-
-/// Bits of a u32 value (it is below `2^bits`) or of an i32 value (it is in
-/// `[-2^(bits-1), 2^(bits-1))`), from item field widths, sign extensions,
-/// masks and shifts; 32 when nothing is known.
-fn known_bits(exprs: &Arena<Expr>) -> Vec<u32> {
-    let mut bits: Vec<u32> = Vec::with_capacity(exprs.len());
-    for (_, expr) in exprs.iter() {
-        let b = |h: Handle<Expr>| bits[h.index()];
-        let value = match *expr {
-            Expr::Literal(Literal::U32(v)) => 32 - v.leading_zeros(),
-            Expr::ItemBits { width, .. } => width.into(),
-            Expr::Unary {
-                op: UnaryOp::SignExtend(n),
-                ..
-            } => n.into(),
-            Expr::Binary { op, left, right } => match op {
-                // And and shifts exist on u32 only; min also on i32, where
-                // min(-2^20, 3) needs the wider operand's bits.
-                BinaryOp::And => b(left).min(b(right)),
-                BinaryOp::Min => b(left).max(b(right)),
-                BinaryOp::ShiftRight => match exprs[right] {
-                    Expr::Literal(Literal::U32(amount)) => b(left).saturating_sub(amount),
-                    _ => b(left),
-                },
-                _ => 32,
-            },
-            _ => 32,
-        };
-        bits.push(value);
-    }
-    bits
 }
 
 /// How each expression changes across a pack of adjacent channels `c + e`
@@ -768,7 +428,7 @@ fn half_reads(exprs: &Arena<Expr>) -> Vec<bool> {
 struct Known {
     /// Known trailing zero bits ([`known_zeros`]).
     zeros: Vec<u32>,
-    /// Significant bits ([`known_bits`]).
+    /// Significant bits ([`significant_bits`]).
     bits: Vec<u32>,
     /// Item reads emitted as f32 ([`half_reads`]).
     halves: Vec<bool>,
@@ -852,7 +512,7 @@ fn emit_one(
             let index = get(index).u32();
             let key = (Source::Table(table.index()), 0);
             let value = match (
-                env.tables[table.index()].expect("skeleton provides every table"),
+                env.tables[table.index()].expect("the kernel provides every table"),
                 index,
             ) {
                 (TableAccess::Shared(base), Op::Imm(i)) => chunks.shared(k, key, base, 0, i),
@@ -869,7 +529,8 @@ fn emit_one(
             Val::F32(Op::Reg(value))
         }
         Expr::Shared { array, index } => {
-            let access = env.arrays[array.index()].expect("skeleton provides every readable array");
+            let access =
+                env.arrays[array.index()].expect("the kernel provides every readable array");
             let stride = match env.replicas {
                 Replicas::Heads(_) => access.replica_stride * replica as u32,
                 _ => 0,
@@ -1026,327 +687,5 @@ fn binary(k: &mut Kernel, op: BinaryOp, left: Val, right: Val) -> Val {
             }
         }
         _ => unreachable!("validated IR: {op:?} operands of one type"),
-    }
-}
-
-/// A memory a program reads f32 elements from.
-#[derive(Clone, Copy, PartialEq, Eq, Hash)]
-enum Source {
-    Array(usize),
-    Table(usize),
-}
-
-/// Elements at constant indices load 16 bytes at a time, once per program:
-/// a dot product with the query reads a quarter as many times, for every
-/// head. Keyed by memory, replica and 16-byte chunk.
-#[derive(Default, Clone)]
-struct Chunks(HashMap<(Source, usize, u32), [Reg<F32>; 4]>);
-
-impl Chunks {
-    /// Element `index` of the 16-byte-aligned shared memory at `base + offset`.
-    fn shared(
-        &mut self,
-        k: &mut Kernel,
-        (source, replica): (Source, usize),
-        base: Reg<U32>,
-        offset: u32,
-        index: u32,
-    ) -> Reg<F32> {
-        let chunk = self
-            .0
-            .entry((source, replica, index / 4))
-            .or_insert_with(|| {
-                k.ld_shared_v4(Shared::at(base).plus(i64::from(offset + 16 * (index / 4))))
-            });
-        chunk[(index % 4) as usize]
-    }
-
-    /// Element `index` of the 16-byte-aligned global memory at `base`.
-    fn global(
-        &mut self,
-        k: &mut Kernel,
-        (source, replica): (Source, usize),
-        base: Reg<U64>,
-        index: u32,
-    ) -> Reg<F32> {
-        let chunk = self
-            .0
-            .entry((source, replica, index / 4))
-            .or_insert_with(|| k.ld_global_nc_v4(Global::at(base).plus(16 * i64::from(index / 4))));
-        chunk[(index % 4) as usize]
-    }
-}
-
-/// Reads bit fields of one item in shared memory, LSB-first little-endian.
-///
-/// A field at a constant bit offset lives in the item's 32-bit words `k` (and
-/// `k + 1` when it straddles them): one `bfe`, or a funnel shift of the two
-/// words and a `bfe`. Words are loaded once per program. When the item's
-/// address is 16-byte aligned they come four at a time (`ld.shared.v4`); when
-/// it is not 4-byte aligned (6- or 14-byte items) each item word is rebuilt
-/// from the two aligned words around it with a funnel shift by the item's
-/// byte misalignment, once, and everything after that is as if aligned.
-/// Runtime offsets compute the word address and shift per read.
-struct ItemReader {
-    base: Reg<U32>,
-    align: u32,
-    words: HashMap<u32, Reg<U32>>,
-    chunks: HashMap<u32, [Reg<U32>; 4]>,
-    /// Item words split into their low and high halves ([`half_reads`]).
-    halves: HashMap<u32, (Reg<B16>, Reg<B16>)>,
-    raw: HashMap<u32, Reg<U32>>,
-    /// For unaligned items: the aligned address below the item and the bit
-    /// shift from it to the item's first bit.
-    unaligned: Option<(Reg<U32>, Reg<U32>)>,
-}
-
-impl ItemReader {
-    fn new(source: ItemSource) -> ItemReader {
-        ItemReader {
-            base: source.base,
-            align: source.align,
-            words: HashMap::new(),
-            chunks: HashMap::new(),
-            halves: HashMap::new(),
-            raw: HashMap::new(),
-            unaligned: None,
-        }
-    }
-
-    fn unaligned(&mut self, k: &mut Kernel) -> (Reg<U32>, Reg<U32>) {
-        let base = self.base;
-        *self.unaligned.get_or_insert_with(|| {
-            let word_base = k.and(base, !3u32);
-            let bytes = k.and(base, 3u32);
-            let shift = k.shl(bytes, 3u32);
-            (word_base, shift)
-        })
-    }
-
-    /// Item word `index`: bits `32 * index ..` of the item.
-    fn word(&mut self, k: &mut Kernel, index: u32) -> Reg<U32> {
-        if let Some(&w) = self.words.get(&index) {
-            return w;
-        }
-        let word = if self.align >= 16 {
-            let base = self.base;
-            let chunk = *self.chunks.entry(index / 4).or_insert_with(|| {
-                k.ld_shared_v4(Shared::at(base).plus(16 * i64::from(index / 4)))
-            });
-            chunk[(index % 4) as usize]
-        } else if self.align >= 4 {
-            k.ld_shared(Shared::at(self.base).plus(4 * i64::from(index)))
-        } else {
-            let (_, shift) = self.unaligned(k);
-            let lo = self.raw(k, index);
-            let hi = self.raw(k, index + 1);
-            k.shf_r_wrap(lo, hi, shift)
-        };
-        self.words.insert(index, word);
-        word
-    }
-
-    /// Aligned word `index` at or below the item's start.
-    fn raw(&mut self, k: &mut Kernel, index: u32) -> Reg<U32> {
-        if let Some(&w) = self.raw.get(&index) {
-            return w;
-        }
-        let (word_base, _) = self.unaligned(k);
-        let w = k.ld_shared(Shared::at(word_base).plus(4 * i64::from(index)));
-        self.raw.insert(index, w);
-        w
-    }
-
-    fn mask(k: &mut Kernel, value: Reg<U32>, position: Op<U32>, width: u32) -> Reg<U32> {
-        match position {
-            _ if width == 32 => value,
-            Op::Imm(_) => k.bfe_u32(value, position, width),
-            // `bfe` with a register position becomes four SASS instructions
-            // (two PRMTs unpack position and length every time); the field
-            // fits in the word here, so shift and mask say the same in two.
-            Op::Reg(_) => {
-                let shifted = k.shr(value, position);
-                k.and(shifted, (1u32 << width) - 1)
-            }
-        }
-    }
-
-    /// The unit (8 or 16 bits) one naturally aligned narrow load can read a
-    /// field of `width` bits from, when the field's offset has `zeros` known
-    /// trailing zero bits: a field no wider than the power-of-two block its
-    /// offset is aligned to never leaves that block, so it never leaves the
-    /// byte (or halfword) holding it.
-    fn narrow_unit(&self, width: u32, zeros: u32) -> Option<u32> {
-        if width <= 8 && width <= 1 << zeros.min(3) {
-            Some(8)
-        } else if width <= 16 && zeros >= 4 && self.align >= 2 {
-            Some(16)
-        } else {
-            None
-        }
-    }
-
-    /// The field at bit `offset` (`offset & (unit - 1)` within the unit) from a
-    /// byte or halfword load at `at`.
-    fn narrow(
-        k: &mut Kernel,
-        at: Shared,
-        unit: u32,
-        shift: Option<Op<U32>>,
-        width: u32,
-    ) -> Reg<U32> {
-        let value = k.ld_shared_narrow(at, unit);
-        let value = match shift {
-            Some(shift) => k.shr(value, shift),
-            None => value,
-        };
-        if width == unit {
-            value
-        } else {
-            k.and(value, (1u32 << width) - 1)
-        }
-    }
-
-    fn read_static(&mut self, k: &mut Kernel, offset: u32, width: u32) -> Reg<U32> {
-        let (index, shift) = (offset / 32, offset % 32);
-        // Items at odd addresses: whole words cost two loads and a funnel
-        // shift, so a byte or halfword field not already in a loaded word
-        // is loaded alone.
-        let unit = self.narrow_unit(width, offset.trailing_zeros());
-        if let Some(unit) = unit.filter(|_| self.align < 4 && !self.words.contains_key(&index)) {
-            let at = Shared::at(self.base).plus(i64::from(offset / 8 / (unit / 8) * (unit / 8)));
-            let within = offset % unit;
-            return Self::narrow(k, at, unit, (within > 0).then_some(Op::Imm(within)), width);
-        }
-        let lo = self.word(k, index);
-        if shift + width <= 32 {
-            Self::mask(k, lo, Op::Imm(shift), width)
-        } else {
-            let hi = self.word(k, index + 1);
-            let joined = k.shf_r_wrap(lo, hi, shift);
-            Self::mask(k, joined, Op::Imm(0), width)
-        }
-    }
-
-    /// The f16 at bit `offset` (a multiple of 16) as f32.
-    fn read_half(&mut self, k: &mut Kernel, offset: u32) -> Reg<F32> {
-        let index = offset / 32;
-        // Odd-address items load a lone halfword (see `read_static`).
-        let half = if self.align < 4 && !self.words.contains_key(&index) {
-            let bits = self.read_static(k, offset, 16);
-            k.low16(bits)
-        } else {
-            let (lo, hi) = match self.halves.get(&index) {
-                Some(&pair) => pair,
-                None => {
-                    let word = self.word(k, index);
-                    let pair = k.split_halves(word);
-                    self.halves.insert(index, pair);
-                    pair
-                }
-            };
-            if offset.is_multiple_of(32) {
-                lo
-            } else {
-                hi
-            }
-        };
-        k.f16_to_f32(half)
-    }
-
-    /// The fields of a pack of channels at bit offsets `offsets[r]`, which
-    /// grow by `step` per channel of a pack, the first known to have `zeros`
-    /// trailing zeros: when every pack's fields lie in one naturally aligned
-    /// byte, halfword or word (the item's alignment permitting), one load
-    /// per pack and a constant shift per channel (kivi int8 pairs: one
-    /// `ld.shared.u16` instead of an address and a byte load each; f16
-    /// quads: one `ld.shared.v2.u32`). `None`
-    /// when they may not.
-    fn read_pack(
-        &mut self,
-        k: &mut Kernel,
-        offsets: &[Val],
-        pack: usize,
-        step: u32,
-        width: u32,
-        zeros: u32,
-    ) -> Option<Vec<Reg<U32>>> {
-        let span = step.checked_mul(pack as u32 - 1)?.checked_add(width)?;
-        // Two or four words (quads or octets of f16 channels) when no field
-        // straddles them.
-        let in_words = (0..pack as u32).all(|e| (step * e) % 32 + width <= 32);
-        let unit = [8, 16, 32, 64, 128].into_iter().find(|&unit| {
-            span <= unit
-                && zeros >= unit.trailing_zeros()
-                && self.align >= unit / 8
-                && (unit < 64 || in_words)
-        })?;
-        let mut fields = Vec::with_capacity(offsets.len());
-        for first in offsets.iter().step_by(pack) {
-            let words = match first.u32() {
-                Op::Reg(offset) => {
-                    let byte = k.shr(offset, 3u32);
-                    let at = Shared::at(k.add(self.base, byte));
-                    match unit {
-                        128 => k.ld_shared_v4(at).to_vec(),
-                        64 => k.ld_shared_v2(at).to_vec(),
-                        32 => vec![k.ld_shared(at)],
-                        _ => vec![k.ld_shared_narrow(at, unit)],
-                    }
-                }
-                Op::Imm(_) => unreachable!("a varying offset is a register"),
-            };
-            let top = unit.min(32);
-            for e in 0..pack as u32 {
-                let bits = words[(step * e / 32) as usize];
-                let shift = step * e % 32;
-                // The load zero-extends, so the top field needs no mask.
-                fields.push(match (shift, shift + width == top) {
-                    (0, true) => bits,
-                    (_, true) => k.shr(bits, shift),
-                    _ => Self::mask(k, bits, Op::Imm(shift), width),
-                });
-            }
-        }
-        Some(fields)
-    }
-
-    /// `zeros`: trailing zero bits `offset` is known to have.
-    fn read_dynamic(
-        &mut self,
-        k: &mut Kernel,
-        offset: Reg<U32>,
-        width: u32,
-        zeros: u32,
-    ) -> Reg<U32> {
-        if let Some(unit) = self.narrow_unit(width, zeros) {
-            // Byte address and one narrow load, at any item alignment: three
-            // or four instructions instead of a word address, one or two
-            // word loads and a funnel shift.
-            let byte = k.shr(offset, 3u32);
-            let at = k.add(self.base, byte);
-            let shift = (zeros < 3).then(|| Op::Reg(k.and(offset, 7u32)));
-            return Self::narrow(k, Shared::at(at), unit, shift, width);
-        }
-        let (word_base, bit) = if self.align >= 4 {
-            (self.base, offset)
-        } else {
-            let (word_base, shift) = self.unaligned(k);
-            (word_base, k.add(offset, shift))
-        };
-        let index = k.shr(bit, 5u32);
-        let at = k.mad_lo(index, 4u32, word_base);
-        let shift = k.and(bit, 31u32);
-        let lo = k.ld_shared(Shared::at(at));
-        // A field that starts on a multiple of its width never straddles two
-        // words (widths of 1, 2, 4, 8, 16, 32 bits at aligned offsets).
-        let single = self.align >= 4 && width <= 1 << zeros.min(5);
-        if single {
-            Self::mask(k, lo, Op::Reg(shift), width)
-        } else {
-            let hi = k.ld_shared(Shared::at(at).plus(4));
-            let joined = k.shf_r_wrap(lo, hi, shift);
-            Self::mask(k, joined, Op::Imm(0), width)
-        }
     }
 }

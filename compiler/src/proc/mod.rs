@@ -1,0 +1,14 @@
+//! Analyses of the IR that more than one backend needs, done once here on the
+//! IR (as naga's `proc/` and Cranelift's `ir/dfg.rs`) rather than in each
+//! backend.
+//!
+//! - [`operands`]: the operands of an expression, what a program reads, and
+//!   which expressions depend on a given kind of input.
+//! - [`known_bits`]: bits of a value known from its expression alone
+//!   (trailing zeros, significant bits).
+
+pub mod known_bits;
+pub mod operands;
+
+pub use known_bits::{known_zeros, significant_bits};
+pub use operands::{depends_on, operands, shared_reads};
