@@ -1,7 +1,7 @@
 //! Loads and stores in shared and global memory, `cp.async` copies, and the
 //! bulk copies and mbarriers of sm_90.
 
-use super::{Bits32, Evict, Global, Kernel, Op, Pred, Reg, Shared, U32, U64};
+use super::{Bits32, Evict, Global, Kernel, Op, Pred, Reg, Shared, Type, U32, U64};
 
 impl Kernel {
     // ---- memory -------------------------------------------------------------
@@ -12,7 +12,7 @@ impl Kernel {
     /// Into `dst` (under a guard, a load that leaves `dst` as it was when the
     /// guard fails).
     pub fn ld_shared_to<T: Bits32>(&mut self, dst: Reg<T>, at: Shared) {
-        self.line(format_args!("ld.shared.{} {dst}, {at}", T::SUFFIX));
+        self.op_to(format_args!("ld.shared.{}", T::SUFFIX), dst, &[&at]);
     }
     /// One byte (`bits` 8) or an aligned halfword (`bits` 16), zero-extended.
     pub fn ld_shared_narrow(&mut self, at: Shared, bits: u32) -> Reg<U32> {
@@ -24,25 +24,15 @@ impl Kernel {
     /// 8 bytes; `at` must be 8-byte aligned.
     pub fn ld_shared_v2<T: Bits32>(&mut self, at: Shared) -> [Reg<T>; 2] {
         let d = [self.reg(), self.reg()];
-        self.line(format_args!(
-            "ld.shared.v2.{} {{{}, {}}}, {at}",
-            T::SUFFIX,
-            d[0],
-            d[1]
-        ));
+        let list = vector(&d);
+        self.line(format_args!("ld.shared.v2.{} {list}, {at}", T::SUFFIX));
         d
     }
     /// 16 bytes; `at` must be 16-byte aligned.
     pub fn ld_shared_v4<T: Bits32>(&mut self, at: Shared) -> [Reg<T>; 4] {
         let d = [self.reg(), self.reg(), self.reg(), self.reg()];
-        self.line(format_args!(
-            "ld.shared.v4.{} {{{}, {}, {}, {}}}, {at}",
-            T::SUFFIX,
-            d[0],
-            d[1],
-            d[2],
-            d[3]
-        ));
+        let list = vector(&d);
+        self.line(format_args!("ld.shared.v4.{} {list}, {at}", T::SUFFIX));
         d
     }
     pub fn st_shared<T: Bits32>(&mut self, at: Shared, value: impl Into<Op<T>>) {
@@ -56,14 +46,8 @@ impl Kernel {
     }
     /// 16 bytes; `at` must be 16-byte aligned.
     pub fn st_shared_v4<T: Bits32>(&mut self, at: Shared, values: [Reg<T>; 4]) {
-        self.line(format_args!(
-            "st.shared.v4.{} {at}, {{{}, {}, {}, {}}}",
-            T::SUFFIX,
-            values[0],
-            values[1],
-            values[2],
-            values[3]
-        ));
+        let list = vector(&values);
+        self.line(format_args!("st.shared.v4.{} {at}, {list}", T::SUFFIX));
     }
     /// Atomic `*at = max(*at, value)` in shared memory, no result.
     pub fn red_shared_max(&mut self, at: Shared, value: Reg<U32>) {
@@ -100,13 +84,10 @@ impl Kernel {
     pub fn ld_global_nc_v4<T: Bits32>(&mut self, at: Global) -> [Reg<T>; 4] {
         let d = [self.reg(), self.reg(), self.reg(), self.reg()];
         let (hint, policy) = at.hint();
+        let list = vector(&d);
         self.line(format_args!(
-            "ld.global.nc{hint}.v4.{} {{{}, {}, {}, {}}}, {at}{policy}",
-            T::SUFFIX,
-            d[0],
-            d[1],
-            d[2],
-            d[3]
+            "ld.global.nc{hint}.v4.{} {list}, {at}{policy}",
+            T::SUFFIX
         ));
         d
     }
@@ -214,4 +195,10 @@ impl Kernel {
         };
         self.add(base, offset)
     }
+}
+
+/// Registers as a PTX vector operand: `{a, b, …}`.
+fn vector<T: Type>(registers: &[Reg<T>]) -> String {
+    let list: Vec<String> = registers.iter().map(|r| r.to_string()).collect();
+    format!("{{{}}}", list.join(", "))
 }

@@ -9,6 +9,22 @@
 use std::fmt::Write;
 use std::marker::PhantomData;
 
+/// Instructions of one line, `opcode d, operands…`: each a method taking
+/// its operands in order and returning the new register `d`, written as a
+/// table rather than a function body per instruction.
+macro_rules! instructions {
+    ($($(#[$doc:meta])* fn $name:ident($($arg:ident: $ty:ty),*) -> $ret:ty = $opcode:literal;)*) => {
+        impl Kernel {
+            $(
+                $(#[$doc])*
+                pub fn $name(&mut self, $($arg: $ty),*) -> Reg<$ret> {
+                    self.op($opcode, &[$(&super::operand($arg)),*])
+                }
+            )*
+        }
+    };
+}
+
 mod arith;
 mod memory;
 mod warp;
@@ -327,6 +343,11 @@ impl Axis {
     }
 }
 
+/// An operand as the instruction text shows it.
+fn operand<T: Type>(x: impl Into<Op<T>>) -> Op<T> {
+    x.into()
+}
+
 /// Builds one kernel entry.
 pub struct Kernel {
     name: String,
@@ -397,12 +418,22 @@ impl Kernel {
         operands: &[&dyn std::fmt::Display],
     ) -> Reg<D> {
         let d = self.reg();
-        let mut text = format!("{opcode} {d}");
+        self.op_to(opcode, d, operands);
+        d
+    }
+
+    /// `opcode dst, operands…` into an existing register.
+    fn op_to<D: Type>(
+        &mut self,
+        opcode: impl std::fmt::Display,
+        dst: Reg<D>,
+        operands: &[&dyn std::fmt::Display],
+    ) {
+        let mut text = format!("{opcode} {dst}");
         for operand in operands {
             let _ = write!(text, ", {operand}");
         }
         self.line(format_args!("{text}"));
-        d
     }
 
     /// A comment line in the output, to keep the PTX reviewable.

@@ -13,10 +13,6 @@ impl Kernel {
         self.line(format_args!("prmt.b32 {d}, {a}, {b}, 0x{selector:04X}"));
         d
     }
-    /// [`Self::prmt`] with the selector in a register.
-    pub fn prmt_by(&mut self, a: Reg<U32>, b: Reg<U32>, selector: Reg<U32>) -> Reg<U32> {
-        self.op("prmt.b32", &[&a, &b, &selector])
-    }
     /// Any function of three words bit by bit (`lop3.b32`; `lut` is the truth
     /// table over the operands' bit patterns 0xF0, 0xCC, 0xAA).
     pub fn lop3(
@@ -89,7 +85,6 @@ impl Kernel {
     }
 
     // ---- warp ---------------------------------------------------------------
-
     /// The value of lane `lane ^ mask` (all 32 lanes take part).
     pub fn shfl_bfly<T: Bits32>(&mut self, a: Reg<T>, mask: u32) -> Reg<T> {
         debug_assert!(mask < 32);
@@ -115,4 +110,9 @@ impl Kernel {
         self.line(format_args!("vote.sync.any.pred {d}, {p}, 0xffffffff"));
         d
     }
+}
+
+instructions! {
+    /// [`Self::prmt`] with the selector in a register.
+    fn prmt_by(a: Reg<U32>, b: Reg<U32>, selector: Reg<U32>) -> U32 = "prmt.b32";
 }

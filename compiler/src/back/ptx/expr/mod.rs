@@ -13,7 +13,7 @@
 //! **Item bits** come from the item's bytes in shared memory, at any bit
 //! alignment: see [`ItemReader`].
 
-use super::builder::{Cmp, Global, Kernel, Op, Pred, Reg, Shared, F32, S32, U32, U64};
+use super::builder::{Arith, Cmp, Global, Kernel, Op, Pred, Reg, Shared, F32, S32, U32, U64};
 use crate::ir::{Arena, BinaryOp, Expr, Handle, Input, Literal, UnaryOp};
 use crate::proc::{known_zeros, operands, significant_bits};
 use crate::valid::Range;
@@ -112,6 +112,29 @@ pub struct Env<'a> {
     /// Shared-array elements at constant indices already in registers
     /// ([`preload`]): the program reads them from there.
     pub preloaded: Option<&'a Preloaded>,
+}
+
+impl<'a> Env<'a> {
+    /// A per-item program's (score, accumulate): the item in shared memory
+    /// and its page header, with the arrays and tables given.
+    pub fn per_item(
+        replicas: Replicas<'a>,
+        arrays: &'a [Option<ArrayAccess>],
+        tables: &'a [Option<TableAccess>],
+        header: Reg<U32>,
+        item: ItemSource,
+    ) -> Env<'a> {
+        Env {
+            replicas,
+            arrays,
+            tables,
+            header: Some(header),
+            item: Some(item),
+            iteration: None,
+            denominator: None,
+            preloaded: None,
+        }
+    }
 }
 
 /// Constant-index shared reads of a program loaded once ([`preload`]).
@@ -639,53 +662,63 @@ fn binary(k: &mut Kernel, op: BinaryOp, left: Val, right: Val) -> Val {
             // literals the IR builder did not fold, e.g. a wrapping subtraction).
             let a = Op::Reg(materialize_u32(k, a));
             let r = |r: Reg<U32>| Val::U32(Op::Reg(r));
-            match op {
-                Add => r(k.add(a, b)),
-                Subtract => r(k.sub(a, b)),
-                Multiply => r(k.mul(a, b)),
-                Divide => r(k.div_u32(a, b)),
-                Modulo => r(k.rem_u32(a, b)),
-                Min => r(k.min(a, b)),
-                And => r(k.and(a, b)),
-                Or => r(k.or(a, b)),
-                ShiftLeft => r(k.shl(a, b)),
-                ShiftRight => r(k.shr(a, b)),
-                Less => Val::Bool(k.setp(Cmp::Lt, a, b)),
-                Equal => Val::Bool(k.setp(Cmp::Eq, a, b)),
-                NotEqual => Val::Bool(k.setp(Cmp::Ne, a, b)),
+            match arithmetic(k, op, a, b, r) {
+                Some(v) => v,
+                None => match op {
+                    Divide => r(k.div_u32(a, b)),
+                    Modulo => r(k.rem_u32(a, b)),
+                    And => r(k.and(a, b)),
+                    Or => r(k.or(a, b)),
+                    ShiftLeft => r(k.shl(a, b)),
+                    ShiftRight => r(k.shr(a, b)),
+                    NotEqual => Val::Bool(k.setp(Cmp::Ne, a, b)),
+                    _ => unreachable!("{op:?}: an arithmetic operation"),
+                },
             }
         }
         (Val::I32(a), Val::I32(b)) => {
             let a = Op::Reg(materialize_s32(k, a));
             let r = |r: Reg<S32>| Val::I32(Op::Reg(r));
-            match op {
-                Add => r(k.add(a, b)),
-                Subtract => r(k.sub(a, b)),
-                Multiply => r(k.mul(a, b)),
-                Min => r(k.min(a, b)),
-                Less => Val::Bool(k.setp(Cmp::Lt, a, b)),
-                Equal => Val::Bool(k.setp(Cmp::Eq, a, b)),
-                NotEqual => Val::Bool(k.setp(Cmp::Ne, a, b)),
-                _ => unreachable!("validated IR: {op:?} on i32"),
+            match arithmetic(k, op, a, b, r) {
+                Some(v) => v,
+                None if op == NotEqual => Val::Bool(k.setp(Cmp::Ne, a, b)),
+                None => unreachable!("validated IR: {op:?} on i32"),
             }
         }
         (Val::F32(a), Val::F32(b)) => {
             let a = Op::Reg(materialize_f32(k, a));
             let r = |r: Reg<F32>| Val::F32(Op::Reg(r));
-            match op {
-                Add => r(k.add(a, b)),
-                Subtract => r(k.sub(a, b)),
-                Multiply => r(k.mul(a, b)),
-                Divide => r(k.div_f32(a, b)),
-                // PTX min returns the non-NaN operand, as f32::min does.
-                Min => r(k.min(a, b)),
-                Less => Val::Bool(k.setp(Cmp::Lt, a, b)),
-                Equal => Val::Bool(k.setp(Cmp::Eq, a, b)),
-                // Rust's != is true when either side is NaN.
-                NotEqual => Val::Bool(k.setp(Cmp::Neu, a, b)),
-                _ => unreachable!("validated IR: {op:?} on f32"),
+            match arithmetic(k, op, a, b, r) {
+                Some(v) => v,
+                None => match op {
+                    Divide => r(k.div_f32(a, b)),
+                    // Rust's != is true when either side is NaN.
+                    NotEqual => Val::Bool(k.setp(Cmp::Neu, a, b)),
+                    _ => unreachable!("validated IR: {op:?} on f32"),
+                },
             }
         }
         _ => unreachable!("validated IR: {op:?} operands of one type"),
     }
+}
+
+/// The operations of every arithmetic type (`None` for the others). PTX
+/// `min.f32` returns the non-NaN operand, as `f32::min` does.
+fn arithmetic<T: Arith>(
+    k: &mut Kernel,
+    op: BinaryOp,
+    a: Op<T>,
+    b: Op<T>,
+    r: impl Fn(Reg<T>) -> Val,
+) -> Option<Val> {
+    use BinaryOp::*;
+    Some(match op {
+        Add => r(k.add(a, b)),
+        Subtract => r(k.sub(a, b)),
+        Multiply => r(k.mul(a, b)),
+        Min => r(k.min(a, b)),
+        Less => Val::Bool(k.setp(Cmp::Lt, a, b)),
+        Equal => Val::Bool(k.setp(Cmp::Eq, a, b)),
+        _ => return None,
+    })
 }

@@ -216,23 +216,16 @@ impl Accumulate<'_> {
         self.cta
             .strided_unrolled(k, start, items, a.item_lanes, a.item_unroll, |k, i| {
                 let item = k.mad_lo(i, plan.value.shared_stride, items_base);
-                let env = Env {
-                    replicas: Replicas::Channels {
-                        channels: &acc.channels,
-                        pack: a.pack,
-                        ranges: &self.cta.info.accumulate.ranges,
-                    },
-                    arrays: &[],
-                    tables: &tables,
-                    header: Some(tile.header),
-                    item: Some(ItemSource {
-                        base: item,
-                        align: plan.value.align(),
-                    }),
-                    iteration: None,
-                    denominator: None,
-                    preloaded: None,
+                let replicas = Replicas::Channels {
+                    channels: &acc.channels,
+                    pack: a.pack,
+                    ranges: &self.cta.info.accumulate.ranges,
                 };
+                let item = ItemSource {
+                    base: item,
+                    align: plan.value.align(),
+                };
+                let env = Env::per_item(replicas, &[], &tables, tile.header, item);
                 let values = expr::emit(k, &self.cta.m.value.accumulate.exprs, &env);
                 let result = self
                     .cta

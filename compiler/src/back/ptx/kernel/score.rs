@@ -47,19 +47,7 @@ impl Score<'_> {
                 let block_ok = k.setp(Cmp::Lt, block, self.cta.score_blocks);
                 let at_zero = k.setp(Cmp::Eq, item, 0u32);
                 let first = k.and_pred(at_zero, block_ok);
-                let arrays = bases
-                    .iter()
-                    .enumerate()
-                    .map(|(a, base)| {
-                        base.map(|base| {
-                            let stride = plan.array_stride[a];
-                            ArrayAccess {
-                                base: k.mad_lo(block, hb * stride, base),
-                                replica_stride: stride,
-                            }
-                        })
-                    })
-                    .collect();
+                let arrays = self.block_arrays(k, &bases, Some(block), hb);
                 let row = k.mad_lo(item, row_bytes, logits);
                 let row = k.mad_lo(block, hb * 4, row);
                 let max_at = k.mad_lo(block, hb * 4, tile_max);
@@ -175,6 +163,32 @@ impl Score<'_> {
         }
     }
 
+    /// The score program's arrays for the heads of `hb`-head block `block`
+    /// (`None`: block 0), from their bases for head 0.
+    pub(super) fn block_arrays(
+        &self,
+        k: &mut Kernel,
+        bases: &[Option<Reg<U32>>],
+        block: Option<Reg<U32>>,
+        hb: u32,
+    ) -> Vec<Option<ArrayAccess>> {
+        let plan = self.cta.plan;
+        (bases.iter().enumerate())
+            .map(|(a, base)| {
+                base.map(|base| {
+                    let stride = plan.array_stride[a];
+                    ArrayAccess {
+                        base: match block {
+                            None => base,
+                            Some(b) => k.mad_lo(b, hb * stride, base),
+                        },
+                        replica_stride: stride,
+                    }
+                })
+            })
+            .collect()
+    }
+
     /// The split score's logits of a tile, one per unit (of the head the
     /// thread's lane owns; unscaled). Every unit is computed whether or not
     /// its item is in the tile (items past the tile's end read stale bytes of
@@ -204,14 +218,14 @@ impl Score<'_> {
         for &part_item in &sp.part_items {
             let item = k.mad_lo(part_item, plan.key.shared_stride, lane_items);
             let env = Env {
-                replicas: Replicas::Heads(split.head_block),
-                arrays: &sp.arrays,
-                tables,
-                header: Some(tile.header),
-                item: Some(ItemSource { base: item, align }),
-                iteration: None,
-                denominator: None,
                 preloaded: Some(&sp.preloaded),
+                ..Env::per_item(
+                    Replicas::Heads(split.head_block),
+                    &sp.arrays,
+                    tables,
+                    tile.header,
+                    ItemSource { base: item, align },
+                )
             };
             let values = expr::emit(k, &program.exprs, &env);
             parts.push(
@@ -255,19 +269,11 @@ impl Score<'_> {
         header: Reg<U32>,
         hb: u32,
     ) -> Vec<Reg<F32>> {
-        let env = Env {
-            replicas: Replicas::Heads(hb),
-            arrays,
-            tables,
-            header: Some(header),
-            item: Some(ItemSource {
-                base: item,
-                align: self.cta.plan.key.align(),
-            }),
-            iteration: None,
-            denominator: None,
-            preloaded: None,
+        let item = ItemSource {
+            base: item,
+            align: self.cta.plan.key.align(),
         };
+        let env = Env::per_item(Replicas::Heads(hb), arrays, tables, header, item);
         let values = expr::emit(k, &self.cta.m.key.score.exprs, &env);
         let result = self
             .cta
@@ -309,22 +315,7 @@ impl Score<'_> {
                     let (b, i) = divide(k, idx, tile.items);
                     (Some(b), i)
                 };
-                let arrays: Vec<Option<ArrayAccess>> = bases
-                    .iter()
-                    .enumerate()
-                    .map(|(a, base)| {
-                        base.map(|base| {
-                            let stride = plan.array_stride[a];
-                            ArrayAccess {
-                                base: match block {
-                                    None => base,
-                                    Some(b) => k.mad_lo(b, hb * stride, base),
-                                },
-                                replica_stride: stride,
-                            }
-                        })
-                    })
-                    .collect();
+                let arrays = self.block_arrays(k, &bases, block, hb);
                 let item = k.mad_lo(i, plan.key.shared_stride, items_base);
                 let scores = self.item_scores(k, item, &arrays, &tables, tile.header, hb);
                 let row = k.mad_lo(i, row_bytes, logits);
