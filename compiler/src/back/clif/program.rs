@@ -52,6 +52,29 @@ struct Env<'a> {
     shared: ir::MemFlagsData,
 }
 
+impl<'a> Env<'a> {
+    /// A per-item program's (score, accumulate) over the items of `page`,
+    /// the shared arrays read-only.
+    fn per_page(
+        page: ir::Value,
+        tables: ir::Value,
+        arrays: Vec<ir::Value>,
+        array_offsets: &'a [u32],
+    ) -> Env<'a> {
+        Env {
+            channel: None,
+            iteration: None,
+            denominator: None,
+            page: Some(page),
+            stream: None,
+            tables,
+            arrays,
+            array_offsets,
+            shared: invariant(),
+        }
+    }
+}
+
 /// One IR program being lowered: its dependencies, the expressions its
 /// results need, and the values lowered so far (one per head where an
 /// expression reads a head's arrays).
@@ -308,17 +331,7 @@ pub(super) fn score(
                 .iadd_imm_u(arrays, (4 * h * shape.arrays_len) as i64)
         })
         .collect();
-    let mut env = Env {
-        channel: None,
-        iteration: None,
-        denominator: None,
-        page: Some(page),
-        stream: None,
-        tables,
-        arrays,
-        array_offsets: &shape.array_offsets,
-        shared: invariant(),
-    };
+    let mut env = Env::per_page(page, tables, arrays, &shape.array_offsets);
     program.lower(fx, &env, |d| d & VARYING == 0);
     counted(fx, count, lanes as u32, |fx, i| {
         let last = fx.b.ins().iadd_imm_s(count, -1);
@@ -367,17 +380,7 @@ pub(super) fn accumulate(
     let dims = module.value.dims;
     let function = &module.value.accumulate;
     let mut program = Program::new(&function.exprs, info, &[result(function)], 1);
-    let mut env = Env {
-        channel: None,
-        iteration: None,
-        denominator: None,
-        page: Some(page),
-        stream: None,
-        tables,
-        arrays: Vec::new(),
-        array_offsets: &shape.array_offsets,
-        shared: invariant(),
-    };
+    let mut env = Env::per_page(page, tables, Vec::new(), &shape.array_offsets);
     program.lower(fx, &env, |d| d & VARYING == 0);
     counted(fx, count, 1, |fx, i| {
         let item = address(fx, page, layout.value_stream_offset, layout.value.stride, i);

@@ -24,23 +24,6 @@ impl Kernel {
     pub fn add_to<T: Arith>(&mut self, dst: Reg<T>, a: impl Into<Op<T>>, b: impl Into<Op<T>>) {
         self.op_to(format_args!("add.{}", T::ADD), dst, &[&a.into(), &b.into()]);
     }
-    pub fn sub<T: Arith>(&mut self, a: impl Into<Op<T>>, b: impl Into<Op<T>>) -> Reg<T> {
-        self.op(format_args!("sub.{}", T::ADD), &[&a.into(), &b.into()])
-    }
-    /// Low half of the product (wrapping) for integers, rounded for floats.
-    pub fn mul<T: Arith>(&mut self, a: impl Into<Op<T>>, b: impl Into<Op<T>>) -> Reg<T> {
-        self.op(format_args!("mul.{}", T::MUL), &[&a.into(), &b.into()])
-    }
-    /// `dst = a * b` into an existing register.
-    pub fn mul_to<T: Arith>(&mut self, dst: Reg<T>, a: impl Into<Op<T>>, b: impl Into<Op<T>>) {
-        self.op_to(format_args!("mul.{}", T::MUL), dst, &[&a.into(), &b.into()]);
-    }
-    pub fn min<T: Arith>(&mut self, a: impl Into<Op<T>>, b: impl Into<Op<T>>) -> Reg<T> {
-        self.op(format_args!("min.{}", T::SUFFIX), &[&a.into(), &b.into()])
-    }
-    pub fn max<T: Arith>(&mut self, a: impl Into<Op<T>>, b: impl Into<Op<T>>) -> Reg<T> {
-        self.op(format_args!("max.{}", T::SUFFIX), &[&a.into(), &b.into()])
-    }
     /// Fused `a * b + c`, rounded once (the IR's `Fma`).
     pub fn fma(
         &mut self,
@@ -61,6 +44,10 @@ impl Kernel {
         c: impl Into<Op<F32>>,
     ) {
         self.op_to("fma.rn.f32", dst, &[&a.into(), &b.into(), &c.into()]);
+    }
+    /// `dst = a * b` into an existing register.
+    pub fn mul_to<T: Arith>(&mut self, dst: Reg<T>, a: impl Into<Op<T>>, b: impl Into<Op<T>>) {
+        self.op_to(format_args!("mul.{}", T::MUL), dst, &[&a.into(), &b.into()]);
     }
     /// Division by a power-of-two immediate is a shift: ptxas emits its
     /// generic reciprocal sequence (~8 instructions) for `div.u32 x, 8`.
@@ -185,4 +172,27 @@ instructions! {
     fn and_pred(a: Reg<Pred>, b: Reg<Pred>) -> Pred = "and.pred";
     fn or_pred(a: Reg<Pred>, b: Reg<Pred>) -> Pred = "or.pred";
     fn not_pred(a: Reg<Pred>) -> Pred = "not.pred";
+}
+
+/// Two-operand instructions on any arithmetic type, the opcode's type suffix
+/// the named one of [`Arith`].
+macro_rules! arithmetic {
+    ($($(#[$doc:meta])* fn $name:ident = $opcode:literal, $suffix:ident;)*) => {
+        impl Kernel {
+            $(
+                $(#[$doc])*
+                pub fn $name<T: Arith>(&mut self, a: impl Into<Op<T>>, b: impl Into<Op<T>>) -> Reg<T> {
+                    self.op(format_args!(concat!($opcode, ".{}"), T::$suffix), &[&a.into(), &b.into()])
+                }
+            )*
+        }
+    };
+}
+
+arithmetic! {
+    fn sub = "sub", ADD;
+    /// Low half of the product (wrapping) for integers, rounded for floats.
+    fn mul = "mul", MUL;
+    fn min = "min", SUFFIX;
+    fn max = "max", SUFFIX;
 }

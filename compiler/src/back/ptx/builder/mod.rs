@@ -89,37 +89,37 @@ reg_type!(B16, ".b16", "%h", 5, u16, |v| v.to_string());
 reg_type!(Pred, ".pred", "%p", 6, bool, |v| u8::from(v).to_string());
 const CLASSES: usize = 7;
 
-impl Arith for U32 {
-    const SUFFIX: &'static str = "u32";
-    const ADD: &'static str = "u32";
-    const MUL: &'static str = "lo.u32";
+/// The suffixes of each arithmetic type: min/max and comparisons, add/sub,
+/// mul.
+macro_rules! arith_types {
+    ($($t:ident: $suffix:literal, $add:literal, $mul:literal;)*) => {
+        $(impl Arith for $t {
+            const SUFFIX: &'static str = $suffix;
+            const ADD: &'static str = $add;
+            const MUL: &'static str = $mul;
+        })*
+    };
 }
-impl Arith for S32 {
-    const SUFFIX: &'static str = "s32";
-    const ADD: &'static str = "s32";
-    const MUL: &'static str = "lo.s32";
+arith_types! {
+    U32: "u32", "u32", "lo.u32";
+    S32: "s32", "s32", "lo.s32";
+    F32: "f32", "rn.f32", "rn.f32";
+    U64: "u64", "u64", "lo.u64";
 }
-impl Arith for F32 {
-    const SUFFIX: &'static str = "f32";
-    const ADD: &'static str = "rn.f32";
-    const MUL: &'static str = "rn.f32";
+
+/// The load/store suffix of each 32-bit type.
+macro_rules! bits32_types {
+    ($($t:ident: $suffix:literal;)*) => {
+        $(impl Bits32 for $t {
+            const SUFFIX: &'static str = $suffix;
+        })*
+    };
 }
-impl Arith for U64 {
-    const SUFFIX: &'static str = "u64";
-    const ADD: &'static str = "u64";
-    const MUL: &'static str = "lo.u64";
-}
-impl Bits32 for U32 {
-    const SUFFIX: &'static str = "u32";
-}
-impl Bits32 for S32 {
-    const SUFFIX: &'static str = "s32";
-}
-impl Bits32 for F32 {
-    const SUFFIX: &'static str = "f32";
-}
-impl Bits32 for B32 {
-    const SUFFIX: &'static str = "b32";
+bits32_types! {
+    U32: "u32";
+    S32: "s32";
+    F32: "f32";
+    B32: "b32";
 }
 
 /// A virtual register of type `T`.

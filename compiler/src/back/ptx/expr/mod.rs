@@ -661,10 +661,9 @@ fn binary(k: &mut Kernel, op: BinaryOp, left: Val, right: Val) -> Val {
             // Keep one operand in a register (two immediates only arise from
             // literals the IR builder did not fold, e.g. a wrapping subtraction).
             let a = Op::Reg(materialize_u32(k, a));
-            let r = |r: Reg<U32>| Val::U32(Op::Reg(r));
-            match arithmetic(k, op, a, b, r) {
-                Some(v) => v,
-                None => match op {
+            arithmetic(k, op, a, b, Val::U32).unwrap_or_else(|| {
+                let r = |r: Reg<U32>| Val::U32(Op::Reg(r));
+                match op {
                     Divide => r(k.div_u32(a, b)),
                     Modulo => r(k.rem_u32(a, b)),
                     And => r(k.and(a, b)),
@@ -673,30 +672,24 @@ fn binary(k: &mut Kernel, op: BinaryOp, left: Val, right: Val) -> Val {
                     ShiftRight => r(k.shr(a, b)),
                     NotEqual => Val::Bool(k.setp(Cmp::Ne, a, b)),
                     _ => unreachable!("{op:?}: an arithmetic operation"),
-                },
-            }
+                }
+            })
         }
         (Val::I32(a), Val::I32(b)) => {
             let a = Op::Reg(materialize_s32(k, a));
-            let r = |r: Reg<S32>| Val::I32(Op::Reg(r));
-            match arithmetic(k, op, a, b, r) {
-                Some(v) => v,
-                None if op == NotEqual => Val::Bool(k.setp(Cmp::Ne, a, b)),
-                None => unreachable!("validated IR: {op:?} on i32"),
-            }
+            arithmetic(k, op, a, b, Val::I32).unwrap_or_else(|| match op {
+                NotEqual => Val::Bool(k.setp(Cmp::Ne, a, b)),
+                _ => unreachable!("validated IR: {op:?} on i32"),
+            })
         }
         (Val::F32(a), Val::F32(b)) => {
             let a = Op::Reg(materialize_f32(k, a));
-            let r = |r: Reg<F32>| Val::F32(Op::Reg(r));
-            match arithmetic(k, op, a, b, r) {
-                Some(v) => v,
-                None => match op {
-                    Divide => r(k.div_f32(a, b)),
-                    // Rust's != is true when either side is NaN.
-                    NotEqual => Val::Bool(k.setp(Cmp::Neu, a, b)),
-                    _ => unreachable!("validated IR: {op:?} on f32"),
-                },
-            }
+            arithmetic(k, op, a, b, Val::F32).unwrap_or_else(|| match op {
+                Divide => Val::F32(Op::Reg(k.div_f32(a, b))),
+                // Rust's != is true when either side is NaN.
+                NotEqual => Val::Bool(k.setp(Cmp::Neu, a, b)),
+                _ => unreachable!("validated IR: {op:?} on f32"),
+            })
         }
         _ => unreachable!("validated IR: {op:?} operands of one type"),
     }
@@ -709,9 +702,10 @@ fn arithmetic<T: Arith>(
     op: BinaryOp,
     a: Op<T>,
     b: Op<T>,
-    r: impl Fn(Reg<T>) -> Val,
+    wrap: fn(Op<T>) -> Val,
 ) -> Option<Val> {
     use BinaryOp::*;
+    let r = |r: Reg<T>| wrap(Op::Reg(r));
     Some(match op {
         Add => r(k.add(a, b)),
         Subtract => r(k.sub(a, b)),

@@ -226,14 +226,9 @@ impl Accumulate<'_> {
                     align: plan.value.align(),
                 };
                 let env = Env::per_item(replicas, &[], &tables, tile.header, item);
-                let values = expr::emit(k, &self.cta.m.value.accumulate.exprs, &env);
-                let result = self
-                    .cta
-                    .m
-                    .value
-                    .accumulate
-                    .result
-                    .expect("validated functions return");
+                let program = &self.cta.m.value.accumulate;
+                let values = expr::emit(k, &program.exprs, &env);
+                let result = program.result.expect("validated functions return");
                 let weights_at = Shared::at(k.mad_lo(i, row_bytes, acc.logits_block));
                 // A block of a multiple of 4 heads starts 16-byte aligned.
                 let weights: Vec<Reg<F32>> = if hb.is_multiple_of(4) {

@@ -14,13 +14,16 @@ use crate::ir::{ArrayDecl, Handle, Module};
 use crate::valid::ModuleInfo;
 
 /// The kernel's parameters, in [`DECODE_PARAMS`] order.
-
 pub(super) struct Params {
+    /// The page pool, and per (sequence, kv head) row its range of entries
+    /// in the page list `page_ids`.
     pub(super) pool: Param<U64>,
     pub(super) page_offsets: Param<U64>,
     pub(super) page_ids: Param<U64>,
+    /// Per kv head, the tier's tables ([`TableBuffer`]).
     pub(super) tables: Param<U64>,
     pub(super) queries: Param<U64>,
+    /// The split's partial records, slot `slot_base + split` of `slot_count`.
     pub(super) partials: Param<U64>,
     pub(super) q_heads: Param<U32>,
     pub(super) kv_heads: Param<U32>,
@@ -28,6 +31,7 @@ pub(super) struct Params {
     pub(super) slot_base: Param<U32>,
     pub(super) slot_count: Param<U32>,
     pub(super) softmax_scale: Param<F32>,
+    /// The streams' tensor maps (sm_90 tensor copies).
     pub(super) tensor_maps: Param<U64>,
 }
 

@@ -274,14 +274,9 @@ impl Score<'_> {
             align: self.cta.plan.key.align(),
         };
         let env = Env::per_item(Replicas::Heads(hb), arrays, tables, header, item);
-        let values = expr::emit(k, &self.cta.m.key.score.exprs, &env);
-        let result = self
-            .cta
-            .m
-            .key
-            .score
-            .result
-            .expect("validated functions return");
+        let program = &self.cta.m.key.score;
+        let values = expr::emit(k, &program.exprs, &env);
+        let result = program.result.expect("validated functions return");
         (0..hb as usize)
             .map(|j| expr::materialize_f32(k, values.get(result, j).f32()))
             .collect()
