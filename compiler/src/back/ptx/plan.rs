@@ -33,11 +33,11 @@ pub struct Accumulate {
     /// fields at adjacent offsets come from one load; the weights loaded per
     /// item serve all of them.
     pub pack: u32,
-    /// Channel units (of `pack` channels) per thread per round (static
+    /// Channel units (of `pack` channels) per thread per pass (static
     /// register arrays).
     pub channels: u32,
-    /// Rounds over channels per head block.
-    pub channel_rounds: u32,
+    /// Passes over channels per head block.
+    pub channel_passes: u32,
     /// Items per trip of the item loop (see `Cta::strided_unrolled` in `kernel/cta.rs`):
     /// enough that about [`LOADS_IN_FLIGHT`] channels' value loads are
     /// independent per trip, never more copies of the program than that.
@@ -107,7 +107,7 @@ pub struct Plan {
     /// The score's dot product split over adjacent lanes, each keeping its
     /// slice of the block's queries in registers (see [`ScoreSplit`]).
     pub score_split: Option<ScoreSplit>,
-    /// Whether the accumulators stay in registers across tiles (one round of
+    /// Whether the accumulators stay in registers across tiles (one pass of
     /// channels per head block, one head block).
     pub register_accumulators: bool,
     /// The accumulate (and, when the key qualifies, the score, with the
@@ -485,7 +485,7 @@ impl Plan {
         }
         // A tensor-core score has its own softmax, per warp.
         fused_softmax &= !mma_score;
-        let register_accumulators = mma.is_none() && head_blocks * accumulate.channel_rounds == 1;
+        let register_accumulators = mma.is_none() && head_blocks * accumulate.channel_passes == 1;
         Ok(Plan {
             dependent_launch: options.target.dependent_launches(),
             threads,
@@ -741,7 +741,7 @@ fn partition(
             slots: threads,
             pack,
             channels,
-            channel_rounds: units.div_ceil(threads * channels),
+            channel_passes: units.div_ceil(threads * channels),
             item_unroll: (LOADS_IN_FLIGHT / channels).max(1),
         }
     } else {
@@ -753,7 +753,7 @@ fn partition(
             slots,
             pack,
             channels: 1,
-            channel_rounds: units.div_ceil(slots),
+            channel_passes: units.div_ceil(slots),
             item_unroll: LOADS_IN_FLIGHT,
         }
     }
@@ -814,7 +814,7 @@ mod tests {
                     assert!(a.item_lanes.is_power_of_two() && a.item_lanes <= 32);
                     assert_eq!(a.slots * a.item_lanes, threads);
                     assert!(dims.is_multiple_of(a.pack));
-                    assert!(a.slots * a.channels * a.channel_rounds * a.pack >= dims);
+                    assert!(a.slots * a.channels * a.channel_passes * a.pack >= dims);
                     assert!(a.channels * a.pack * head_block <= 32.max(head_block));
                 }
             }

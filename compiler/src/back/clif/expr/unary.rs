@@ -180,7 +180,7 @@ impl Fx<'_> {
 mod tests {
     use cranelift_codegen::ir::{types, InstBuilder};
 
-    use super::{writable, Val};
+    use crate::back::clif::expr::{writable, Val};
     use crate::back::clif::module::Jit;
     use crate::ir::{Scalar, UnaryOp};
 

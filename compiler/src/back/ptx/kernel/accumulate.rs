@@ -14,32 +14,32 @@ pub(super) struct Accumulate<'a> {
 
 impl Accumulate<'_> {
     /// `acc[h][c] = acc[h][c] * decay[h] + Σ_i p[h][i] · v_i[c]` for the tile,
-    /// with the accumulators in shared memory between tiles (several rounds
+    /// with the accumulators in shared memory between tiles (several passes
     /// of channels or head blocks).
     pub(super) fn tile(&self, k: &mut Kernel, tile: &Tile, rescale: Rescale) {
         let plan = self.cta.plan;
         let a = plan.accumulate;
-        let rounds = plan.head_blocks * a.channel_rounds;
+        let passes = plan.head_blocks * a.channel_passes;
         let r = k.mov(0u32);
         let (top, end) = (k.label(), k.label());
         k.place(top);
-        let (block, round) = match (plan.head_blocks > 1, a.channel_rounds > 1) {
+        let (block, pass) = match (plan.head_blocks > 1, a.channel_passes > 1) {
             (false, false) => (None, None),
             (true, false) => (Some(r), None),
             (false, true) => (None, Some(r)),
             (true, true) => {
-                let (b, cr) = divide(k, r, a.channel_rounds);
+                let (b, cr) = divide(k, r, a.channel_passes);
                 (Some(b), Some(cr))
             }
         };
         if let Some(b) = block {
-            // Rounds go block by block: past the group's last head, stop.
+            // Passes go block by block: past the group's last head, stop.
             let first_head = k.mul(b, plan.head_block);
             let past = k.setp(Cmp::Ge, first_head, self.cta.group);
             k.bra_if(past, true, end);
         }
-        let acc = self.setup(k, block, round);
-        // This round's accumulators, rescaled by the tile's decay.
+        let acc = self.setup(k, block, pass);
+        // This pass's accumulators, rescaled by the tile's decay.
         let one = k.mov(1.0f32);
         let decays: Vec<Reg<F32>> = (0..plan.head_block)
             .map(|j| {
@@ -71,22 +71,22 @@ impl Accumulate<'_> {
         }
         self.items(k, tile, &acc, None);
         self.store(k, &acc, block);
-        if rounds > 1 {
+        if passes > 1 {
             k.add_to(r, r, 1u32);
-            let again = k.setp(Cmp::Lt, r, rounds);
+            let again = k.setp(Cmp::Lt, r, passes);
             k.bra_if(again, true, top);
         }
         k.place(end);
     }
 
-    /// A thread's channels of one accumulate round and their accumulator
-    /// registers (zero): of round `round` of head block `block` (`None`: the
+    /// A thread's channels of one accumulate pass and their accumulator
+    /// registers (zero): of pass `pass` of head block `block` (`None`: the
     /// only one).
     pub(super) fn setup(
         &self,
         k: &mut Kernel,
         block: Option<Reg<U32>>,
-        round: Option<Reg<U32>>,
+        pass: Option<Reg<U32>>,
     ) -> AccThread {
         let plan = self.cta.plan;
         let a = plan.accumulate;
@@ -118,8 +118,8 @@ impl Accumulate<'_> {
         let logits0 = k.add(self.cta.smem, plan.logits);
         let units = plan.dims / a.pack;
         let span = a.channels * a.slots;
-        let may_overrun = span * a.channel_rounds > units;
-        let first_unit = match round {
+        let may_overrun = span * a.channel_passes > units;
+        let first_unit = match pass {
             None => slot,
             Some(cr) => k.mad_lo(cr, span, slot),
         };
@@ -278,7 +278,7 @@ impl Accumulate<'_> {
     }
 }
 
-/// A thread's share of one accumulate round ([`Accumulate::setup`]).
+/// A thread's share of one accumulate pass ([`Accumulate::setup`]).
 pub(super) struct AccThread {
     pub(super) lane: Option<Reg<U32>>,
     pub(super) leader: Option<Reg<Pred>>,

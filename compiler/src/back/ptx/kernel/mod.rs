@@ -10,7 +10,6 @@
 //! head) and an accumulate phase (threads own value channels for a block of
 //! heads, so each value code is decoded once for all of them). At the end it
 //! runs the value epilogue per head and writes unnormalized partials.
-
 //!
 //! Each phase is a type of its own that borrows the CTA's state ([`cta`]):
 //! [`staging`] (copies, page lists, mbarriers), [`heads`] (queries, prologue,
@@ -165,7 +164,7 @@ struct Decode<'a> {
 }
 
 impl Decode<'_> {
-    pub(super) fn run(&self, k: &mut Kernel) {
+    fn run(&self, k: &mut Kernel) {
         let plan = self.cta.plan;
         // Before the page count is known: its barrier waits out the page
         // offsets' load latency instead of adding to it.
@@ -216,7 +215,7 @@ impl Decode<'_> {
     /// `t + 1` is read from the page list one tile earlier, so that dependent
     /// global load does not stall the CTA right after the barrier (the index
     /// is clamped to the last tile, so the read stays in the list).
-    pub(super) fn stream(&self, k: &mut Kernel) {
+    fn stream(&self, k: &mut Kernel) {
         let plan = self.cta.plan;
         k.comment("stream the split's tiles, the next one loading during this one");
         let fused = plan.fused_softmax.then(|| self.score.setup(k));

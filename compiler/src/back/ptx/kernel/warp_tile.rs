@@ -3,7 +3,8 @@
 //! softmax reference and sums per head (a lane's C columns in both are one
 //! head's, so the decays stay in the lane), and the weights go from the
 //! score's C fragments to the accumulate's B fragments by shuffles: no
-//! barrier and no shared-memory round trip between score and accumulate.
+//! barrier and no write and read back through shared memory between score
+//! and accumulate.
 //! Pipelined, a tile's values accumulate during the next tile, beside its
 //! score. The warps' softmax states meet once, after the stream.
 
