@@ -176,26 +176,17 @@ impl<T: Type> From<Reg<T>> for Op<T> {
         Op::Reg(r)
     }
 }
-impl From<u32> for Op<U32> {
-    fn from(v: u32) -> Self {
-        Op::Imm(v)
-    }
+/// Immediates: each register type's Rust value as an operand.
+macro_rules! immediates {
+    ($($rust:ty => $t:ident),*) => {
+        $(impl From<$rust> for Op<$t> {
+            fn from(v: $rust) -> Self {
+                Op::Imm(v)
+            }
+        })*
+    };
 }
-impl From<i32> for Op<S32> {
-    fn from(v: i32) -> Self {
-        Op::Imm(v)
-    }
-}
-impl From<f32> for Op<F32> {
-    fn from(v: f32) -> Self {
-        Op::Imm(v)
-    }
-}
-impl From<u64> for Op<U64> {
-    fn from(v: u64) -> Self {
-        Op::Imm(v)
-    }
-}
+immediates!(u32 => U32, i32 => S32, f32 => F32, u64 => U64);
 
 /// A shared-memory address: 32-bit register plus byte offset.
 #[derive(Debug, Clone, Copy)]

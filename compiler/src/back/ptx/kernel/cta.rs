@@ -25,8 +25,10 @@ pub(super) struct Params {
     pub(super) queries: Param<U64>,
     /// The split's partial records, slot `slot_base + split` of `slot_count`.
     pub(super) partials: Param<U64>,
+    /// Query and kv heads per sequence: their ratio is the group.
     pub(super) q_heads: Param<U32>,
     pub(super) kv_heads: Param<U32>,
+    /// Splits of each row's pages (the grid's x).
     pub(super) splits: Param<U32>,
     pub(super) slot_base: Param<U32>,
     pub(super) slot_count: Param<U32>,
