@@ -5,6 +5,7 @@
 //! - [`layout`]: bit layout of items, page headers and tables of every tier.
 //! - [`ir`]: the one IR (per tier: query prologue, score, accumulate, epilogue).
 //! - [`lower`]: spec tier -> IR; [`valid`]: the IR validator every backend requires.
+//! - [`proc`]: analyses of the IR the backends share (operands, known bits).
 //! - [`page`]: page headers and the cache view executors read.
 //! - [`proc`]: IR-to-IR passes backends apply.
 //! - [`Format`]: the pipeline (check, layout, lower, validate) in one call.

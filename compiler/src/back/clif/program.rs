@@ -25,8 +25,9 @@ use super::expr::{invariant, literal, writable, Fx, Val, LANES};
 use super::stream::{item_bits, Items, Stream};
 use super::Shape;
 use crate::back::interp::eval::Value as Known;
-use crate::ir::{Arena, BinaryOp, Expr, Handle, Input, Kernel, Module, Scalar};
+use crate::ir::{Arena, Expr, Handle, Input, Kernel, Module, Scalar};
 use crate::layout::{Side, HEADER_FIXED_BYTES};
+use crate::proc::{known_zeros, operands};
 use crate::valid::FunctionInfo;
 
 /// What an expression depends on (transitively): anything that changes
@@ -49,6 +50,29 @@ struct Env<'a> {
     array_offsets: &'a [u32],
     /// Shared arrays are read-only while a score runs, not inside kernels.
     shared: ir::MemFlagsData,
+}
+
+impl<'a> Env<'a> {
+    /// A per-item program's (score, accumulate) over the items of `page`,
+    /// the shared arrays read-only.
+    fn per_page(
+        page: ir::Value,
+        tables: ir::Value,
+        arrays: Vec<ir::Value>,
+        array_offsets: &'a [u32],
+    ) -> Env<'a> {
+        Env {
+            channel: None,
+            iteration: None,
+            denominator: None,
+            page: Some(page),
+            stream: None,
+            tables,
+            arrays,
+            array_offsets,
+            shared: invariant(),
+        }
+    }
 }
 
 /// One IR program being lowered: its dependencies, the expressions its
@@ -82,10 +106,8 @@ impl<'m> Program<'m> {
             };
             deps[h.index()] = operands(expr).iter().fold(own, |d, o| d | deps[o.index()]);
         }
-        let mut zeros = vec![0u32; exprs.len()];
-        for (h, expr) in exprs.iter() {
-            zeros[h.index()] = trailing_zeros(expr, &zeros);
-        }
+        // A channel is not known to be aligned.
+        let zeros = known_zeros(exprs, 0);
         let mut live = vec![false; exprs.len()];
         for root in roots {
             live[root.index()] = true;
@@ -193,44 +215,6 @@ impl<'m> Program<'m> {
                 reject,
             } => fx.select(ty(accept), get(condition), get(accept), get(reject)),
         }
-    }
-}
-
-/// Trailing zero bits every value of `expr` has (u32 arithmetic; 0 when
-/// unknown), given its operands'.
-fn trailing_zeros(expr: &Expr, zeros: &[u32]) -> u32 {
-    let z = |h: Handle<Expr>| zeros[h.index()];
-    match *expr {
-        Expr::Literal(crate::ir::Literal::U32(v)) => v.trailing_zeros(),
-        Expr::Binary { op, left, right } => match op {
-            BinaryOp::Add | BinaryOp::Subtract | BinaryOp::Or | BinaryOp::Min => {
-                z(left).min(z(right))
-            }
-            BinaryOp::Multiply => (z(left) + z(right)).min(32),
-            BinaryOp::And => z(left).max(z(right)),
-            // At least the operand's (the amount is not tracked).
-            BinaryOp::ShiftLeft => z(left),
-            _ => 0,
-        },
-        Expr::Select { accept, reject, .. } => z(accept).min(z(reject)),
-        _ => 0,
-    }
-}
-
-fn operands(expr: &Expr) -> Vec<Handle<Expr>> {
-    match *expr {
-        Expr::Literal(_) | Expr::Input(_) => vec![],
-        Expr::ItemBits { bit_offset, .. } => vec![bit_offset],
-        Expr::HeaderScale { slot } => vec![slot],
-        Expr::Table { index, .. } | Expr::Shared { index, .. } => vec![index],
-        Expr::Unary { arg, .. } => vec![arg],
-        Expr::Binary { left, right, .. } => vec![left, right],
-        Expr::Fma { a, b, c } => vec![a, b, c],
-        Expr::Select {
-            condition,
-            accept,
-            reject,
-        } => vec![condition, accept, reject],
     }
 }
 
@@ -347,17 +331,7 @@ pub(super) fn score(
                 .iadd_imm_u(arrays, (4 * h * shape.arrays_len) as i64)
         })
         .collect();
-    let mut env = Env {
-        channel: None,
-        iteration: None,
-        denominator: None,
-        page: Some(page),
-        stream: None,
-        tables,
-        arrays,
-        array_offsets: &shape.array_offsets,
-        shared: invariant(),
-    };
+    let mut env = Env::per_page(page, tables, arrays, &shape.array_offsets);
     program.lower(fx, &env, |d| d & VARYING == 0);
     counted(fx, count, lanes as u32, |fx, i| {
         let last = fx.b.ins().iadd_imm_s(count, -1);
@@ -406,17 +380,7 @@ pub(super) fn accumulate(
     let dims = module.value.dims;
     let function = &module.value.accumulate;
     let mut program = Program::new(&function.exprs, info, &[result(function)], 1);
-    let mut env = Env {
-        channel: None,
-        iteration: None,
-        denominator: None,
-        page: Some(page),
-        stream: None,
-        tables,
-        arrays: Vec::new(),
-        array_offsets: &shape.array_offsets,
-        shared: invariant(),
-    };
+    let mut env = Env::per_page(page, tables, Vec::new(), &shape.array_offsets);
     program.lower(fx, &env, |d| d & VARYING == 0);
     counted(fx, count, 1, |fx, i| {
         let item = address(fx, page, layout.value_stream_offset, layout.value.stride, i);

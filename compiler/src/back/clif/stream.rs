@@ -58,8 +58,14 @@ pub(super) fn item_bits(
         (Items::One(item), Val::Uniform(at)) => Val::Uniform(dynamic(fx, item, at)),
         (Items::One(item), Val::Lanes(ks)) => {
             let offsets = ks.map(known_u32);
-            let v = consecutive(fx, item, offsets, width, stream.readable)
-                .or_else(|| window(fx, item, offsets, width, stream.readable))
+            let fields = LaneFields {
+                item,
+                offsets,
+                width,
+                readable: stream.readable,
+            };
+            let v = consecutive(fx, fields)
+                .or_else(|| window(fx, fields))
                 .unwrap_or_else(|| {
                     fx.build(Scalar::U32, |fx, k| {
                         read_fixed(fx, item, offsets[k], width, stream.readable)
@@ -300,15 +306,25 @@ fn transpose(fx: &mut Fx, [r0, r1, r2, r3]: [ir::Value; 4]) -> [ir::Value; 4] {
     ]
 }
 
-/// Accumulate lanes: fields `o, o+w, o+2w, o+3w` of a byte-aligned 8-, 16- or
-/// 32-bit width as one widening load.
-fn consecutive(
-    fx: &mut Fx,
+/// One field per accumulate lane: `width` bits at `offsets` of the item at
+/// `item`, of which `readable` bytes may be loaded.
+#[derive(Clone, Copy)]
+struct LaneFields {
     item: ir::Value,
     offsets: [u32; LANES],
     width: u32,
     readable: u32,
-) -> Option<ir::Value> {
+}
+
+/// Accumulate lanes: fields `o, o+w, o+2w, o+3w` of a byte-aligned 8-, 16- or
+/// 32-bit width as one widening load.
+fn consecutive(fx: &mut Fx, fields: LaneFields) -> Option<ir::Value> {
+    let LaneFields {
+        item,
+        offsets,
+        width,
+        readable,
+    } = fields;
     let first = offsets[0];
     let consecutive = offsets
         .iter()
@@ -337,13 +353,8 @@ fn consecutive(
 /// Accumulate lanes: fields inside one 32-bit window: one load, splat, keep
 /// each lane's field, multiply each up to the highest lane's position, and
 /// one shift down.
-fn window(
-    fx: &mut Fx,
-    item: ir::Value,
-    offsets: [u32; LANES],
-    width: u32,
-    readable: u32,
-) -> Option<ir::Value> {
+fn window(fx: &mut Fx, fields: LaneFields) -> Option<ir::Value> {
+    let (offsets, width) = (fields.offsets, fields.width);
     let low = *offsets.iter().min()?;
     let high = *offsets.iter().max()? + width;
     let byte = low / 8;
@@ -351,13 +362,13 @@ fn window(
     if need > 4 {
         return None;
     }
-    let (start, len) = fixed_window(byte, need, readable);
+    let (start, len) = fixed_window(byte, need, fields.readable);
     let shifts = offsets.map(|o| o - 8 * start);
     let top = *shifts.iter().max()?;
     if top + width > 32 {
         return None;
     }
-    let raw = load(fx, item, start, len);
+    let raw = load(fx, fields.item, start, len);
     let v = fx.vector(Val::Uniform(raw), Scalar::U32);
     let u32s = |xs: [u32; LANES]| Val::Lanes(xs.map(Known::U32));
     let masks = fx.vector(u32s(shifts.map(|s| mask(width) << s)), Scalar::U32);

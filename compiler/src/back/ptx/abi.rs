@@ -22,8 +22,6 @@ use crate::ir::Module;
 use crate::layout::Side;
 use crate::page::PageRef;
 
-use super::plan::Plan;
-
 /// Type of a kernel parameter as the launcher passes it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ParamType {
@@ -314,6 +312,9 @@ pub struct TensorMap {
     pub box_items: u32,
 }
 
+/// The dynamic shared memory symbol of every kvcc module.
+pub const SHARED_SYMBOL: &str = "kvcc_smem";
+
 /// Bytes of one encoded tensor map (`CUtensorMap`).
 pub const TENSOR_MAP_BYTES: u32 = 128;
 /// Tensor maps in the `tensor_maps` buffer: the key's and the value's.
@@ -331,33 +332,6 @@ pub fn tensor_map_slot(side: Side) -> u32 {
 }
 
 impl DecodeKernel {
-    pub(super) fn new(name: String, module: &Module, plan: &Plan) -> DecodeKernel {
-        DecodeKernel {
-            name,
-            tier: module.layout.index,
-            threads: plan.threads,
-            shared_bytes: plan.shared_bytes,
-            max_query_group: plan.group_max,
-            page_bytes: plan.page_bytes,
-            tile_items: plan.tile_items,
-            tables: TableBuffer::of(module),
-            partials: PartialLayout::new(module.head_dim),
-            tensor_maps: [Side::Key, Side::Value]
-                .into_iter()
-                .map(|side| (tensor_map_slot(side), plan.stream(side)))
-                .filter(|(_, s)| s.swizzled)
-                .map(|(slot, s)| TensorMap {
-                    slot,
-                    page_offset: s.page_offset,
-                    row_bytes: s.stride,
-                    items_per_page: plan.items_per_page,
-                    page_bytes: plan.page_bytes,
-                    box_items: plan.tile_items,
-                })
-                .collect(),
-        }
-    }
-
     /// Dynamic shared memory per CTA, bytes (the same for every launch shape).
     pub fn dynamic_shared_bytes(&self) -> u32 {
         self.shared_bytes

@@ -7,9 +7,8 @@
 //! group of records loaded at once, so a row waits on a few load latencies
 //! instead of three dependent loads per slot.
 
-use super::abi::{ParamType, PartialLayout, MERGE_PARAMS};
+use super::abi::{ParamType, PartialLayout, MERGE_PARAMS, SHARED_SYMBOL};
 use super::builder::{Axis, Cmp, Global, Kernel, Pred, Reg, F32, U32, U64};
-use super::skeleton::SHARED_SYMBOL;
 
 /// Slots whose records are loaded together: their loads are in flight at
 /// once, so a row costs about `slots / SLOTS_IN_FLIGHT` load latencies.

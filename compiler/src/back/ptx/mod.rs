@@ -4,20 +4,26 @@
 //! mapping of every IR construct are in `docs/ptx-backend.md`; the launch
 //! contract is [`abi`].
 //!
+//! - [`abi`]: the launch contract: kernel names, parameters, launch shapes,
+//!   buffer layouts, the shared-memory symbol.
 //! - [`builder`]: the typed PTX builder (registers, instructions, modules).
+//! - `plan`: tile geometry, work split and shared-memory layout of a tier;
+//!   `streams` (where a tile's items sit), `tensor_cores` (which tiers the
+//!   tensor cores serve, and their fragment geometry) and `lane_split` (a
+//!   score split over lanes) are the parts it decides from.
 //! - `expr`: IR expressions -> PTX, generic over programs.
-//! - `plan`: tile geometry, work split and shared-memory layout of a tier.
-//! - `skeleton`: the decode kernel around a tier's programs.
+//! - `kernel`: the decode kernel, phase by phase, around a tier's programs.
 //! - `merge`: the log-sum-exp merge kernel.
-//! - [`abi`]: kernel names, parameters, launch shapes, buffer layouts.
 
 pub mod abi;
 pub mod builder;
 mod expr;
+mod kernel;
+mod lane_split;
 mod merge;
-mod mma;
 mod plan;
-mod skeleton;
+mod streams;
+mod tensor_cores;
 
 use crate::valid::ValidModule;
 use crate::Format;
@@ -90,7 +96,7 @@ pub struct Options {
     /// avoids computing for heads it does not have.
     pub query_group: Option<u32>,
     /// Score and accumulate on the tensor cores (`mma.sync`) when the tier
-    /// qualifies (`mma.rs`: f16 keys and values read as stored); otherwise,
+    /// qualifies (`tensor_cores.rs`: f16 keys and values read as stored); otherwise,
     /// and when off, per-thread fma chains.
     pub tensor_cores: bool,
     /// With the score and its softmax per warp on the tensor cores: each
@@ -233,7 +239,7 @@ pub fn write_merge(format: &Format, options: &Options) -> MergeOutput {
     let ptx = builder::module(
         PTX_VERSION,
         options.target.name(),
-        skeleton::SHARED_SYMBOL,
+        abi::SHARED_SYMBOL,
         &[merge::merge(
             format.head_dim(),
             threads,
@@ -267,17 +273,17 @@ pub fn write_tier(
         identifier(&m.format),
         identifier(&m.tier)
     );
-    let entry = skeleton::decode(module, &plan, &name);
+    let entry = kernel::decode(module, &plan, &name);
     let ptx = builder::module(
         PTX_VERSION,
         options.target.name(),
-        skeleton::SHARED_SYMBOL,
+        abi::SHARED_SYMBOL,
         &[entry],
     );
     Ok(TierKernel {
         tier: m.tier.clone(),
         ptx,
-        kernel: abi::DecodeKernel::new(name, m, &plan),
+        kernel: plan.decode_kernel(name, m),
     })
 }
 

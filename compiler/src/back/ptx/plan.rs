@@ -1,88 +1,23 @@
 //! The static plan of one tier's decode kernel: tile geometry, how the
 //! accumulate work is split over threads, and where everything lives in shared
-//! memory. The skeleton emits code from it and the ABI reports it, so the two
+//! memory. The kernel emits code from it and the ABI reports it, so the two
 //! can never disagree about sizes.
 
 use std::collections::HashSet;
 
-use super::abi::SWIZZLE_LINE;
-use super::mma::{Element, MmaPlan};
+use super::abi::{
+    tensor_map_slot, DecodeKernel, PartialLayout, TableBuffer, TensorMap, SWIZZLE_LINE,
+};
+use super::streams::{shared_stride, Stream, CHUNK};
+use super::tensor_cores::{Element, MmaPlan};
 use super::{Error, Options};
 use crate::ir::{ArrayDecl, Expr, Handle, Module, Stage};
 use crate::layout::{round_up, Side, TierLayout};
+use crate::proc::{depends_on, operands, shared_reads};
 
-/// Bytes a `cp.async` moves; pages, streams and tables are aligned to it.
-pub const CHUNK: u32 = 16;
 /// Extra bytes after each tile buffer: an unaligned item reader may load the
 /// 32-bit word after the last item's last byte.
 const SLACK: u32 = 16;
-
-/// One item stream (key or value) of a tile.
-#[derive(Debug, Clone, Copy)]
-pub struct Stream {
-    /// Byte offset of the stream in the page.
-    pub page_offset: u32,
-    /// Item stride in the page.
-    pub stride: u32,
-    /// Item stride in shared memory: `stride`, or `stride + 16` when the stride
-    /// is an even number of 16-byte chunks (then lanes reading the same offset
-    /// of consecutive items would hit the same banks) and the items are copied
-    /// one by one (bulk copies move the stream as it is in the page).
-    pub shared_stride: u32,
-    /// Byte offset of the stream's items in a tile buffer.
-    pub buffer_offset: u32,
-    /// Loaded by tensor copies with the 128-byte swizzle (sm_90 bulk copies
-    /// of rows a multiple of 128 bytes that only the tensor cores' fragment
-    /// loads read; they swizzle their addresses alike): the rows are
-    /// unpadded, yet a column of them spreads over every bank.
-    pub swizzled: bool,
-}
-
-/// Row stride in shared memory for rows `stride` bytes long: `stride`, or
-/// `stride + 16` when it is an even number of 16-byte chunks (then lanes
-/// reading the same offset of consecutive rows would hit the same banks).
-pub fn shared_stride(stride: u32) -> u32 {
-    let padded = stride.is_multiple_of(CHUNK) && (stride / CHUNK).is_multiple_of(2);
-    if padded {
-        stride + CHUNK
-    } else {
-        stride
-    }
-}
-
-/// Known alignment (1, 2, 4, 8 or 16) of rows `stride` bytes apart from a
-/// 16-aligned start.
-pub fn stride_align(stride: u32) -> u32 {
-    1 << stride.trailing_zeros().min(4)
-}
-
-impl Stream {
-    fn new(page_offset: u32, stride: u32, bulk: bool) -> Stream {
-        Stream {
-            page_offset,
-            stride,
-            shared_stride: if bulk { stride } else { shared_stride(stride) },
-            buffer_offset: 0,
-            swizzled: false,
-        }
-    }
-
-    /// Whether items are copied one by one to padded rows (else the stream is
-    /// copied as one contiguous run of chunks).
-    pub fn padded(&self) -> bool {
-        self.shared_stride != self.stride
-    }
-
-    /// Known alignment of an item's shared address (1, 2, 4, 8 or 16).
-    pub fn align(&self) -> u32 {
-        stride_align(self.shared_stride)
-    }
-
-    /// Bytes of a tile of `items` items in shared memory.
-    fn capacity(&self, items: u32) -> u32 {
-        round_up(items * self.shared_stride, CHUNK)
-    }
-}
 
 /// How the accumulate phase splits (items × channels × heads) over threads.
 #[derive(Debug, Clone, Copy)]
@@ -98,12 +33,12 @@ pub struct Accumulate {
     /// fields at adjacent offsets come from one load; the weights loaded per
     /// item serve all of them.
     pub pack: u32,
-    /// Channel units (of `pack` channels) per thread per round (static
+    /// Channel units (of `pack` channels) per thread per pass (static
     /// register arrays).
     pub channels: u32,
-    /// Rounds over channels per head block.
-    pub channel_rounds: u32,
-    /// Items per trip of the item loop (see `Skeleton::strided_unrolled`):
+    /// Passes over channels per head block.
+    pub channel_passes: u32,
+    /// Items per trip of the item loop (see `Cta::strided_unrolled` in `kernel/cta.rs`):
     /// enough that about [`LOADS_IN_FLIGHT`] channels' value loads are
     /// independent per trip, never more copies of the program than that.
     pub item_unroll: u32,
@@ -167,12 +102,12 @@ pub struct Plan {
     /// keep their logits, softmax reference and partial sums in registers):
     /// when `score_units · score_head_block` registers per kind stay few. Not
     /// with a tensor-core score: each warp then keeps its own softmax state
-    /// for its tokens (`skeleton/mma.rs`).
+    /// for its tokens (`kernel/warp_tile.rs`).
     pub fused_softmax: bool,
     /// The score's dot product split over adjacent lanes, each keeping its
     /// slice of the block's queries in registers (see [`ScoreSplit`]).
     pub score_split: Option<ScoreSplit>,
-    /// Whether the accumulators stay in registers across tiles (one round of
+    /// Whether the accumulators stay in registers across tiles (one pass of
     /// channels per head block, one head block).
     pub register_accumulators: bool,
     /// The accumulate (and, when the key qualifies, the score, with the
@@ -232,15 +167,8 @@ pub const BARRIER_BYTES: u32 = 8;
 fn arrays_of_stages(stages: &[Stage], into: &mut HashSet<Handle<ArrayDecl>>) {
     for stage in stages {
         into.extend(stage.stores.iter().map(|s| s.array));
-        arrays_read(&stage.exprs, into);
+        into.extend(shared_reads(&stage.exprs));
     }
-}
-
-fn arrays_read(exprs: &crate::ir::Arena<Expr>, into: &mut HashSet<Handle<ArrayDecl>>) {
-    into.extend(exprs.iter().filter_map(|(_, e)| match *e {
-        Expr::Shared { array, .. } => Some(array),
-        _ => None,
-    }));
 }
 
 /// Tables the per-item programs read: staged in shared memory once per CTA.
@@ -278,12 +206,12 @@ impl Plan {
         if options.bulk_copies.is_some() {
             return Plan::sized(module, group_max, options);
         }
-        // By default bulk copies, unless both streams' rows would have been
-        // padded and stay unswizzled: then every read of the unpadded tile
-        // meets bank conflicts (H200, 32K, dense f16 before it was swizzled:
-        // 0.2764 ms with padded rows, 0.2933 with bulk copies), while every
-        // tier with one such stream or none was faster with bulk copies at
-        // its tuned shape (KIVI int4 0.1010 -> 0.0903 ms).
+        // By default bulk copies, unless both streams' rows would be padded
+        // and stay unswizzled: then every read of the unpadded tile meets bank
+        // conflicts (H200, 32K, dense f16 unswizzled: 0.2764 ms with padded
+        // rows, 0.2933 with bulk copies), while every tier with one such
+        // stream or none is faster with bulk copies at its tuned shape (KIVI
+        // int4 0.0903 ms against 0.1010).
         let conflicted = |plan: &Plan| {
             let padded = |stride: u32| shared_stride(stride) != stride;
             padded(plan.key.stride)
@@ -382,7 +310,7 @@ impl Plan {
 
         let mut mma = options
             .tensor_cores
-            .then(|| super::mma::plan(module, group_max, tile_items, &key, &value))
+            .then(|| super::tensor_cores::plan(module, group_max, tile_items, &key, &value))
             .flatten();
         // Swizzled tensor copies where the tensor cores' 16-byte fragment
         // loads are the only reads of both streams (they swizzle their
@@ -416,14 +344,14 @@ impl Plan {
                 value.buffer_offset + value.capacity(tile_items) + SLACK,
                 SWIZZLE_ALIGN,
             );
-            mma = super::mma::plan(module, group_max, tile_items, &key, &value);
+            mma = super::tensor_cores::plan(module, group_max, tile_items, &key, &value);
         }
         // A tensor-core score reads its query once, into registers before the
         // page loop: the score program's arrays need not outlive the prologue.
         let mma_score = mma.as_ref().is_some_and(|m| m.score.is_some());
         let mut score_reads = HashSet::new();
         if !mma_score {
-            arrays_read(&module.key.score.exprs, &mut score_reads);
+            score_reads.extend(shared_reads(&module.key.score.exprs));
         }
         let mut persistent = score_reads;
         persistent.insert(module.value.accumulator);
@@ -557,7 +485,7 @@ impl Plan {
         }
         // A tensor-core score has its own softmax, per warp.
         fused_softmax &= !mma_score;
-        let register_accumulators = mma.is_none() && head_blocks * accumulate.channel_rounds == 1;
+        let register_accumulators = mma.is_none() && head_blocks * accumulate.channel_passes == 1;
         Ok(Plan {
             dependent_launch: options.target.dependent_launches(),
             threads,
@@ -644,7 +572,7 @@ const SPLIT_QUERY_REGISTERS: u32 = 64;
 /// Logits a split score's thread keeps per tile (units × heads).
 const SPLIT_LOGITS: u32 = 16;
 
-/// The score split over lanes (fifth round): `lanes` adjacent threads share
+/// The score split over lanes: `lanes` adjacent threads share
 /// an item, each computing the dot product's terms of its slice of the
 /// dimensions for `head_block` heads with that slice of the queries held in
 /// registers for the whole stream (loaded once, not per item), then a
@@ -659,7 +587,7 @@ pub struct ScoreSplit {
     /// Lane groups per head block, and units (items) per thread.
     pub per_block: u32,
     pub units: u32,
-    pub part: super::expr::LaneSplit,
+    pub part: super::lane_split::LaneSplit,
 }
 
 /// A split when the score is a dot product whose lanes' slices of shared
@@ -697,11 +625,12 @@ fn score_split(
             if units * hb > SPLIT_LOGITS || !(units * hb).is_multiple_of(lanes) {
                 continue;
             }
-            let Some(part) = super::expr::lane_split(score, lanes) else {
+            let Some(part) = super::lane_split::lane_split(score, lanes) else {
                 continue;
             };
             if !part.constant_reads
-                || hb * super::expr::preloaded_elements(&part.program.exprs) > SPLIT_QUERY_REGISTERS
+                || hb * super::lane_split::preloaded_elements(&part.program.exprs)
+                    > SPLIT_QUERY_REGISTERS
             {
                 continue;
             }
@@ -737,49 +666,43 @@ fn score_split(
 /// int8 (130-byte items: no aligned word, +7% with quads), kivi int4 (4-bit
 /// fields, one halfword per quad, +0.6%) and mosaic (+19%).
 fn quads_pay(exprs: &crate::ir::Arena<Expr>, align: u32) -> bool {
-    use crate::ir::{BinaryOp, Input};
-    let mut varies: Vec<bool> = Vec::with_capacity(exprs.len());
-    for (_, expr) in exprs.iter() {
-        let operand_varies = super::expr::operands(expr)
-            .iter()
-            .any(|h| varies[h.index()]);
+    use crate::ir::BinaryOp;
+    let varies = channel_dependent(exprs);
+    exprs.iter().all(|(_, expr)| {
+        let operand_varies = operands(expr).iter().any(|h| varies[h.index()]);
         match *expr {
             Expr::Binary {
                 op: BinaryOp::Divide | BinaryOp::Modulo | BinaryOp::ShiftRight,
                 ..
-            } if operand_varies => return false,
+            } => !operand_varies,
             Expr::ItemBits { width, .. } if operand_varies => {
                 let quad = 4 * u32::from(width);
-                if !(32..=64).contains(&quad) || align < quad / 8 {
-                    return false;
-                }
+                (32..=64).contains(&quad) && align >= quad / 8
             }
-            _ => {}
+            _ => true,
         }
-        varies.push(operand_varies || matches!(expr, Expr::Input(Input::Channel)));
-    }
-    true
+    })
 }
 
 /// Whether octets of channels (where quads pay) are one 128-bit load: every
 /// channel-dependent item field is an f16 (or 16-bit) field and items are
 /// 16-byte aligned. Half the weight loads per channel of a quad and one
-/// `ld.shared.v4` for 8 values (fifth round).
+/// `ld.shared.v4` for 8 values.
 fn octets_pay(exprs: &crate::ir::Arena<Expr>, align: u32) -> bool {
-    use crate::ir::Input;
-    let mut varies: Vec<bool> = Vec::with_capacity(exprs.len());
-    for (_, expr) in exprs.iter() {
-        let operand_varies = super::expr::operands(expr)
-            .iter()
-            .any(|h| varies[h.index()]);
-        if let Expr::ItemBits { width, .. } = *expr {
-            if operand_varies && (width != 16 || align < 16) {
-                return false;
-            }
+    let varies = channel_dependent(exprs);
+    exprs.iter().all(|(_, expr)| match *expr {
+        Expr::ItemBits { width, bit_offset } if varies[bit_offset.index()] => {
+            width == 16 && align >= 16
         }
-        varies.push(operand_varies || matches!(expr, Expr::Input(Input::Channel)));
-    }
-    true
+        _ => true,
+    })
+}
+
+/// Per expression: whether its value depends on the channel.
+fn channel_dependent(exprs: &crate::ir::Arena<Expr>) -> Vec<bool> {
+    depends_on(exprs, |e| {
+        matches!(e, Expr::Input(crate::ir::Input::Channel))
+    })
 }
 
 /// Octets: see [`octets_pay`]; the partition falls back to quads where the
@@ -818,7 +741,7 @@ fn partition(
             slots: threads,
             pack,
             channels,
-            channel_rounds: units.div_ceil(threads * channels),
+            channel_passes: units.div_ceil(threads * channels),
             item_unroll: (LOADS_IN_FLIGHT / channels).max(1),
         }
     } else {
@@ -830,7 +753,7 @@ fn partition(
             slots,
             pack,
             channels: 1,
-            channel_rounds: units.div_ceil(slots),
+            channel_passes: units.div_ceil(slots),
             item_unroll: LOADS_IN_FLIGHT,
         }
     }
@@ -848,6 +771,36 @@ fn lcm(a: u32, b: u32) -> u32 {
     a / gcd(a, b) * b
 }
 
+impl Plan {
+    /// The launch contract of the kernel this plan lays out.
+    pub fn decode_kernel(&self, name: String, module: &Module) -> DecodeKernel {
+        DecodeKernel {
+            name,
+            tier: module.layout.index,
+            threads: self.threads,
+            shared_bytes: self.shared_bytes,
+            max_query_group: self.group_max,
+            page_bytes: self.page_bytes,
+            tile_items: self.tile_items,
+            tables: TableBuffer::of(module),
+            partials: PartialLayout::new(module.head_dim),
+            tensor_maps: [Side::Key, Side::Value]
+                .into_iter()
+                .map(|side| (tensor_map_slot(side), self.stream(side)))
+                .filter(|(_, s)| s.swizzled)
+                .map(|(slot, s)| TensorMap {
+                    slot,
+                    page_offset: s.page_offset,
+                    row_bytes: s.stride,
+                    items_per_page: self.items_per_page,
+                    page_bytes: self.page_bytes,
+                    box_items: self.tile_items,
+                })
+                .collect(),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -861,7 +814,7 @@ mod tests {
                     assert!(a.item_lanes.is_power_of_two() && a.item_lanes <= 32);
                     assert_eq!(a.slots * a.item_lanes, threads);
                     assert!(dims.is_multiple_of(a.pack));
-                    assert!(a.slots * a.channels * a.channel_rounds * a.pack >= dims);
+                    assert!(a.slots * a.channels * a.channel_passes * a.pack >= dims);
                     assert!(a.channels * a.pack * head_block <= 32.max(head_block));
                 }
             }

@@ -1,5 +1,6 @@
 //! Which tiers the tensor cores serve, and the fragment geometry they share
-//! with the skeleton (`skeleton/mma.rs`, docs/ptx-backend.md, seventh round).
+//! with the decode kernel's tensor-core phases (`kernel/score_mma.rs`,
+//! `kernel/accumulate_mma.rs`; docs/ptx-backend.md, Tensor cores).
 //!
 //! A tier qualifies when its key score is a dot product of one query array
 //! with the key item's elements — f16 values or 4/8-bit integers, optionally
@@ -12,7 +13,7 @@
 //! relative, so every product is exact and the sums are f32: the
 //! interpreter's results within the backends' tolerance, at a fraction of
 //! the per-thread fma chains' instructions. Integer keys score on the
-//! integer tensor cores instead (`m16n8k32`, twelfth round): 8-bit codes as
+//! integer tensor cores instead (`m16n8k32`): 8-bit codes as
 //! stored, 4-bit codes as 16 times the code by one or two bit operations,
 //! and the query as a 24-bit integer of three signed bytes; the s32 sums
 //! are exact.
@@ -22,14 +23,13 @@
 //! popcount of the mask below it). Each warp expands its tokens' rows once
 //! per tile into dense f16 rows in shared memory, one lane per row walking
 //! the mask's set bits, and the fragments read those rows as they read
-//! dense f16 items (docs/ptx-backend.md, ninth round). Groups of whole
+//! dense f16 items (`kernel/expand.rs`). Groups of whole
 //! words skip the dense rows: each fragment register is one packed word,
-//! loaded from the tile's items at its rank (seventeenth round,
-//! `skeleton/gather.rs`). These fields are recognised from the layout the
+//! loaded from the tile's items at its rank (`kernel/gather.rs`). These fields are recognised from the layout the
 //! programs were lowered against: their IR spells out the popcount prefixes
 //! the expansion replaces.
 
-use super::plan::{shared_stride, stride_align, Stream, CHUNK};
+use super::streams::{shared_stride, stride_align, Stream, CHUNK};
 use crate::ir::{ArrayDecl, BinaryOp, Expr, Function, Handle, Input, Literal, Module, UnaryOp};
 use crate::layout::{round_up, CodecLayout, FieldLayout, TransformLayout};
 use crate::spec::BitmapElem;
@@ -37,7 +37,7 @@ use crate::spec::BitmapElem;
 /// The key row chunk lane `quad` loads as its `c`-th is a lane part plus
 /// this constant part: `quad` plus `4 · c`, or `spread` (swizzled rows)
 /// `(quad & 1) + 4 · (quad >> 1)` plus `2 · (c & 1) + 8 · (c >> 1)` (the
-/// lane part: `Skeleton::lane_chunk_part`). Spread, a load's two rows (lanes
+/// lane part: `Fragments::lane_chunk_part` in `kernel/fragments.rs`). Spread, a load's two rows (lanes
 /// 0 to 3 and 4 to 7 of a phase) cover one 128-byte line's chunks
 /// {0, 1, 4, 5} or {2, 3, 6, 7}, which the swizzle of neighbouring rows (two
 /// lines apart for 256-byte rows) maps onto each other's complement: no
@@ -124,7 +124,7 @@ impl Gather {
     }
 
     /// Whether fragments can be gathered from the packed groups
-    /// (`skeleton/gather.rs`) when a lane holds `lane_pairs` f16 pairs of a
+    /// (`kernel/gather.rs`) when a lane holds `lane_pairs` f16 pairs of a
     /// row: groups of one or two whole words, whole groups per lane, in runs
     /// [`lane_runs`] takes.
     pub fn gathers_rows(&self, lane_pairs: u32, item_stride: u32) -> bool {
@@ -172,7 +172,7 @@ pub struct Rows {
     pub offset: u32,
     pub stride: u32,
     pub staged: bool,
-    /// The rows' 16-byte chunks are swizzled ([`super::plan::Stream::swizzled`]).
+    /// The rows' 16-byte chunks are swizzled ([`Stream::swizzled`]).
     pub swizzled: bool,
 }
 
@@ -332,8 +332,8 @@ impl MmaScore {
     /// groups, whose pairs are consecutive. A row's chunks go to its lanes in
     /// turn, so a gathering load's four lanes of a row read groups a quarter
     /// row apart: their ranks, and banks, lie closer than a lane's own
-    /// quarter's ends (keys: 1.55 → 1.46 wavefronts per load, simulated by
-    /// `benches/gpu/gather_banks.py`, twentieth round).
+    /// quarter's ends (keys: 1.46 wavefronts per load where a quarter row
+    /// per lane takes 1.55, as `benches/gpu/gather_banks.py` simulates).
     pub fn chunk_elements(&self) -> u32 {
         match self.gathered_runs {
             Some(runs) => self.key_dims / ROW_LANES / runs,

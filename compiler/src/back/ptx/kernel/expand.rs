@@ -1,81 +1,89 @@
 //! Bitmap rows expanded into dense f16 rows for the tensor cores (MosaicKV,
-//! docs/ptx-backend.md, ninth and sixteenth rounds).
+//! docs/ptx-backend.md, Tensor cores).
 //!
 //! A lane takes one row of a tile: it loads the row's mask words and all
 //! `keep` packed groups up front (vector loads as the rows' alignment
 //! allows), zeroes the dense row, then makes `keep` unrolled steps, each
 //! storing packed group `j` at the lowest set bit left in the mask and
-//! clearing it. No step waits on a load and every lane makes the same steps,
-//! where a loop per set bit waited on each group's load before its store and
-//! ran as often as the warp's fullest mask word. Set bits beyond the
+//! clearing it. No step waits on a load and every lane makes the same steps
+//! (a loop per set bit would wait on each group's load before its store and
+//! run as often as the warp's fullest mask word). Set bits beyond the
 //! `keep`-th (no encoder writes them) take group `keep − 1`, as in the
 //! interpreter, in a loop that runs only then.
 
-use super::super::mma::{Gather, MmaPlan, Rows, TILE};
-use super::super::plan::{stride_align, Stream, CHUNK};
-use super::Skeleton;
-use crate::back::ptx::builder::{Cmp, Kernel, Pred, Reg, Shared, U32};
+use super::super::builder::{Cmp, Kernel, Pred, Reg, Shared, U32};
+use super::super::streams::{stride_align, Stream, CHUNK};
+use super::super::tensor_cores::{Gather, MmaPlan, Rows, TILE};
+use super::cta::Cta;
+use super::fragments::Fragments;
+
+/// The expansion of bitmap rows before the tensor cores read them.
+#[derive(Clone, Copy)]
+pub(super) struct Expand<'a> {
+    pub(super) cta: &'a Cta<'a>,
+    pub(super) frag: Fragments<'a>,
+}
 
 /// A lane's part in the bitmap expansion, for the whole stream.
 pub(super) struct MmaExpand {
-    passes: Vec<ExpandPass>,
+    pub(super) passes: Vec<ExpandPass>,
     /// The lane's token in the warp's first token tile.
-    token: Reg<U32>,
+    pub(super) token: Reg<U32>,
     /// Lanes 16–31: the value side's, in a pass of both sides.
-    upper: Reg<Pred>,
+    pub(super) upper: Reg<Pred>,
 }
 
 /// A side's bitmap field, stream and staged rows, and its index (0: keys,
 /// 1: values).
-type ExpandSide<'a> = (Gather, &'a Stream, Rows, usize);
+pub(super) type ExpandSide<'a> = (Gather, &'a Stream, Rows, usize);
 
 /// One pass of the expansion: one side, or both sides with one shape.
-struct ExpandPass {
-    gather: Gather,
+pub(super) struct ExpandPass {
+    pub(super) gather: Gather,
     /// The pass's sides (0: keys, 1: values): lanes 0–15 take the first.
-    sides: Vec<usize>,
+    pub(super) sides: Vec<usize>,
     /// Known alignment (bytes) of an item's mask and of its packed groups in
     /// a tile buffer, on every side of the pass.
-    mask_align: u32,
-    elems_align: u32,
+    pub(super) mask_align: u32,
+    pub(super) elems_align: u32,
     /// The lanes that take part (0–15) when the pass has one side.
-    active: Option<Reg<Pred>>,
+    pub(super) active: Option<Reg<Pred>>,
     /// The lane's side: mask and elements offsets in a tile buffer, item
     /// stride, first staged row, row stride.
-    mask_at: Reg<U32>,
-    elems_at: Reg<U32>,
-    item_stride: Reg<U32>,
-    rows: Reg<U32>,
-    row_stride: Reg<U32>,
+    pub(super) mask_at: Reg<U32>,
+    pub(super) elems_at: Reg<U32>,
+    pub(super) item_stride: Reg<U32>,
+    pub(super) rows: Reg<U32>,
+    pub(super) row_stride: Reg<U32>,
 }
 
 /// Part of a packed group: a 32-bit word or a half (low bits of the
 /// register), and its byte offset in the group.
 #[derive(Clone, Copy)]
-struct Piece {
-    value: Reg<U32>,
-    bits: u32,
-    offset: u32,
+pub(super) struct Piece {
+    pub(super) value: Reg<U32>,
+    pub(super) bits: u32,
+    pub(super) offset: u32,
 }
 
 /// A lane's mask, whose set bits the steps take from the lowest up: the
 /// word they take from and its dense row address (the row of its group 0),
 /// then the later words and theirs. The current word is empty only when
 /// every word is.
-struct MaskWalk {
-    word: Reg<U32>,
-    row: Reg<U32>,
-    later: Vec<(Reg<U32>, Reg<U32>)>,
+pub(super) struct MaskWalk {
+    pub(super) word: Reg<U32>,
+    pub(super) row: Reg<U32>,
+    pub(super) later: Vec<(Reg<U32>, Reg<U32>)>,
 }
 
-impl Skeleton<'_> {
+impl Expand<'_> {
     /// The lane's part in expanding bitmap rows (`MmaPlan::key_gather`,
     /// `value_gather`), set once before the stream; `None` without gathers.
     /// Lane `l` takes token `l % 16` of each of the warp's tiles: of the key
     /// rows for `l < 16` and of the value rows above when both sides gather
     /// with one shape, else the sides take turns on lanes 0–15.
-    pub(super) fn mma_expand_setup(&self, k: &mut Kernel, m: &MmaPlan) -> Option<MmaExpand> {
-        let plan = self.plan;
+    pub(super) fn setup(&self, k: &mut Kernel, m: &MmaPlan) -> Option<MmaExpand> {
+        let plan = self.cta.plan;
         let sides: Vec<ExpandSide> = [
             (
                 m.key_gather.filter(|_| m.key_rows.staged),
@@ -102,8 +110,8 @@ impl Skeleton<'_> {
             [a, b] if shared_shape(a.0, b.0) => vec![sides],
             _ => sides.into_iter().map(|side| vec![side]).collect(),
         };
-        let warp = k.shr(self.tid, 5u32);
-        let lane = k.and(self.tid, 31u32);
+        let warp = k.shr(self.cta.tid, 5u32);
+        let lane = k.and(self.cta.tid, 31u32);
         let upper = k.setp(Cmp::Ge, lane, 16u32);
         let lower = k.setp(Cmp::Lt, lane, 16u32);
         let token_in = k.and(lane, 15u32);
@@ -136,7 +144,7 @@ impl Skeleton<'_> {
                     mask_at,
                     elems_at,
                     item_stride,
-                    rows: k.add(self.smem, row_at),
+                    rows: k.add(self.cta.smem, row_at),
                     row_stride,
                 }
             })
@@ -154,13 +162,8 @@ impl Skeleton<'_> {
     /// the keys'): see the module's docs. Only the warp reads its rows, so a
     /// warp barrier publishes them; the barrier that shows the next tile
     /// keeps them until every lane is done.
-    pub(super) fn mma_expand(
-        &self,
-        k: &mut Kernel,
-        e: &MmaExpand,
-        tiles: [(Reg<U32>, Reg<U32>); 2],
-    ) {
-        let plan = self.plan;
+    pub(super) fn tile(&self, k: &mut Kernel, e: &MmaExpand, tiles: [(Reg<U32>, Reg<U32>); 2]) {
+        let plan = self.cta.plan;
         let m = plan.mma.as_ref().expect("tensor-core plan");
         k.comment("expand the warp's bitmap rows into dense f16 rows");
         let zero = k.mov(0u32);
@@ -173,7 +176,7 @@ impl Skeleton<'_> {
                 }
                 _ => tiles[pass.sides[0]],
             };
-            for j in 0..self.mma_slots(m) {
+            for j in 0..self.frag.slots(m) {
                 let skip = k.label();
                 let token = k.add(e.token, j * plan.warps * TILE);
                 let ok = k.setp(Cmp::Lt, token, items);
@@ -221,7 +224,7 @@ impl Skeleton<'_> {
 impl MaskWalk {
     /// The walk of `words` (a row's mask, lowest first) over the dense row at
     /// `row` of `g`'s groups.
-    fn new(k: &mut Kernel, words: &[Reg<U32>], row: Reg<U32>, g: Gather) -> MaskWalk {
+    pub(super) fn new(k: &mut Kernel, words: &[Reg<U32>], row: Reg<U32>, g: Gather) -> MaskWalk {
         let later = (words.iter().enumerate().skip(1))
             .map(|(w, &word)| (word, k.add(row, 32 * w as u32 * g.group_bytes())))
             .collect();
@@ -235,13 +238,13 @@ impl MaskWalk {
     }
 
     /// Whether a set bit is left.
-    fn any_left(&self, k: &mut Kernel) -> Reg<Pred> {
+    pub(super) fn any_left(&self, k: &mut Kernel) -> Reg<Pred> {
         k.setp(Cmp::Ne, self.word, 0u32)
     }
 
     /// Stores `group` at the lowest set bit's group of the row and clears
     /// that bit; stores nothing once no bit is left.
-    fn step(&self, k: &mut Kernel, g: Gather, group: &[Piece]) {
+    pub(super) fn step(&self, k: &mut Kernel, g: Gather, group: &[Piece]) {
         let left = self.any_left(k);
         let reversed = k.brev(self.word);
         let lowest = k.leading_zeros(reversed);
@@ -263,7 +266,7 @@ impl MaskWalk {
     /// Makes `rest` (of the word at `row`) the current word, or when it is
     /// empty the first non-empty later word, which with the empty ones
     /// before it leaves the later words.
-    fn take(&self, k: &mut Kernel, rest: Reg<U32>, row: Reg<U32>) {
+    pub(super) fn take(&self, k: &mut Kernel, rest: Reg<U32>, row: Reg<U32>) {
         let Some(&(last, last_row)) = self.later.last() else {
             // One word: it stays current, at its row.
             k.assign(self.word, rest);
@@ -323,7 +326,12 @@ pub(super) fn load_units(
 /// The `keep` packed groups of an item, elements at `elems` (aligned to
 /// `align`), each as the pieces a dense row stores: words when the group is
 /// whole words and was loaded as words, else halves.
-fn packed_groups(k: &mut Kernel, elems: Reg<U32>, g: Gather, align: u32) -> Vec<Vec<Piece>> {
+pub(super) fn packed_groups(
+    k: &mut Kernel,
+    elems: Reg<U32>,
+    g: Gather,
+    align: u32,
+) -> Vec<Vec<Piece>> {
     let group_bytes = g.group_bytes();
     let (units, unit_bytes) = load_units(k, Shared::at(elems), g.keep * group_bytes, align);
     let piece_bytes = if group_bytes.is_multiple_of(4) {

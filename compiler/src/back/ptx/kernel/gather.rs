@@ -1,23 +1,22 @@
 //! Bitmap fields whose groups are one or two 32-bit words (MosaicKV's f16
 //! pairs), gathered straight into the tensor cores' A fragments
-//! (docs/ptx-backend.md, seventeenth round).
+//! (docs/ptx-backend.md, Tensor cores).
 //!
 //! The f16 pairs a lane holds of a row come in runs of consecutive groups,
 //! at most 8, each in one byte of the mask or within one word: of a key row,
 //! a chunk each ([`MmaScore::chunk_elements`]), the quad's in turn (pairs
-//! `8 · quad + 0..8` and `32 + 8 · quad + 0..8` with 128 elements, twentieth
-//! round; a quarter row each before); of a value row, its lane group's
+//! `8 · quad + 0..8` and `32 + 8 · quad + 0..8` with 128 elements, so a
+//! load's four lanes read groups close together); of a value row, its lane group's
 //! channels (pairs `8 · row + 0..8` with 128 channels). The lane packs
 //! four runs' mask bits into the bytes of a word and their ranks (the set
 //! bits below each group) into the bytes of others: popcounts for each
 //! row's first run, then per group of a run, for the four runs at once, its
-//! bits masked and added shifted (one `lea.hi`, nineteenth round). A
+//! bits masked and added shifted (one `lea.hi`). A
 //! register is then its address (one `dp4a`: its rank's byte, scaled, plus
 //! the item), a zero and a load predicated on its bit (ptxas sets four
 //! predicates from a byte at once), from the packed groups in the tile
-//! buffer (docs/ptx-backend.md, eighteenth round). Expanded rows were
-//! written and read again through shared memory, whose pipe bounded
-//! MosaicKV (sixteenth round).
+//! buffer: no dense row is written and read again through shared memory,
+//! whose pipe would bound the kernel (docs/ptx-backend.md, Tensor cores).
 //!
 //! Masks with more set bits than `keep` (no encoder writes them; stale rows
 //! past a tile's items may hold them) have their ranks clamped to
@@ -25,8 +24,8 @@
 //! only when one of its rows of the tile has such a mask: each lane checks
 //! one row per side, once per tile.
 
-use super::super::mma::{Gather, MmaPlan, MmaScore, RUN_BITS};
-use super::super::plan::{stride_align, Stream};
+use super::super::streams::{stride_align, Stream};
+use super::super::tensor_cores::{Gather, MmaPlan, MmaScore, RUN_BITS};
 use super::expand::load_units;
 use crate::back::ptx::builder::{Cmp, Kernel, Pred, Reg, Shared, U32};
 

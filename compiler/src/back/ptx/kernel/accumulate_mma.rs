@@ -1,0 +1,692 @@
+//! The accumulate on the tensor cores (tiers `tensor_cores.rs` admits), per
+//! 16-token step of a warp: `Oᵀ += Vᵀ · P'ᵀ`. A = value channels × tokens
+//! (row `r` of channel tile `t` is channel `2 · t + r / 8` of lane group
+//! `r % 8`'s channels, two tokens per register by byte permutes; gathered
+//! values, as stored: a token's channel pair per register, the reduction
+//! over (token, channel parity), [`channel_pair_products`]); B = the softmax
+//! weights (times the items' scales and a power of two σ) as (head, part)
+//! columns (gathered values: (head, channel parity) columns, one `mma.sync`
+//! per part). Each warp sums its own steps in registers; the warps' sums
+//! meet in the accumulator array once, after the stream.
+
+use super::super::builder::{Cmp, Kernel, Op, Pred, Reg, Shared, F32, U32};
+use super::super::tensor_cores::{Element, MmaPlan, ROW_LANES, TILE, WARP_LANES};
+use super::cta::{divide, Cta, Rescale, Tile};
+use super::fragments::{
+    column_sigma, f16_part, f16_parts, scale_all, swizzled_if, unscale_of, Fragments, Lanes,
+    StepTokens, HALF_EXPONENT, MAX_EXPONENT,
+};
+use super::gather::FragmentGather;
+use super::softmax::RESCALE_SLACK_BITS;
+
+/// The accumulate on the tensor cores.
+#[derive(Clone, Copy)]
+pub(super) struct AccumulateMma<'a> {
+    pub(super) cta: &'a Cta<'a>,
+    pub(super) frag: Fragments<'a>,
+}
+
+/// A lane's tensor-core accumulate state for the whole stream.
+pub(super) struct MmaValues {
+    pub(super) lanes: Lanes,
+    /// The weights' place in the logits rows when the score is not on the
+    /// tensor cores (they are then read from shared memory).
+    pub(super) shared: Option<SharedWeights>,
+    /// Per column tile: whether the C columns' head (the score's, too) exists.
+    pub(super) out_ok: Vec<Reg<Pred>>,
+    /// Per column tile and channel tile: the output accumulators.
+    pub(super) acc: Vec<Vec<[Reg<F32>; 4]>>,
+    /// With item scales: the weights' running σ ([`AccumulateMma::item_sigma`]).
+    pub(super) sigma: Option<Reg<F32>>,
+    /// Byte offset of the lane's value channels in its first token (of the
+    /// token with gathered fragments).
+    pub(super) value_lane: Reg<U32>,
+    /// Gathered value fragments: the lane's state.
+    pub(super) gather: Option<FragmentGather>,
+    /// With gathered values: per row half of a weights pair, the `prmt`
+    /// selector that moves that half to the lane's B column parity
+    /// ([`parity_fragments`]).
+    pub(super) parity_selectors: Option<[Reg<U32>; 2]>,
+    /// The lane's first token of a step (`16 · warp + spacing · quad`),
+    /// and its others' offsets from it ([`StepTokens`]).
+    pub(super) token: Reg<U32>,
+    pub(super) steps: [u32; 4],
+}
+
+/// A tile whose values accumulate: its buffer and valid items, and (with
+/// gathered values) whether one of the warp's rows of it has more set bits
+/// than its bitmap keeps ([`Fragments::ready_rows`]).
+#[derive(Clone, Copy)]
+pub(super) struct ValueTile {
+    pub(super) buf: Reg<U32>,
+    pub(super) items: Reg<U32>,
+    pub(super) over: Option<Reg<Pred>>,
+}
+
+/// Softmax weights the score phase left in the logits rows.
+pub(super) struct SharedWeights {
+    /// Per column tile: the weights of the B column's head at the lane's
+    /// first token, and whether that head exists.
+    pub(super) columns: Vec<(Reg<U32>, Reg<Pred>)>,
+    /// Per column tile: the softmax state slot of the C columns' head.
+    pub(super) state: Vec<Reg<U32>>,
+}
+
+impl AccumulateMma<'_> {
+    /// The accumulate's constant state: zero accumulators, the lane's
+    /// value channels and (with the weights in shared memory) their columns.
+    pub(super) fn setup(&self, k: &mut Kernel, m: &MmaPlan) -> MmaValues {
+        k.comment(&format!(
+            "tensor-core accumulate: {} step(s) per warp, {} column tile(s), {:?} values",
+            self.frag.slots(m),
+            m.column_tiles,
+            m.value
+        ));
+        let lanes = self.frag.lanes(k);
+        let steps = StepTokens::of(m);
+        let token = k.mul(lanes.quad, steps.spacing);
+        let token = k.mad_lo(lanes.warp, TILE, token);
+        let zero = k.mov(0.0f32);
+        // Gathered values: columns (head, channel parity), one C tile per two
+        // channel tiles ([`channel_pair_products`]).
+        let acc_tiles = match m.value_fragments() {
+            Some(_) => m.channel_tiles() / 2,
+            None => m.channel_tiles(),
+        };
+        let (mut out_ok, mut acc) = (Vec::new(), Vec::new());
+        for ct in 0..m.column_tiles {
+            let out_head = k.add(lanes.quad, 4 * ct);
+            out_ok.push(k.setp(Cmp::Lt, out_head, self.cta.group));
+            acc.push(
+                (0..acc_tiles)
+                    .map(|_| [0; 4].map(|_| k.mov(zero)))
+                    .collect(),
+            );
+        }
+        let parity_selectors = m.value_fragments().map(|_| {
+            [0u32, 1].map(|half| {
+                // Bytes 4..8 are the zero operand's.
+                let (low, high) = (2 * half, 2 * half + 1);
+                let even = low | high << 4 | 0x4400;
+                let odd = 0x44 | low << 8 | high << 12;
+                k.selp(odd, even, lanes.low_part)
+            })
+        });
+        let shared = m
+            .score
+            .is_none()
+            .then(|| self.shared_weights(k, m, &lanes, token));
+        // The largest σ: the first tile sets the real one.
+        let sigma = (m.item_scale).map(|_| k.mov(f32::from_bits(MAX_EXPONENT << 23)));
+        let gather = (m.value_fragments())
+            .map(|g| FragmentGather::for_values(k, g, m, &self.cta.plan.value, lanes.row));
+        let channels = match gather {
+            Some(_) => k.mov(0u32),
+            None => k.mad_lo(lanes.row, m.group_words() * 4, m.value_offset),
+        };
+        let value_lane = k.mad_lo(token, m.value_rows.stride, channels);
+        MmaValues {
+            lanes,
+            shared,
+            out_ok,
+            acc,
+            sigma,
+            value_lane,
+            gather,
+            parity_selectors,
+            token,
+            steps: steps.offsets(),
+        }
+    }
+
+    /// Where the lane finds its B weights in the logits rows.
+    pub(super) fn shared_weights(
+        &self,
+        k: &mut Kernel,
+        m: &MmaPlan,
+        lanes: &Lanes,
+        token: Reg<U32>,
+    ) -> SharedWeights {
+        let plan = self.cta.plan;
+        let row_head = k.shr(lanes.row, 1u32);
+        let logits = k.add(self.cta.smem, plan.logits);
+        let row_bytes = 4 * plan.head_stride;
+        let (mut columns, mut state) = (Vec::new(), Vec::new());
+        for ct in 0..m.column_tiles {
+            let head = k.add(row_head, 4 * ct);
+            let ok = k.setp(Cmp::Lt, head, self.cta.group);
+            let (clamped, _) = self.frag.head_slot(k, head);
+            let column = k.mad_lo(clamped, 4u32, logits);
+            columns.push((k.mad_lo(token, row_bytes, column), ok));
+            let out_head = k.add(lanes.quad, 4 * ct);
+            state.push(self.frag.head_slot(k, out_head).1);
+        }
+        SharedWeights { columns, state }
+    }
+
+    /// The tile's weighted values into the lane's accumulators, the weights
+    /// read from the logits rows; first, with `rescale`, the accumulators
+    /// times their head's decay.
+    pub(super) fn tile(&self, k: &mut Kernel, tile: &Tile, t: &MmaValues, rescale: Rescale) {
+        let plan = self.cta.plan;
+        let m = plan.mma.as_ref().expect("tensor-core plan");
+        let shared = t.shared.as_ref().expect("weights in the logits rows");
+        let kept = k.label();
+        if let Rescale::When(p) = rescale {
+            k.bra_if(p, false, kept);
+        }
+        for (acc, &state) in t.acc.iter().zip(&shared.state) {
+            let decay = k.ld_shared::<F32>(Shared::at(state).plus(plan.decay.into()));
+            scale_all(k, acc, decay);
+        }
+        k.place(kept);
+        let stride = m.value_rows.stride;
+        let row_bytes = 4 * plan.head_stride;
+        let items = self.frag.rows(k, tile.buf, m.value_rows);
+        let token_rows = k.mad_lo(t.token, stride, items);
+        let slots = self.frag.slots(m);
+        let ok: Vec<Vec<Reg<Pred>>> = (0..slots)
+            .map(|j| {
+                (t.steps.iter())
+                    .map(|&d| {
+                        let token = k.add(t.token, j * plan.warps * TILE + d);
+                        k.setp(Cmp::Lt, token, tile.items)
+                    })
+                    .collect()
+            })
+            .collect();
+        // Per slot, the lane's 4 tokens' item scales times σ.
+        let scales: Option<Vec<Reg<F32>>> = m.item_scale.map(|bit| {
+            let scales: Vec<Reg<F32>> = (0..slots)
+                .flat_map(|j| t.steps.iter().map(move |&d| (j, d)))
+                .zip(ok.iter().flatten())
+                .map(|((j, d), &ok)| {
+                    let offset = (j * plan.warps * TILE + d) * stride + bit / 8;
+                    item_scale(k, Shared::at(token_rows).plus(offset.into()), ok)
+                })
+                .collect();
+            // The warp's tokens: quads of the lanes of one row.
+            self.item_sigma(k, t, &scales, &[1, 2])
+        });
+        // Per slot and column tile: the lane's 4 weights (times the item
+        // scales and σ; zero past the tile's items and for heads the group
+        // lacks) as B fragments.
+        let mut b = Vec::new();
+        for j in 0..slots {
+            let first = j * plan.warps * TILE;
+            let mut columns = Vec::new();
+            for &(column, head_ok) in &shared.columns {
+                let w: Vec<Reg<F32>> = (t.steps.iter().enumerate())
+                    .map(|(i, &d)| {
+                        let offset = (first + d) * row_bytes;
+                        let w = k.mov(0.0f32);
+                        k.guarded(ok[j as usize][i], true, |k| {
+                            let at = Shared::at(column).plus(offset.into());
+                            let loaded = k.ld_shared::<F32>(at);
+                            k.assign(w, loaded);
+                        });
+                        let w = match &scales {
+                            Some(s) => k.mul(w, s[t.steps.len() * j as usize + i]),
+                            None => w,
+                        };
+                        k.selp(w, 0.0f32, head_ok)
+                    })
+                    .collect();
+                columns.push(match t.parity_selectors {
+                    Some(selectors) => {
+                        let pairs = [(w[0], w[1]), (w[2], w[3])].map(|(a, b)| {
+                            let (hi, lo) = f16_parts(k, a, b);
+                            [hi, lo]
+                        });
+                        parity_fragments(k, pairs, selectors)
+                    }
+                    None => vec![[
+                        f16_part(k, w[0], w[1], t.lanes.low_part),
+                        f16_part(k, w[2], w[3], t.lanes.low_part),
+                    ]],
+                });
+            }
+            b.push(columns);
+        }
+        let over = self.frag.ready_rows(
+            k,
+            None,
+            t.gather.as_ref().map(|g| (g, tile.buf, tile.items)),
+        );
+        let tile = ValueTile {
+            buf: tile.buf,
+            items: tile.items,
+            over,
+        };
+        self.products(k, tile, t, &b);
+    }
+
+    /// The values of `tile` times the weights' B fragments `b` (per slot and
+    /// column tile, [`mma_exchange`]'s) into the lane's accumulators.
+    pub(super) fn products(
+        &self,
+        k: &mut Kernel,
+        tile: ValueTile,
+        t: &MmaValues,
+        b: &[Vec<Vec<[Reg<U32>; 2]>>],
+    ) {
+        let plan = self.cta.plan;
+        let m = plan.mma.as_ref().expect("tensor-core plan");
+        let stride = m.value_rows.stride;
+        let items = tile.items;
+        let rows = self.frag.rows(k, tile.buf, m.value_rows);
+        let lane_base = k.add(rows, t.value_lane);
+        for (j, b) in (0u32..).zip(b) {
+            let skip = k.label();
+            if let Some(ok) = self.frag.slot_ok(k, m, t.lanes.warp, j) {
+                k.bra_if(ok, false, skip);
+            }
+            let first = j * plan.warps * TILE;
+            let values: Vec<TokenWords> = match &t.gather {
+                Some(gather) => {
+                    let items_at: Vec<Reg<U32>> = (t.steps.iter())
+                        .map(|&d| k.add(lane_base, (first + d) * stride))
+                        .collect();
+                    // Rows past the tile's items have zero masks (Fragments::ready_rows).
+                    let over = tile.over.expect("gathers check their rows");
+                    (gather.rows(k, &items_at, over).into_iter())
+                        .map(|words| TokenWords { words, skew: 0 })
+                        .collect()
+                }
+                None => (t.steps.iter())
+                    .map(|&d| {
+                        let offset = (first + d) * stride;
+                        let mut token = self.value_words(k, m, lane_base, offset);
+                        // Stale f16 rows past the tile's items may hold any
+                        // bits (0 · NaN poisons a sum); integers are always finite.
+                        if m.value == Element::Half {
+                            let at = k.add(t.token, first + d);
+                            let ok = k.setp(Cmp::Lt, at, items);
+                            token.words =
+                                (token.words.iter()).map(|&w| k.selp(w, 0u32, ok)).collect();
+                        }
+                        token
+                    })
+                    .collect(),
+            };
+            for (ct, sums) in t.acc.iter().enumerate() {
+                if t.gather.is_some() {
+                    channel_pair_products(k, &values, sums, &b[ct]);
+                    continue;
+                }
+                for (tile_index, c) in sums.iter().enumerate() {
+                    let channel = 2 * tile_index as u32;
+                    let a = [
+                        token_pair(k, m.value, &values[0], &values[1], channel),
+                        token_pair(k, m.value, &values[0], &values[1], channel + 1),
+                        token_pair(k, m.value, &values[2], &values[3], channel),
+                        token_pair(k, m.value, &values[2], &values[3], channel + 1),
+                    ];
+                    k.mma_f16_f32(*c, a, b[ct][0]);
+                }
+            }
+            k.place(skip);
+        }
+    }
+
+    /// The weights' σ for a tile whose tokens' item scales are `scales`
+    /// (the warp's tokens in the lanes the butterfly `masks` reach): the
+    /// largest weight is 2^8 ([`RESCALE_SLACK_BITS`]), so σ of the largest
+    /// scale times 2^8 keeps every weight times its scale in f16's range.
+    /// The running σ only drops; when it does, the accumulators take the
+    /// ratio. Returns the scales times σ.
+    pub(super) fn item_sigma(
+        &self,
+        k: &mut Kernel,
+        t: &MmaValues,
+        scales: &[Reg<F32>],
+        masks: &[u32],
+    ) -> Vec<Reg<F32>> {
+        let sigma = t.sigma.expect("σ with item scales");
+        let tile = column_sigma(k, scales, masks, HALF_EXPONENT - RESCALE_SLACK_BITS as u32);
+        let lower = k.setp(Cmp::Lt, tile, sigma);
+        let kept = k.label();
+        // σ is the same in every lane: so is the branch.
+        k.bra_if(lower, false, kept);
+        let inverse = unscale_of(k, sigma);
+        let ratio = k.mul(tile, inverse);
+        for acc in &t.acc {
+            scale_all(k, acc, ratio);
+        }
+        k.assign(sigma, tile);
+        k.place(kept);
+        scales.iter().map(|&s| k.mul(s, sigma)).collect()
+    }
+
+    /// The words of one token's channels of the lane's group, `offset` bytes
+    /// past `lane_base`: 16-byte loads when aligned; aligned words starting
+    /// a known `skew` bytes before the channels when the rows' stride and
+    /// the channels' offset are even (the byte permutes that pair tokens
+    /// absorb the skew); else aligned words funnel-shifted into place.
+    pub(super) fn value_words(
+        &self,
+        k: &mut Kernel,
+        m: &MmaPlan,
+        lane_base: Reg<U32>,
+        offset: u32,
+    ) -> TokenWords {
+        let n = m.group_words();
+        if m.value_aligned {
+            let words = (0..n / 4)
+                .flat_map(|v| {
+                    let at = Shared::at(lane_base).plus(i64::from(offset + 16 * v));
+                    let at = swizzled_if(k, m.value_rows.swizzled, at);
+                    k.ld_shared_v4::<U32>(at)
+                })
+                .collect();
+            return TokenWords { words, skew: 0 };
+        }
+        if m.value_rows.stride.is_multiple_of(2) && m.value_offset.is_multiple_of(2) {
+            // Token rows start at even multiples of the stride from the
+            // buffer (16-aligned), lane groups at whole words of channels:
+            // `lane_base` is `value_offset` past a word boundary.
+            let skew = (m.value_offset + offset) % 4;
+            let first = i64::from(offset) - i64::from(skew);
+            let words = (0..n + u32::from(skew != 0))
+                .map(|w| k.ld_shared::<U32>(Shared::at(lane_base).plus(first + i64::from(4 * w))))
+                .collect();
+            return TokenWords { words, skew };
+        }
+        let at = k.add(lane_base, offset);
+        let aligned = k.and(at, !3u32);
+        let misaligned = k.and(at, 3u32);
+        let shift = k.shl(misaligned, 3u32);
+        let words: Vec<Reg<U32>> = (0..=n)
+            .map(|w| k.ld_shared::<U32>(Shared::at(aligned).plus(i64::from(4 * w))))
+            .collect();
+        let words = words
+            .windows(2)
+            .map(|pair| k.shf_r_wrap(pair[0], pair[1], shift))
+            .collect();
+        TokenWords { words, skew: 0 }
+    }
+
+    /// After the stream: every warp stores its sums (per lane group channel:
+    /// the two parts of each head added, times 1/σ) to its own area of
+    /// [`Plan::warp_sums`](super::super::plan::Plan::warp_sums); past a
+    /// barrier, every thread adds the warps' sums of its (head, channel)s
+    /// and stores the total to the accumulator array (not zeroed first:
+    /// this writes every channel of the group's heads). A sum's word is its register's
+    /// (lane-major: a store is one wavefront) with the lane swizzled by its
+    /// channel ([`sum_swizzle`]: a warp's 32 channels of a head then read 32
+    /// banks). All warps store at once: one warp per barrier would cost a
+    /// third of a one-tile split's time (docs/gpu-bench.md).
+    pub(super) fn store(&self, k: &mut Kernel, t: &MmaValues) {
+        let plan = self.cta.plan;
+        let m = plan.mma.as_ref().expect("tensor-core plan");
+        let channels = m.group_channels();
+        let warp_bytes = m.warp_sums_bytes();
+        let sums = k.add(self.cta.smem, plan.warp_sums);
+        let lane = k.mad_lo(t.lanes.row, ROW_LANES, t.lanes.quad);
+        let own = k.mad_lo(t.lanes.warp, warp_bytes, sums);
+        k.comment("each warp's sums into its own area");
+        let unscale = t.sigma.map(|sigma| unscale_of(k, sigma));
+        for (ct, acc) in (0u32..).zip(&t.acc) {
+            // Per lane group channel, its sum's registers: columns
+            // (head, part) add their two parts; gathered values' columns
+            // are (head, parity).
+            let parts: Vec<(Reg<F32>, Option<Reg<F32>>)> = match t.gather {
+                Some(_) => acc.iter().flatten().map(|&c| (c, None)).collect(),
+                None => (acc.iter())
+                    .flat_map(|c| [0, 2].map(|h| (c[h], Some(c[h + 1]))))
+                    .collect(),
+            };
+            for (channel, (first, second)) in (0u32..).zip(parts) {
+                let sum = match second {
+                    Some(second) => k.add(first, second),
+                    None => first,
+                };
+                let sum = match unscale {
+                    Some(u) => k.mul(sum, u),
+                    None => sum,
+                };
+                let swizzled = k.xor(lane, sum_swizzle(channel, channels));
+                let at = k.mad_lo(swizzled, 4u32, own);
+                let register = ct * channels + channel;
+                k.st_shared(
+                    Shared::at(at).plus(i64::from(register * WARP_LANES * 4)),
+                    sum,
+                );
+            }
+        }
+        k.bar_sync();
+        k.comment("the warps' sums of each (head, channel) into the accumulators");
+        let acc_index = self.cta.m.value.accumulator.index();
+        let acc_base = self.cta.array_base(k, acc_index);
+        let acc_stride = plan.array_stride[acc_index];
+        let head_channels = ROW_GROUPS * channels;
+        let total = k.mul(self.cta.group, head_channels);
+        self.cta
+            .strided(k, self.cta.tid, Op::Reg(total), plan.threads, |k, idx| {
+                let (head, channel) = divide(k, idx, head_channels);
+                // A column tile's heads are its lanes' quads.
+                let (ct, quad) = divide(k, head, ROW_LANES);
+                let (row, group_channel) = divide(k, channel, channels);
+                let lane = k.mad_lo(row, ROW_LANES, quad);
+                let swizzle = sum_swizzle_of(k, group_channel, channels);
+                let lane = k.xor(lane, swizzle);
+                let register = k.mad_lo(ct, channels, group_channel);
+                let word = k.mad_lo(register, WARP_LANES, lane);
+                let at = k.mad_lo(word, 4u32, sums);
+                let mut sum = k.ld_shared::<F32>(Shared::at(at));
+                for w in 1..plan.warps {
+                    let other = Shared::at(at).plus(i64::from(w * warp_bytes));
+                    let x = k.ld_shared::<F32>(other);
+                    sum = k.add(sum, x);
+                }
+                let row_at = k.mad_lo(head, acc_stride, acc_base);
+                let dst = k.mad_lo(channel, 4u32, row_at);
+                k.st_shared(Shared::at(dst), sum);
+            });
+        k.bar_sync();
+    }
+}
+
+/// Lane groups (fragment rows, `lane / 4`) of a warp: each holds its
+/// `channels` of a head.
+pub(super) const ROW_GROUPS: u32 = WARP_LANES / ROW_LANES;
+
+/// The XOR on the lane of group channel `c`'s sum ([`AccumulateMma::store`])
+/// for `channels` per lane group: `c`'s low two bits, its others above the
+/// lane bits that the rows of 32 consecutive channels take. Those 32 channels
+/// then land in 32 banks (the rows' lane bits differ; the channels' XORs
+/// cover each remaining bit pattern once). None unless `channels` is a
+/// power of two from 4 to 32.
+pub(super) fn sum_swizzle(c: u32, channels: u32) -> u32 {
+    match sum_swizzle_shift(channels) {
+        Some(shift) => (c & 3) | ((c >> 2) << shift),
+        None => 0,
+    }
+}
+
+/// [`sum_swizzle`] of a channel in a register.
+pub(super) fn sum_swizzle_of(k: &mut Kernel, c: Reg<U32>, channels: u32) -> Op<U32> {
+    match sum_swizzle_shift(channels) {
+        Some(shift) => {
+            let low = k.and(c, 3u32);
+            let high = k.shr(c, 2u32);
+            let high = k.shl(high, shift);
+            Op::Reg(k.or(low, high))
+        }
+        None => Op::Imm(0),
+    }
+}
+
+/// Where [`sum_swizzle`] puts a channel's bits past the low two: above the
+/// quad's two lane bits and the `log2(32 / channels)` bits of the rows.
+pub(super) fn sum_swizzle_shift(channels: u32) -> Option<u32> {
+    (channels.is_power_of_two() && (4..=WARP_LANES).contains(&channels))
+        .then(|| 2 + (WARP_LANES / channels).trailing_zeros())
+}
+
+/// The f16 item scale at `at` (0 where `ok` fails: rows past the tile's
+/// items are not read, past the last slot they are outside the buffers).
+pub(super) fn item_scale(k: &mut Kernel, at: Shared, ok: Reg<Pred>) -> Reg<F32> {
+    let bits = k.mov(0u32);
+    k.guarded(ok, true, |k| {
+        let loaded = k.ld_shared_narrow(at, 16);
+        k.assign(bits, loaded);
+    });
+    let half = k.low16(bits);
+    k.f16_to_f32(half)
+}
+
+/// Gathered values' B fragments of one slot and column tile, whose columns
+/// are (head, channel parity): from `pairs` (per token pair `(t, t + 8)`,
+/// the `[hi, lo]` f16 parts of its weights), per reduction step `s` (row
+/// half `s` of both pairs) and part, the weight at the half of the lane's
+/// column parity and zero at the other ([`channel_pair_products`]).
+pub(super) fn parity_fragments(
+    k: &mut Kernel,
+    pairs: [[Reg<U32>; 2]; 2],
+    selectors: [Reg<U32>; 2],
+) -> Vec<[Reg<U32>; 2]> {
+    let zero = k.mov(0u32);
+    let mut b = Vec::new();
+    for selector in selectors {
+        for part in 0..2 {
+            b.push(pairs.map(|pair| k.prmt_by(pair[part], zero, selector)));
+        }
+    }
+    b
+}
+
+/// One token's value words: the lane group's channels start `skew` bytes
+/// into the first.
+pub(super) struct TokenWords {
+    pub(super) words: Vec<Reg<U32>>,
+    pub(super) skew: u32,
+}
+
+impl TokenWords {
+    /// The word holding byte `byte` of the lane group's channels, and the
+    /// byte's place in it.
+    pub(super) fn byte(&self, byte: u32) -> (Reg<U32>, u32) {
+        let at = byte + self.skew;
+        (self.words[(at / 4) as usize], at % 4)
+    }
+}
+
+/// The (token 0, token 1) f16 pair of lane-group channel `channel` from the
+/// two tokens' words.
+pub(super) fn token_pair(
+    k: &mut Kernel,
+    element: Element,
+    first: &TokenWords,
+    second: &TokenWords,
+    channel: u32,
+) -> Reg<U32> {
+    // The channel's (first) byte: f16 halves and integer bytes never
+    // straddle a word, as skews are even.
+    let byte = channel * element.bits() / 8;
+    let ((a, i), (b, j)) = (first.byte(byte), second.byte(byte));
+    match element {
+        Element::Half => k.prmt(a, b, i | (i + 1) << 4 | (4 + j) << 8 | (5 + j) << 12),
+        Element::Int { bits, signed } => {
+            // The element's byte of both tokens at bytes 0 and 2.
+            let x = k.prmt(a, b, i | i << 4 | (4 + j) << 8 | (4 + j) << 12);
+            int_pair(k, x, bits, signed, bits == 4 && channel % 2 == 1)
+        }
+    }
+}
+
+/// The products of one column tile's step with the values as stored: each
+/// A register one word of a token (its two channels), where
+/// [`token_pair`] pairs two tokens' halves of a channel by a byte permute
+/// per register (gathered values). The reduction takes 8
+/// tokens, each as (token, channel parity), and the columns are (head,
+/// channel parity): a B column weighs its parity's rows, its others zero,
+/// and the weights' hi and lo parts are two `mma.sync`s into the same C
+/// tile. So a C tile holds four channels of one head where the (head,
+/// part) columns of the other tiers need two tiles.
+///
+/// A step's tokens are `values` (the lane's [`StepTokens`] `t + {0, 8, e, e +
+/// 8}`, channel pair words in the lane group's order); `b`: per reduction
+/// step and part, the lane's B fragment ([`parity_fragments`]). Reduction
+/// step `s` takes tokens `8 · s` and `8 · s + e`; M tile `i` takes the lane
+/// group's channel pairs `2i` (row `g`) and `2i + 1` (row `g + 8`): C
+/// register `j` of tile `i` is channel `4i + j` of the lane group's
+/// channels, of head `quad`.
+pub(super) fn channel_pair_products(
+    k: &mut Kernel,
+    values: &[TokenWords],
+    sums: &[[Reg<F32>; 4]],
+    b: &[[Reg<U32>; 2]],
+) {
+    for (step, parts) in b.chunks(2).enumerate() {
+        let (first, second) = (&values[step].words, &values[2 + step].words);
+        for (i, &c) in sums.iter().enumerate() {
+            let a = [
+                first[2 * i],
+                first[2 * i + 1],
+                second[2 * i],
+                second[2 * i + 1],
+            ];
+            for &b in parts {
+                k.mma_f16_f32(c, a, b);
+            }
+        }
+    }
+}
+
+/// The exact f16 pair of the `bits`-wide integers in bits `0..` and `16..`
+/// of `x` (with `high_nibble`, bits `4..8` and `20..24`): the integer (offset
+/// to unsigned) becomes the mantissa of 1024 by one `lop3`, and one f16 op
+/// takes 1024 (and the offset, and a nibble's ×16) off again.
+pub(super) fn int_pair(
+    k: &mut Kernel,
+    x: Reg<U32>,
+    bits: u32,
+    signed: bool,
+    high_nibble: bool,
+) -> Reg<U32> {
+    const MAGIC: u32 = 0x6400_6400; // 1024.0 in both halves
+    let field = (1u32 << bits) - 1;
+    let shift = if high_nibble { 4 } else { 0 };
+    let mask = (field | field << 16) << shift;
+    let sign = 1u32 << (bits - 1);
+    let flip = if signed {
+        (sign | sign << 16) << shift
+    } else {
+        0
+    };
+    // (x & mask) ^ c: the field's bits flipped by c's, elsewhere c's bits.
+    let lut = (0xF0 & 0xCC) ^ 0xAA;
+    let biased = k.lop3(x, mask, MAGIC | flip, lut);
+    let offset = if signed { sign } else { 0 };
+    if high_nibble {
+        // (1024 + 16·u) / 16 − (64 + offset)
+        let sixteenth = k.mov(0x2C00_2C00u32);
+        let minus = half_bits(-(64.0 + offset as f32));
+        let minus = k.mov(minus | minus << 16);
+        k.fma_f16x2(biased, sixteenth, minus)
+    } else {
+        let bias = half_bits(1024.0 + offset as f32);
+        let bias = k.mov(bias | bias << 16);
+        k.sub_f16x2(biased, bias)
+    }
+}
+
+/// The f16 bits of `x` (exact for the small integers used here).
+pub(super) fn half_bits(x: f32) -> u32 {
+    u32::from(half::f16::from_f32(x).to_bits())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::half_bits;
+
+    #[test]
+    fn half_bits_of_the_magic_constants() {
+        assert_eq!(half_bits(1024.0), 0x6400);
+        assert_eq!(half_bits(1152.0), 0x6480);
+        assert_eq!(half_bits(1032.0), 0x6408);
+        assert_eq!(half_bits(-72.0), 0xD480);
+        assert_eq!(half_bits(-64.0), 0xD400);
+    }
+}

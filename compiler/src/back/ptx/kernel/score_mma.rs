@@ -1,0 +1,486 @@
+//! The score on the tensor cores (tiers `tensor_cores.rs` admits), per
+//! 16-token tile of a warp: `S = K · Q'ᵀ`. A = the tile's key rows (tokens ×
+//! elements, a reduction step's elements in the lanes' load order,
+//! [`MmaScore::key_element`]); B = the queries (times the page's header
+//! scales) times a power of two σ per head, as columns (head, part): f16
+//! `hi + lo` parts, so a head's two columns sum to its logit times σ; or,
+//! for integer keys, the three bytes of an integer ([`Queries`]).
+
+use super::super::builder::{Cmp, Kernel, Pred, Reg, Shared, F32, S32, U32};
+use super::super::streams::CHUNK;
+use super::super::tensor_cores::{lane_chunk, Element, MmaPlan, MmaScore, ROW_LANES, TILE};
+use super::cta::{Cta, Tile};
+use super::fragments::{
+    column_sigma, f16_part, swizzled_if, unscale_of, Fragments, Lanes, StepTokens, HALF_EXPONENT,
+};
+use super::gather::FragmentGather;
+
+/// The score on the tensor cores.
+#[derive(Clone, Copy)]
+pub(super) struct ScoreMma<'a> {
+    pub(super) cta: &'a Cta<'a>,
+    pub(super) frag: Fragments<'a>,
+}
+
+/// The same for queries as integers: below 2^22, so their top byte
+/// `d0` of [`Queries`] stays within ±64.
+pub(super) const INT_EXPONENT: u32 = 21;
+
+/// Independent accumulator chains of a score tile's `mma.sync`s on f16 rows
+/// loaded whole: one chain waits a full tensor-core latency per 16
+/// elements. Gathered rows take one: a step's gather hides that latency,
+/// and a second chain's sums cost more than it saves (MosaicKV 1% slower
+/// on an H200 with two). Integer keys have one chain per B tile
+/// ([`ScoreSums`]).
+pub(super) const HALF_SCORE_CHAINS: u32 = 2;
+
+/// A lane's tensor-core score and its warp's softmax, for the whole stream.
+pub(super) struct MmaScoreThread {
+    pub(super) lanes: Lanes,
+    /// Per column tile: the lane's first query element and whether its B
+    /// column's head exists.
+    pub(super) query_at: Vec<(Reg<U32>, Reg<Pred>)>,
+    /// The query fragments and the C sums' factor to logits: for the whole
+    /// stream, or (with header scales) for the current page.
+    pub(super) queries: Queries,
+    /// Byte offset of the lane's first key chunk in a tile's key stream (of
+    /// its first item with gathered fragments).
+    pub(super) key_lane: Reg<U32>,
+    /// Gathered key fragments: the lane's state.
+    pub(super) gather: Option<FragmentGather>,
+    /// The lane's C row in the warp's first token tile (`16 · warp + row`).
+    pub(super) key_row: Reg<U32>,
+    /// Per column tile: the warp's softmax state of the lane's C columns' head.
+    pub(super) heads: Vec<WarpHead>,
+    /// With item scales: byte offset of the scale of the lane's first token
+    /// in the value rows.
+    pub(super) scale_lane: Option<Reg<U32>>,
+    /// The lanes whose C rows (halves 0 and 1) are the lane's B token pairs
+    /// ([`StepTokens`]).
+    pub(super) sources: [Reg<U32>; 2],
+}
+
+/// A warp's softmax state of one head, as each lane of the head's C columns
+/// holds it.
+pub(super) struct WarpHead {
+    /// The warp's reference, in log2 units (logits times log2 e).
+    pub(super) reference: Reg<F32>,
+    /// The lane's sum of the weights against it.
+    pub(super) sum: Reg<F32>,
+}
+
+/// B fragments of the score, and per column tile the factor from its C
+/// sums to logits in log2 units (1/σ of the C columns' head times the
+/// softmax scale times log2 e, over 16 for 4-bit codes).
+pub(super) struct Queries {
+    /// Per column tile and B tile: the lane's registers, two per reduction
+    /// step. f16 keys: one B tile, columns (head, hi / lo part). Integer
+    /// keys: the query times σ as a 24-bit integer of three signed bytes,
+    /// `d0 · 2^16 + d1 · 2^8 + d2`, in two B tiles: columns (head, d0 / d1),
+    /// then (head, d2 / nothing).
+    pub(super) tiles: Vec<Vec<Vec<Reg<U32>>>>,
+    pub(super) to_logits: Vec<Reg<F32>>,
+}
+
+/// A slot's score sums per column tile: f16 keys in `chains` chains of f32
+/// accumulators taking the steps in turn; integer keys in one s32
+/// accumulator per B tile (sums exact).
+pub(super) enum ScoreSums {
+    Half(Vec<Vec<[Reg<F32>; 4]>>),
+    Int {
+        signed: bool,
+        sums: Vec<Vec<[Reg<S32>; 4]>>,
+    },
+}
+
+impl ScoreSums {
+    pub(super) fn new(
+        k: &mut Kernel,
+        score: &MmaScore,
+        column_tiles: u32,
+        chains: u32,
+    ) -> ScoreSums {
+        let tiles = |k: &mut Kernel, per_tile: u32| {
+            (0..column_tiles)
+                .map(|_| {
+                    (0..per_tile)
+                        .map(|_| [0; 4].map(|_| k.mov(0.0f32)))
+                        .collect()
+                })
+                .collect()
+        };
+        match score.key {
+            Element::Half => ScoreSums::Half(tiles(k, chains.min(score.key_steps()))),
+            Element::Int { signed, .. } => ScoreSums::Int {
+                signed,
+                sums: (0..column_tiles)
+                    .map(|_| {
+                        (0..score.query_tiles())
+                            .map(|_| [0; 4].map(|_| k.mov(0i32)))
+                            .collect()
+                    })
+                    .collect(),
+            },
+        }
+    }
+
+    /// Reduction step `s` with A fragment `a` and the queries' B tiles.
+    pub(super) fn step(
+        &mut self,
+        k: &mut Kernel,
+        s: usize,
+        a: [Reg<U32>; 4],
+        b: &[Vec<Vec<Reg<U32>>>],
+    ) {
+        let fragment = |tile: &[Reg<U32>]| [tile[2 * s], tile[2 * s + 1]];
+        match self {
+            ScoreSums::Half(sums) => {
+                for (chains, b) in sums.iter().zip(b) {
+                    k.mma_f16_f32(chains[s % chains.len()], a, fragment(&b[0]));
+                }
+            }
+            ScoreSums::Int { signed, sums } => {
+                for (tiles, b) in sums.iter().zip(b) {
+                    for (&acc, b) in tiles.iter().zip(b) {
+                        k.mma_i8_s32(acc, a, fragment(b), *signed);
+                    }
+                }
+            }
+        }
+    }
+
+    /// The sum of column tile `ct`'s C row half `half` (times the queries' σ).
+    pub(super) fn logit(&self, k: &mut Kernel, ct: usize, half: usize) -> Reg<F32> {
+        let (first, second) = (2 * half, 2 * half + 1);
+        match self {
+            ScoreSums::Half(sums) => (sums[ct].iter())
+                .flat_map(|chain| [chain[first], chain[second]])
+                .reduce(|sum, part| k.add(sum, part))
+                .expect("a chain"),
+            ScoreSums::Int { sums, .. } => {
+                let [high, middle] = [first, second].map(|i| k.s32_to_f32(sums[ct][0][i]));
+                let low = k.s32_to_f32(sums[ct][1][first]);
+                let sum = k.fma(middle, 256.0f32, low);
+                k.fma(high, 65536.0f32, sum)
+            }
+        }
+    }
+}
+
+impl ScoreMma<'_> {
+    /// The score's and the warp softmax's constant state.
+    pub(super) fn setup(&self, k: &mut Kernel, m: &MmaPlan, s: &MmaScore) -> MmaScoreThread {
+        let plan = self.cta.plan;
+        k.comment(&format!(
+            "tensor-core score, softmax per warp: {} token tile(s) per warp, {} column tile(s), {:?} keys",
+            self.frag.slots(m),
+            m.column_tiles,
+            s.key,
+        ));
+        let lanes = self.frag.lanes(k);
+        let row_head = k.shr(lanes.row, 1u32);
+        let chunk = self.frag.lane_chunk_part(k, &lanes);
+        let query = s.query.index();
+        let query_base = self.cta.array_base(k, query);
+        let query_at: Vec<(Reg<U32>, Reg<Pred>)> = (0..m.column_tiles)
+            .map(|ct| {
+                let head = k.add(row_head, 4 * ct);
+                let ok = k.setp(Cmp::Lt, head, self.cta.group);
+                let (clamped, _) = self.frag.head_slot(k, head);
+                let at = k.mad_lo(clamped, plan.array_stride[query], query_base);
+                (k.mad_lo(chunk, 4 * s.chunk_elements(), at), ok)
+            })
+            .collect();
+        let key_row = k.mad_lo(lanes.warp, TILE, lanes.row);
+        let gather =
+            (m.key_fragments()).map(|g| FragmentGather::for_keys(k, g, s, &plan.key, lanes.quad));
+        let key_chunk = match gather {
+            Some(_) => k.mov(0u32),
+            None => k.shl(chunk, 4u32),
+        };
+        let key_lane = k.mad_lo(key_row, m.key_rows.stride, key_chunk);
+        let zero = k.mov(0.0f32);
+        let queries = match s.key_scale {
+            None => self.queries(k, s, &lanes, &query_at, None),
+            // Set by each page's first tile.
+            Some(_) => Queries {
+                tiles: (0..m.column_tiles)
+                    .map(|_| {
+                        (0..s.query_tiles())
+                            .map(|_| (0..s.key_registers()).map(|_| k.mov(0u32)).collect())
+                            .collect()
+                    })
+                    .collect(),
+                to_logits: (0..m.column_tiles).map(|_| k.mov(zero)).collect(),
+            },
+        };
+        let neg_inf = k.mov(f32::NEG_INFINITY);
+        let heads = (0..m.column_tiles)
+            .map(|_| WarpHead {
+                reference: k.mov(neg_inf),
+                sum: k.mov(zero),
+            })
+            .collect();
+        let scale_lane = (m.item_scale).map(|bit| k.mad_lo(key_row, m.value_rows.stride, bit / 8));
+        // Lane 4·r + q holds C row r's columns 2q, 2q + 1.
+        let steps = StepTokens::of(m);
+        let source = k.mul(lanes.quad, 4 * steps.spacing);
+        let source = k.add(source, row_head);
+        let sources = [source, k.add(source, 4 * steps.second)];
+        MmaScoreThread {
+            lanes,
+            query_at,
+            queries,
+            key_lane,
+            gather,
+            key_row,
+            heads,
+            scale_lane,
+            sources,
+        }
+    }
+
+    /// The lane's query pairs of every column tile (times the header scales
+    /// at `header` when the key has them) scaled by σ and split into parts,
+    /// and the factor from its C sums to logits in log2 units.
+    pub(super) fn queries(
+        &self,
+        k: &mut Kernel,
+        m: &MmaScore,
+        lanes: &Lanes,
+        query_at: &[(Reg<U32>, Reg<Pred>)],
+        header: Option<Reg<U32>>,
+    ) -> Queries {
+        let chunk = m.chunk_elements();
+        let spread = self.frag.spread_chunks();
+        // The lane's chunk c holds elements chunk · (its chunk index), contiguous.
+        let scales_at = header.map(|h| {
+            let slot0 = m.key_scale.expect("header scales");
+            let lane_chunk = self.frag.lane_chunk_part(k, lanes);
+            let first = k.mad_lo(lane_chunk, 4 * chunk, h);
+            k.add(first, 4 * slot0)
+        });
+        // Logits in log2 units; 4-bit codes enter as 16 times the code.
+        let code_scale = match m.key {
+            Element::Int { bits, .. } => 1.0 / (1u32 << (8 - bits)) as f32,
+            Element::Half => 1.0,
+        };
+        let softmax_scale = k.ld_param(&self.cta.p.softmax_scale);
+        let factor = k.mul(softmax_scale, std::f32::consts::LOG2_E * code_scale);
+        let mut tiles = Vec::new();
+        let mut to_logits = Vec::new();
+        for &(at, ok) in query_at {
+            let mut elements = Vec::new();
+            for c in 0..m.lane_chunks() {
+                for v in 0..chunk / 4 {
+                    let offset = i64::from(4 * (chunk * lane_chunk(spread, c) + 4 * v));
+                    let q = k.ld_shared_v4::<F32>(Shared::at(at).plus(offset));
+                    let s = scales_at.map(|s| k.ld_shared_v4::<F32>(Shared::at(s).plus(offset)));
+                    for (i, x) in q.into_iter().enumerate() {
+                        let x = match s {
+                            Some(s) => k.mul(x, s[i]),
+                            None => x,
+                        };
+                        elements.push(k.selp(x, 0.0f32, ok));
+                    }
+                }
+            }
+            // Element i of the row is the lane's (i / 4·chunk)-th chunk's
+            // (i % 4·chunk)-th: `elements` holds the chunks back to back.
+            let position =
+                |i: u32| (i / (ROW_LANES * chunk) * chunk + i % (ROW_LANES * chunk)) as usize;
+            let of_register = |r: u32| -> Vec<usize> {
+                (0..m.register_elements())
+                    .map(|e| position(m.key_element(r, e)))
+                    .collect()
+            };
+            // A B column's lanes: the four of its row.
+            let (sigma, column_tiles) = match m.key {
+                Element::Half => {
+                    let sigma = column_sigma(k, &elements, &[1, 2], HALF_EXPONENT);
+                    let scaled: Vec<Reg<F32>> = elements.iter().map(|&x| k.mul(x, sigma)).collect();
+                    let pairs = (0..m.key_registers())
+                        .map(|r| {
+                            let at = of_register(r);
+                            f16_part(k, scaled[at[0]], scaled[at[1]], lanes.low_part)
+                        })
+                        .collect();
+                    (sigma, vec![pairs])
+                }
+                Element::Int { .. } => {
+                    let sigma = column_sigma(k, &elements, &[1, 2], INT_EXPONENT);
+                    // Q = d0 · 2^16 + d1 · 2^8 + d2 with signed bytes: d2 is
+                    // Q's byte 0, d1 byte 1 of Q + 2^7, d0 byte 2 of Q +
+                    // 2^15 + 2^7 (each carry rounds the digits above).
+                    let odd = lanes.low_part;
+                    let carry = k.selp(0x80u32, 0x8080u32, odd);
+                    let byte = k.selp(0x51u32, 0x62u32, odd);
+                    let even = k.selp(0u32, u32::MAX, odd);
+                    let digits: Vec<[Reg<U32>; 2]> = (elements.iter())
+                        .map(|&x| {
+                            let scaled = k.mul(x, sigma);
+                            let q = k.f32_to_s32(scaled);
+                            let q = k.bitcast::<S32, U32>(q);
+                            [k.add(q, carry), q]
+                        })
+                        .collect();
+                    let tiles = [(byte, None), (k.mov(0x40u32), Some(even))]
+                        .into_iter()
+                        .enumerate()
+                        .map(|(tile, (selector, mask))| {
+                            (0..m.key_registers())
+                                .map(|r| {
+                                    let at = of_register(r);
+                                    let [a, b, c, d] = [0, 1, 2, 3].map(|i| digits[at[i]][tile]);
+                                    let low = k.prmt_by(a, b, selector);
+                                    let high = k.prmt_by(c, d, selector);
+                                    let packed = k.prmt(low, high, 0x5410);
+                                    match mask {
+                                        Some(mask) => k.and(packed, mask),
+                                        None => packed,
+                                    }
+                                })
+                                .collect()
+                        })
+                        .collect();
+                    (sigma, tiles)
+                }
+            };
+            tiles.push(column_tiles);
+            // 1/σ of head 4·ct + quad: lane 8·quad's B column is that head's.
+            let inverse = unscale_of(k, sigma);
+            let owner = k.shl(lanes.quad, 3u32);
+            let inverse = k.shfl_idx(inverse, owner);
+            to_logits.push(k.mul(inverse, factor));
+        }
+        Queries { tiles, to_logits }
+    }
+
+    /// The lane's C sums, by slot, column tile and row half, in units of
+    /// their column tile's `to_logits` (the softmax folds that factor into
+    /// the step it takes anyway): token
+    /// `16 · (warp + slot · warps) + row + 8 · half`, head `4 · column tile +
+    /// quad`. Every lane runs every slot whose tile exists (rows past the
+    /// tile's items read stale bytes: an mma row depends only on its own A
+    /// row, and those logits are never used).
+    pub(super) fn logits(
+        &self,
+        k: &mut Kernel,
+        tile: &Tile,
+        t: &MmaScoreThread,
+        over: Option<Reg<Pred>>,
+    ) -> Vec<Reg<F32>> {
+        let plan = self.cta.plan;
+        let m = plan.mma.as_ref().expect("tensor-core plan");
+        let score = m.score.as_ref().expect("tensor-core score");
+        let queries = &t.queries;
+        if score.key_scale.is_some() {
+            k.comment("a page's first tile: the query times the page's header scales");
+            let later = k.label();
+            if let Some(first) = tile.first {
+                let page_start = k.setp(Cmp::Eq, first, 0u32);
+                k.bra_if(page_start, false, later);
+            }
+            let page = self.queries(k, score, &t.lanes, &t.query_at, Some(tile.header));
+            let registers = |q: &Queries| q.tiles.iter().flatten().flatten().copied().collect();
+            let (to, from): (Vec<Reg<U32>>, Vec<Reg<U32>>) = (registers(queries), registers(&page));
+            for (to, from) in to.iter().zip(&from) {
+                k.assign(*to, *from);
+            }
+            for (to, from) in queries.to_logits.iter().zip(&page.to_logits) {
+                k.assign(*to, *from);
+            }
+            k.place(later);
+        }
+        let stride = m.key_rows.stride;
+        let spread = self.frag.spread_chunks();
+        let base = self.frag.rows(k, tile.buf, m.key_rows);
+        let lane_base = k.add(base, t.key_lane);
+        let mut logits = Vec::new();
+        let chains = match t.gather {
+            Some(_) => 1,
+            None => HALF_SCORE_CHAINS,
+        };
+        for j in 0..self.frag.slots(m) {
+            let mut sums = ScoreSums::new(k, score, m.column_tiles, chains);
+            let skip = k.label();
+            if let Some(ok) = self.frag.slot_ok(k, m, t.lanes.warp, j) {
+                k.bra_if(ok, false, skip);
+            }
+            let half_offset = |half: u32| (j * plan.warps * TILE + 8 * half) * stride;
+            let rows: Vec<Vec<Reg<U32>>> = match &t.gather {
+                Some(gather) => {
+                    let items = [0, 1].map(|half| k.add(lane_base, half_offset(half)));
+                    let over = over.expect("gathers check their rows");
+                    gather.rows(k, &items, over)
+                }
+                None => (0..2)
+                    .map(|half| {
+                        let offset = half_offset(half);
+                        let words: Vec<Reg<U32>> = (0..score.lane_chunks())
+                            .flat_map(|c| {
+                                let at = Shared::at(lane_base)
+                                    .plus(i64::from(offset + CHUNK * lane_chunk(spread, c)));
+                                let at = swizzled_if(k, m.key_rows.swizzled, at);
+                                k.ld_shared_v4::<U32>(at)
+                            })
+                            .collect();
+                        words
+                            .into_iter()
+                            .flat_map(|w| key_registers(k, score.key, w))
+                            .collect()
+                    })
+                    .collect(),
+            };
+            for s in 0..score.key_steps() as usize {
+                let a = [
+                    rows[0][2 * s],
+                    rows[1][2 * s],
+                    rows[0][2 * s + 1],
+                    rows[1][2 * s + 1],
+                ];
+                sums.step(k, s, a, &queries.tiles);
+            }
+            k.place(skip);
+            for ct in 0..queries.to_logits.len() {
+                for half in 0..2 {
+                    logits.push(sums.logit(k, ct, half));
+                }
+            }
+        }
+        logits
+    }
+
+    /// Per (slot, row half): whether the lane's C row is one of the `items`
+    /// of its tile.
+    pub(super) fn rows_in(
+        &self,
+        k: &mut Kernel,
+        score: &MmaScoreThread,
+        items: Reg<U32>,
+    ) -> Vec<Reg<Pred>> {
+        let plan = self.cta.plan;
+        let m = plan.mma.as_ref().expect("tensor-core plan");
+        (0..self.frag.slots(m))
+            .flat_map(|j| [0, 1].map(|half| (j, half)))
+            .map(|(j, half)| {
+                let token = k.add(score.key_row, j * plan.warps * TILE + 8 * half);
+                k.setp(Cmp::Lt, token, items)
+            })
+            .collect()
+    }
+}
+
+/// The fragment registers of one word of key elements
+/// ([`MmaScore::key_element`]): f16 pairs and bytes as they are; 4-bit codes
+/// as the bytes' high nibbles, 16 times the code (low nibbles, then high).
+pub(super) fn key_registers(k: &mut Kernel, element: Element, w: Reg<U32>) -> Vec<Reg<U32>> {
+    const HIGH_NIBBLES: u32 = 0xF0F0_F0F0;
+    match element {
+        Element::Int { bits: 4, .. } => {
+            let low = k.shl(w, 4u32);
+            vec![k.and(low, HIGH_NIBBLES), k.and(w, HIGH_NIBBLES)]
+        }
+        _ => vec![w],
+    }
+}

@@ -1,0 +1,47 @@
+//! The data flow of a program's expressions: each expression's operands, the
+//! shared arrays a program reads, and which expressions a kind of input
+//! reaches.
+
+use std::collections::HashSet;
+
+use crate::ir::{Arena, ArrayDecl, Expr, Handle};
+
+/// The expressions `expr` reads, in operand order.
+pub fn operands(expr: &Expr) -> Vec<Handle<Expr>> {
+    match *expr {
+        Expr::Literal(_) | Expr::Input(_) => vec![],
+        Expr::ItemBits { bit_offset, .. } => vec![bit_offset],
+        Expr::HeaderScale { slot } => vec![slot],
+        Expr::Table { index, .. } | Expr::Shared { index, .. } => vec![index],
+        Expr::Unary { arg, .. } => vec![arg],
+        Expr::Binary { left, right, .. } => vec![left, right],
+        Expr::Fma { a, b, c } => vec![a, b, c],
+        Expr::Select {
+            condition,
+            accept,
+            reject,
+        } => vec![condition, accept, reject],
+    }
+}
+
+/// The shared arrays a program reads.
+pub fn shared_reads(exprs: &Arena<Expr>) -> HashSet<Handle<ArrayDecl>> {
+    exprs
+        .iter()
+        .filter_map(|(_, e)| match *e {
+            Expr::Shared { array, .. } => Some(array),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Per expression: whether its value depends on an expression that `source`
+/// holds for (the sources themselves included).
+pub fn depends_on(exprs: &Arena<Expr>, source: impl Fn(&Expr) -> bool) -> Vec<bool> {
+    let mut depends: Vec<bool> = Vec::with_capacity(exprs.len());
+    for (_, expr) in exprs.iter() {
+        let operand = operands(expr).iter().any(|h| depends[h.index()]);
+        depends.push(operand || source(expr));
+    }
+    depends
+}
