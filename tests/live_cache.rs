@@ -97,6 +97,7 @@ fn check(case: &Case, live: &LiveCache, sources: &[Source], queries: &[f32], wha
     );
     let mut want_outputs = Vec::new();
     let mut want_lse = Vec::new();
+    let mut want_logits = Vec::new();
     for (s, source) in sources.iter().enumerate() {
         let split = policy.split(source.taken, items);
         let tail_start = split.sinks + split.pages * items;
@@ -151,6 +152,7 @@ fn check(case: &Case, live: &LiveCache, sources: &[Source], queries: &[f32], wha
             let query = &queries[(s * q_heads + q) * d..][..d];
             let want = dense_attention(query, keys, values, d, 1.0 / (d as f32).sqrt());
             want_outputs.extend(want.output);
+            want_logits.push(want.logits.clone());
             let max = want
                 .logits
                 .iter()

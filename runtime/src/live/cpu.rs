@@ -357,54 +357,7 @@ impl LiveKv for LiveCache {
     }
 
     fn attend(&self, queries: &[f32], q_heads: usize) -> Result<Attention, LiveError> {
-        let format = self.pages.format();
-        let d = format.head_dim() as usize;
-        let kv_heads = self.pages.kv_heads();
-        let interp = Interpreter::new(format.tiers(), Options::default());
-        interp.check_queries(queries, self.sequences.len(), q_heads, kv_heads)?;
-        let scale = interp.softmax_scale();
-        let group = q_heads / kv_heads;
-        let any_pages = self
-            .pages
-            .view()
-            .page_tables
-            .iter()
-            .any(|heads| heads.iter().any(|refs| !refs.is_empty()));
-        let compressed = if any_pages {
-            Some(
-                self.executor
-                    .executor()?
-                    .decode_with_logits(&self.pages, queries, q_heads)?,
-            )
-        } else {
-            None
-        };
-        let mut out = Attention {
-            outputs: Vec::with_capacity(queries.len()),
-            lse: Vec::with_capacity(queries.len() / d),
-        };
-        for (row, query) in queries.chunks(d).enumerate() {
-            let sequence = &self.sequences[row / q_heads];
-            let kv_head = row % q_heads / group;
-            let mut exact = ExactPartial::new(d);
-            exact.push(self.policy.exact, &sequence.sinks[kv_head], query, scale);
-            exact.push(self.policy.exact, &sequence.tail[kv_head], query, scale);
-            let mut finished = Vec::with_capacity(2);
-            if let Some(decoded) = &compressed {
-                if let Some(lse) = log_sum_exp(&decoded.logits[row]) {
-                    let output = decoded.outputs[row * d..(row + 1) * d].to_vec();
-                    finished.push((Softmax { max: lse, sum: 1.0 }, output));
-                }
-            }
-            if exact.softmax.sum > 0.0 {
-                finished.push((exact.softmax, exact.acc));
-            }
-            out.outputs.extend(merge(&finished, d));
-            let parts: Vec<f32> = finished.iter().map(|(s, _)| s.max + s.sum.ln()).collect();
-            out.lse
-                .push(log_sum_exp(&parts).unwrap_or(f32::NEG_INFINITY));
-        }
-        Ok(out)
+        Ok(self.decode(queries, q_heads)?.0)
     }
 
     fn release(&mut self, sequence: usize) -> Result<(), LiveError> {
@@ -434,6 +387,77 @@ impl LiveKv for LiveCache {
 }
 
 impl LiveCache {
+    /// [`attend`](LiveKv::attend) with every row's scaled logits in token
+    /// order (sinks, pages, tail): what fidelity metrics compare.
+    pub fn attend_with_logits(
+        &self,
+        queries: &[f32],
+        q_heads: usize,
+    ) -> Result<(Attention, Vec<Vec<f32>>), LiveError> {
+        self.decode(queries, q_heads)
+    }
+
+    fn decode(
+        &self,
+        queries: &[f32],
+        q_heads: usize,
+    ) -> Result<(Attention, Vec<Vec<f32>>), LiveError> {
+        let format = self.pages.format();
+        let d = format.head_dim() as usize;
+        let kv_heads = self.pages.kv_heads();
+        let interp = Interpreter::new(format.tiers(), Options::default());
+        interp.check_queries(queries, self.sequences.len(), q_heads, kv_heads)?;
+        let scale = interp.softmax_scale();
+        let group = q_heads / kv_heads;
+        let any_pages = self
+            .pages
+            .view()
+            .page_tables
+            .iter()
+            .any(|heads| heads.iter().any(|refs| !refs.is_empty()));
+        let compressed = if any_pages {
+            Some(
+                self.executor
+                    .executor()?
+                    .decode_with_logits(&self.pages, queries, q_heads)?,
+            )
+        } else {
+            None
+        };
+        let mut out = Attention {
+            outputs: Vec::with_capacity(queries.len()),
+            lse: Vec::with_capacity(queries.len() / d),
+        };
+        let mut logits = Vec::with_capacity(queries.len() / d);
+        for (row, query) in queries.chunks(d).enumerate() {
+            let sequence = &self.sequences[row / q_heads];
+            let kv_head = row % q_heads / group;
+            let mut exact = ExactPartial::new(d);
+            exact.push(self.policy.exact, &sequence.sinks[kv_head], query, scale);
+            let sinks = exact.logits.len();
+            exact.push(self.policy.exact, &sequence.tail[kv_head], query, scale);
+            let mut finished = Vec::with_capacity(2);
+            let mut row_logits = exact.logits[..sinks].to_vec();
+            if let Some(decoded) = &compressed {
+                if let Some(lse) = log_sum_exp(&decoded.logits[row]) {
+                    let output = decoded.outputs[row * d..(row + 1) * d].to_vec();
+                    finished.push((Softmax { max: lse, sum: 1.0 }, output));
+                }
+                row_logits.extend(&decoded.logits[row]);
+            }
+            row_logits.extend(&exact.logits[sinks..]);
+            logits.push(row_logits);
+            if exact.softmax.sum > 0.0 {
+                finished.push((exact.softmax, exact.acc));
+            }
+            out.outputs.extend(merge(&finished, d));
+            let parts: Vec<f32> = finished.iter().map(|(s, _)| s.max + s.sum.ln()).collect();
+            out.lse
+                .push(log_sum_exp(&parts).unwrap_or(f32::NEG_INFINITY));
+        }
+        Ok((out, logits))
+    }
+
     /// Rejects finite inputs the exact dtype cannot hold (f16 overflows past 65504).
     fn check_exact(&self, keys: &[f32], values: &[f32]) -> Result<(), LiveError> {
         let exact = self.policy.exact;

@@ -62,6 +62,8 @@ impl ExactRows {
 pub struct ExactPartial {
     pub softmax: Softmax,
     pub acc: Vec<f32>,
+    /// Every scaled logit, in the order rows were pushed.
+    pub logits: Vec<f32>,
 }
 
 impl ExactPartial {
@@ -69,6 +71,7 @@ impl ExactPartial {
         ExactPartial {
             softmax: Softmax::default(),
             acc: vec![0.0; head_dim],
+            logits: Vec::new(),
         }
     }
 
@@ -81,6 +84,7 @@ impl ExactPartial {
                 .zip(query)
                 .map(|(&k, &q)| from_bits(dtype, k) * q)
                 .sum();
+            self.logits.push(dot * scale);
             let (decay, weight) = self.softmax.push(dot * scale);
             for (acc, &v) in self.acc.iter_mut().zip(value) {
                 *acc = *acc * decay + weight * from_bits(dtype, v);
