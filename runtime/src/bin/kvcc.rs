@@ -6,10 +6,11 @@ use std::process::ExitCode;
 use clap::{Args, Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 use kvcc_compiler::Format;
-use kvcc_runtime::cli::{self, bench, check, demo, eval};
+use kvcc_runtime::cli::{self, bench, check, demo, eval, policy};
 use kvcc_runtime::cuda::measure::StepTiming;
 use kvcc_runtime::cuda::Gpu;
 use kvcc_runtime::exec::ExecutorKind;
+use kvcc_runtime::live::CachePolicy;
 use kvcc_runtime::tensor_io::load_qkv;
 use kvcc_runtime::tune::sweep::{self, TuneOptions};
 use kvcc_runtime::tune::TuneCache;
@@ -82,6 +83,8 @@ enum Command {
         /// interpreter is timed beside it.
         #[arg(long, default_value = "jit")]
         executor: ExecutorKind,
+        #[command(flatten)]
+        policy: PolicyArgs,
         #[arg(long)]
         json: bool,
     },
@@ -181,9 +184,23 @@ enum Command {
         /// Executor that decodes the queries (interp, jit, cuda).
         #[arg(long, default_value = "jit")]
         executor: ExecutorKind,
+        #[command(flatten)]
+        policy: PolicyArgs,
         #[arg(long)]
         json: bool,
     },
+}
+
+/// Overrides of the spec's `[cache]` policy: each tier is also scored held by
+/// a live cache that keeps these tokens exact.
+#[derive(Args)]
+struct PolicyArgs {
+    /// First tokens of every sequence kept exact (default: the spec's `cache.sinks`).
+    #[arg(long)]
+    sinks: Option<usize>,
+    /// Most recent tokens kept exact (default: the spec's `cache.window`).
+    #[arg(long)]
+    window: Option<usize>,
 }
 
 fn bar(total: u64, message: &str) -> ProgressBar {
@@ -235,7 +252,13 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
         } => {
             let format = Format::load(&spec)?;
             let report = check::report(&format, context);
-            emit(&report, None, json, || check::render(&report))?;
+            emit(&report, None, json, || {
+                format!(
+                    "{}\n{}",
+                    check::render(&report),
+                    policy::render(&format, context as usize)
+                )
+            })?;
         }
         Command::Demo {
             specs,
@@ -243,6 +266,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             tokens,
             context,
             executor,
+            policy,
             json,
         } => {
             let formats = demo::formats(specs.as_deref())?;
@@ -251,6 +275,8 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                 tokens,
                 context,
                 executor,
+                sinks: policy.sinks,
+                window: policy.window,
                 ..Default::default()
             };
             let progress = bar(formats.len() as u64, "demo");
@@ -400,10 +426,12 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             max_queries,
             context,
             executor,
+            policy,
             json,
         } => {
             let format = Format::load(&spec)?;
             let data = load_qkv(&qkv, prefix.as_deref())?;
+            let policy = CachePolicy::of(&format).with_overrides(policy.sinks, policy.window);
             let progress = bar(data.k.shape[0] as u64, "layers");
             let report = eval::run(
                 &format,
@@ -411,6 +439,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                 max_queries.max(1),
                 context,
                 executor,
+                policy.keeps_exact().then_some(policy),
                 |done, _| progress.set_position(done as u64),
             )?;
             progress.finish_and_clear();

@@ -7,10 +7,12 @@ use kvcc_compiler::{CompileError, Format};
 use serde::Serialize;
 
 use super::fidelity::{self, Block};
+use super::live_fidelity;
 use crate::builtin::SPECS;
 use crate::cache;
 use crate::encode::TrainOptions;
 use crate::exec::ExecutorKind;
+use crate::live::{CachePolicy, LiveError};
 use crate::metrics::{Fidelity, FidelityAccumulator};
 use crate::synth::{synthesize, SynthOptions};
 use crate::table::Table;
@@ -26,6 +28,9 @@ pub struct DemoOptions {
     /// Decodes the queries the fidelity columns score (the interpreter is
     /// timed as well).
     pub executor: ExecutorKind,
+    /// Replace the spec's `[cache]` sinks and window (`--sinks`, `--window`).
+    pub sinks: Option<usize>,
+    pub window: Option<usize>,
 }
 
 impl Default for DemoOptions {
@@ -37,6 +42,8 @@ impl Default for DemoOptions {
             q_heads: 8,
             context: 32_768,
             executor: ExecutorKind::default(),
+            sinks: None,
+            window: None,
         }
     }
 }
@@ -146,8 +153,51 @@ pub fn run(
                 executor_ms: result.elapsed.as_secs_f64() * 1e3,
             });
         }
+        rows.extend(policy_rows(format, &tables, &block, options)?);
     }
     Ok(rows)
+}
+
+/// Every tier held by a live cache under the spec's policy (with the
+/// options' overrides); none when that policy keeps no token exact.
+fn policy_rows(
+    format: &Format,
+    tables: &cache::Tables,
+    block: &Block,
+    options: &DemoOptions,
+) -> Result<Vec<DemoRow>, LiveError> {
+    let policy = CachePolicy::of(format).with_overrides(options.sinks, options.window);
+    if !policy.keeps_exact() {
+        return Ok(Vec::new());
+    }
+    (0..format.tiers().len())
+        .map(|tier| {
+            let policy = CachePolicy { tier, ..policy };
+            let mut acc = FidelityAccumulator::default();
+            let elapsed =
+                live_fidelity::run(format, tables, block, policy, options.executor, &mut acc)?;
+            let interpreter = match options.executor {
+                ExecutorKind::Interp => elapsed,
+                _ => {
+                    let mut unused = FidelityAccumulator::default();
+                    let interp = ExecutorKind::Interp;
+                    live_fidelity::run(format, tables, block, policy, interp, &mut unused)?
+                }
+            };
+            let layout = format.layout(tier);
+            let bytes_per_token = policy.bytes_per_token(layout, options.context as usize);
+            Ok(DemoRow {
+                format: format.name().to_string(),
+                tier: live_fidelity::row_name(&layout.name, &policy),
+                bytes_per_token,
+                compression: f64::from(4 * format.head_dim()) / bytes_per_token,
+                fidelity: acc.finish(),
+                interpreter_ms: interpreter.as_secs_f64() * 1e3,
+                executor: options.executor.name().to_string(),
+                executor_ms: elapsed.as_secs_f64() * 1e3,
+            })
+        })
+        .collect()
 }
 
 pub fn render(rows: &[DemoRow], options: &DemoOptions) -> String {

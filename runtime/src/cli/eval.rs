@@ -7,9 +7,11 @@ use kvcc_compiler::Format;
 use serde::Serialize;
 
 use super::fidelity::{self, Block, FidelityError};
+use super::live_fidelity;
 use crate::cache;
 use crate::encode::TrainOptions;
 use crate::exec::ExecutorKind;
+use crate::live::{CachePolicy, LiveError};
 use crate::metrics::{Fidelity, FidelityAccumulator};
 use crate::table::Table;
 use crate::tensor_io::Qkv;
@@ -46,19 +48,25 @@ pub enum EvalError {
     Fidelity(#[from] FidelityError),
     #[error(transparent)]
     Executor(#[from] crate::exec::ExecError),
+    #[error(transparent)]
+    Live(#[from] LiveError),
 }
 
 /// Evaluates every tier on `executor`; at most `max_query_rows` query rows per
 /// (layer, head), evenly spaced, attend to all of their layer's keys.
-/// `progress(done, total)`.
+/// `progress(done, total)`. With a `policy`, every tier is also scored held
+/// by a live cache under it (rows named by [`live_fidelity::row_name`]).
 pub fn run(
     format: &Format,
     qkv: &Qkv,
     max_query_rows: usize,
     context: u32,
     executor: ExecutorKind,
+    policy: Option<CachePolicy>,
     mut progress: impl FnMut(usize, usize),
 ) -> Result<EvalReport, EvalError> {
+    let kind = executor;
+    let mut live = LiveRows::new(format, policy);
     let [layers, kv_heads, tokens, d] = qkv.k.shape;
     let [_, q_heads, q_tokens, _] = qkv.q.shape;
     if d != format.head_dim() as usize {
@@ -120,6 +128,7 @@ pub fn run(
             elapsed[i] += result.elapsed;
             page_bytes[i] += result.page_bytes;
         }
+        live.add_layer(format, &tables, &block, kind)?;
     }
     progress(layers, layers);
     let table_bytes: u32 = (0..tiers).map(|t| format.layout(t).table_bytes()).sum();
@@ -142,6 +151,7 @@ pub fn run(
                 executor_ms: elapsed[i].as_secs_f64() * 1e3,
             }
         })
+        .chain(live.rows(format, context))
         .collect();
     Ok(EvalReport {
         format: format.name().to_string(),
@@ -184,4 +194,66 @@ pub fn render(report: &EvalReport) -> String {
         "kvcc eval {}: {} layers, {} query heads over {} kv heads, {} tokens, {} query rows per head\n{}",
         report.format, report.layers, report.q_heads, report.kv_heads, report.tokens, report.query_rows, table
     )
+}
+
+/// The rows of every tier under a cache policy, scored layer by layer.
+struct LiveRows {
+    policy: Option<CachePolicy>,
+    accumulators: Vec<FidelityAccumulator>,
+    elapsed: Vec<Duration>,
+}
+
+impl LiveRows {
+    fn new(format: &Format, policy: Option<CachePolicy>) -> LiveRows {
+        let tiers = if policy.is_some() {
+            format.tiers().len()
+        } else {
+            0
+        };
+        LiveRows {
+            policy,
+            accumulators: vec![FidelityAccumulator::default(); tiers],
+            elapsed: vec![Duration::ZERO; tiers],
+        }
+    }
+
+    fn add_layer(
+        &mut self,
+        format: &Format,
+        tables: &cache::Tables,
+        block: &Block,
+        executor: ExecutorKind,
+    ) -> Result<(), EvalError> {
+        let Some(policy) = self.policy else {
+            return Ok(());
+        };
+        for (tier, acc) in self.accumulators.iter_mut().enumerate() {
+            let policy = CachePolicy { tier, ..policy };
+            self.elapsed[tier] += live_fidelity::run(format, tables, block, policy, executor, acc)?;
+        }
+        Ok(())
+    }
+
+    /// Bytes per token count the exact rows of a `context`-token sequence.
+    fn rows(&self, format: &Format, context: u32) -> Vec<EvalRow> {
+        let Some(policy) = self.policy else {
+            return Vec::new();
+        };
+        self.accumulators
+            .iter()
+            .enumerate()
+            .map(|(tier, acc)| {
+                let layout = format.layout(tier);
+                let policy = CachePolicy { tier, ..policy };
+                let bytes_per_token = policy.bytes_per_token(layout, context as usize);
+                EvalRow {
+                    tier: live_fidelity::row_name(&layout.name, &policy),
+                    bytes_per_token,
+                    compression: f64::from(4 * format.head_dim()) / bytes_per_token,
+                    fidelity: acc.finish(),
+                    executor_ms: self.elapsed[tier].as_secs_f64() * 1e3,
+                }
+            })
+            .collect()
+    }
 }
