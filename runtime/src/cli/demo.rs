@@ -7,7 +7,7 @@ use kvcc_compiler::{CompileError, Format};
 use serde::Serialize;
 
 use super::fidelity::{self, Block};
-use super::live_fidelity;
+use super::live_fidelity::{self, PolicyScore};
 use crate::builtin::SPECS;
 use crate::cache;
 use crate::encode::TrainOptions;
@@ -60,6 +60,9 @@ pub struct DemoRow {
     /// The executor the fidelity numbers come from, and its time.
     pub executor: String,
     pub executor_ms: f64,
+    /// The same tier held by a live cache under the spec's `[cache]` policy.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub policy: Option<PolicyScore>,
 }
 
 /// Loads the specs to run: the bundled ones, or every `*.toml` in `dir`.
@@ -151,53 +154,49 @@ pub fn run(
                 interpreter_ms: result.interpreter.unwrap_or(result.elapsed).as_secs_f64() * 1e3,
                 executor: executor.name().to_string(),
                 executor_ms: result.elapsed.as_secs_f64() * 1e3,
+                policy: match tier {
+                    Some(t) => policy_score(format, &tables, &block, options, t)?,
+                    None => None,
+                },
             });
         }
-        rows.extend(policy_rows(format, &tables, &block, options)?);
     }
     Ok(rows)
 }
 
-/// Every tier held by a live cache under the spec's policy (with the
-/// options' overrides); none when that policy keeps no token exact.
-fn policy_rows(
+/// Tier `tier` held by a live cache under the spec's policy (with the
+/// options' overrides); `None` when that policy keeps no token exact.
+fn policy_score(
     format: &Format,
     tables: &cache::Tables,
     block: &Block,
     options: &DemoOptions,
-) -> Result<Vec<DemoRow>, LiveError> {
+    tier: usize,
+) -> Result<Option<PolicyScore>, LiveError> {
     let policy = CachePolicy::of(format).with_overrides(options.sinks, options.window);
     if !policy.keeps_exact() {
-        return Ok(Vec::new());
+        return Ok(None);
     }
-    (0..format.tiers().len())
-        .map(|tier| {
-            let policy = CachePolicy { tier, ..policy };
-            let mut acc = FidelityAccumulator::default();
-            let elapsed =
-                live_fidelity::run(format, tables, block, policy, options.executor, &mut acc)?;
-            let interpreter = match options.executor {
-                ExecutorKind::Interp => elapsed,
-                _ => {
-                    let mut unused = FidelityAccumulator::default();
-                    let interp = ExecutorKind::Interp;
-                    live_fidelity::run(format, tables, block, policy, interp, &mut unused)?
-                }
-            };
-            let layout = format.layout(tier);
-            let bytes_per_token = policy.bytes_per_token(layout, options.context as usize);
-            Ok(DemoRow {
-                format: format.name().to_string(),
-                tier: live_fidelity::row_name(&layout.name, &policy),
-                bytes_per_token,
-                compression: f64::from(4 * format.head_dim()) / bytes_per_token,
-                fidelity: acc.finish(),
-                interpreter_ms: interpreter.as_secs_f64() * 1e3,
-                executor: options.executor.name().to_string(),
-                executor_ms: elapsed.as_secs_f64() * 1e3,
-            })
-        })
-        .collect()
+    let policy = CachePolicy { tier, ..policy };
+    let mut acc = FidelityAccumulator::default();
+    let elapsed = live_fidelity::run(format, tables, block, policy, options.executor, &mut acc)?;
+    let context = options.context as usize;
+    Ok(Some(PolicyScore::new(
+        format, &policy, &acc, elapsed, context,
+    )))
+}
+
+/// A tier's score under the cache policy, as a row beneath the tier's.
+fn policy_row(policy: &PolicyScore, timed: bool) -> Vec<String> {
+    let mut row = vec![String::new(), policy.label()];
+    row.extend(policy.cells(4));
+    let ms = format!("{:.2}", policy.executor_ms);
+    if timed {
+        row.extend(["-".to_string(), ms]);
+    } else {
+        row.push(ms);
+    }
+    row
 }
 
 pub fn render(rows: &[DemoRow], options: &DemoOptions) -> String {
@@ -236,6 +235,9 @@ pub fn render(rows: &[DemoRow], options: &DemoOptions) -> String {
             row.push(format!("{:.2}", r.executor_ms));
         }
         table.row(row);
+        if let Some(policy) = &r.policy {
+            table.row(policy_row(policy, timed));
+        }
     }
     format!(
         "kvcc demo: synthetic K/V (seed {}, {} tokens, {} kv heads, {} query heads), the {executor} executor vs dense fp32 attention\n(B/token per kv head, headers and tables amortized over {} tokens)\n{}",

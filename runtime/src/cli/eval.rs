@@ -7,7 +7,7 @@ use kvcc_compiler::Format;
 use serde::Serialize;
 
 use super::fidelity::{self, Block, FidelityError};
-use super::live_fidelity;
+use super::live_fidelity::{self, PolicyScore};
 use crate::cache;
 use crate::encode::TrainOptions;
 use crate::exec::ExecutorKind;
@@ -24,6 +24,9 @@ pub struct EvalRow {
     pub fidelity: Fidelity,
     /// Time of the executor decoding every query row of every layer.
     pub executor_ms: f64,
+    /// The same tier held by a live cache under the cache policy.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub policy: Option<PolicyScore>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -55,7 +58,7 @@ pub enum EvalError {
 /// Evaluates every tier on `executor`; at most `max_query_rows` query rows per
 /// (layer, head), evenly spaced, attend to all of their layer's keys.
 /// `progress(done, total)`. With a `policy`, every tier is also scored held
-/// by a live cache under it (rows named by [`live_fidelity::row_name`]).
+/// by a live cache under it (each row's `policy`).
 pub fn run(
     format: &Format,
     qkv: &Qkv,
@@ -149,9 +152,9 @@ pub fn run(
                 compression: f64::from(4 * format.head_dim()) / bytes_per_token,
                 fidelity: accumulators[i].finish(),
                 executor_ms: elapsed[i].as_secs_f64() * 1e3,
+                policy: tier.and_then(|t| live.score(format, t, context)),
             }
         })
-        .chain(live.rows(format, context))
         .collect();
     Ok(EvalReport {
         format: format.name().to_string(),
@@ -189,6 +192,12 @@ pub fn render(report: &EvalReport) -> String {
         row.extend(r.fidelity.cells(5));
         row.push(format!("{:.1}", r.executor_ms));
         table.row(row);
+        if let Some(policy) = &r.policy {
+            let mut row = vec![policy.label()];
+            row.extend(policy.cells(5));
+            row.push(format!("{:.1}", policy.executor_ms));
+            table.row(row);
+        }
     }
     format!(
         "kvcc eval {}: {} layers, {} query heads over {} kv heads, {} tokens, {} query rows per head\n{}",
@@ -234,26 +243,20 @@ impl LiveRows {
         Ok(())
     }
 
-    /// Bytes per token count the exact rows of a `context`-token sequence.
-    fn rows(&self, format: &Format, context: u32) -> Vec<EvalRow> {
-        let Some(policy) = self.policy else {
-            return Vec::new();
+    /// Tier `tier`'s score; bytes per token count the exact rows of a
+    /// `context`-token sequence.
+    fn score(&self, format: &Format, tier: usize, context: u32) -> Option<PolicyScore> {
+        let policy = CachePolicy {
+            tier,
+            ..self.policy?
         };
-        self.accumulators
-            .iter()
-            .enumerate()
-            .map(|(tier, acc)| {
-                let layout = format.layout(tier);
-                let policy = CachePolicy { tier, ..policy };
-                let bytes_per_token = policy.bytes_per_token(layout, context as usize);
-                EvalRow {
-                    tier: live_fidelity::row_name(&layout.name, &policy),
-                    bytes_per_token,
-                    compression: f64::from(4 * format.head_dim()) / bytes_per_token,
-                    fidelity: acc.finish(),
-                    executor_ms: self.elapsed[tier].as_secs_f64() * 1e3,
-                }
-            })
-            .collect()
+        let (acc, elapsed) = (&self.accumulators[tier], self.elapsed[tier]);
+        Some(PolicyScore::new(
+            format,
+            &policy,
+            acc,
+            elapsed,
+            context as usize,
+        ))
     }
 }

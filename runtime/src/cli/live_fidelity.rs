@@ -5,17 +5,64 @@
 use std::time::{Duration, Instant};
 
 use kvcc_compiler::Format;
+use serde::Serialize;
 
 use super::fidelity::Block;
 use crate::cache::Tables;
 use crate::exec::ExecutorKind;
 use crate::live::{CachePolicy, LiveCache, LiveError, LiveKv, LiveOptions, SequenceKv};
-use crate::metrics::FidelityAccumulator;
+use crate::metrics::{Fidelity, FidelityAccumulator};
 use crate::reference::dense_attention;
 
-/// A row name for `tier` under `policy`: "int4 s4+w128".
-pub fn row_name(tier: &str, policy: &CachePolicy) -> String {
-    format!("{tier} s{}+w{}", policy.sinks, policy.window)
+/// A tier's score when a live cache holds the data under a policy.
+#[derive(Debug, Clone, Serialize)]
+pub struct PolicyScore {
+    pub sinks: usize,
+    pub window: usize,
+    pub exact: &'static str,
+    /// Per token per kv head at the report's context: exact rows (K and V),
+    /// whole pages and tables.
+    pub bytes_per_token: f64,
+    pub compression: f64,
+    pub fidelity: Fidelity,
+    /// Time of the live cache's decode steps.
+    pub executor_ms: f64,
+}
+
+impl PolicyScore {
+    pub fn new(
+        format: &Format,
+        policy: &CachePolicy,
+        acc: &FidelityAccumulator,
+        elapsed: Duration,
+        context: usize,
+    ) -> PolicyScore {
+        let bytes_per_token = policy.bytes_per_token(format.layout(policy.tier), context);
+        PolicyScore {
+            sinks: policy.sinks,
+            window: policy.window,
+            exact: policy.exact.name(),
+            bytes_per_token,
+            compression: f64::from(4 * format.head_dim()) / bytes_per_token,
+            fidelity: acc.finish(),
+            executor_ms: elapsed.as_secs_f64() * 1e3,
+        }
+    }
+
+    /// How report tables name it under its tier's row: "+ sinks 4, window 64".
+    pub fn label(&self) -> String {
+        format!("+ sinks {}, window {}", self.sinks, self.window)
+    }
+
+    /// Bytes, ratio and `digits`-digit fidelity cells, as the tier rows show them.
+    pub fn cells(&self, digits: usize) -> Vec<String> {
+        let mut cells = vec![
+            format!("{:.2}", self.bytes_per_token),
+            format!("{:.2}x", self.compression),
+        ];
+        cells.extend(self.fidelity.cells(digits));
+        cells
+    }
 }
 
 /// Scores `block` held by a live cache under `policy` (its pages in
