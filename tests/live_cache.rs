@@ -416,8 +416,15 @@ fn small_cache(seed: u64, pages_per_tier: usize) -> (LiveCache, Vec<f32>, Vec<f3
     )
     .unwrap();
     assert_eq!(indices, vec![0, 1]);
-    // (300 - 4 - 64) / 64 = 3 pages per kv head and sequence.
+    // (300 - 4 - 64) / 64 = 3 pages per kv head and sequence, 4 sinks and
+    // 104 tail tokens exact.
     assert_eq!(live.pool().used(1), 2 * 2 * 3);
+    let tables: usize = (0..2)
+        .map(|t| format.layout(t).table_bytes() as usize)
+        .sum();
+    let exact = 2 * 2 * (4 + 104) * 128 * 2 * 2;
+    let pages = 2 * 2 * 3 * format.layout(1).page_bytes as usize;
+    assert_eq!(live.bytes(), exact + pages + 2 * tables);
     (live, set.keys, set.values)
 }
 

@@ -50,7 +50,7 @@ pub fn train(
 }
 
 /// Checks a `[kv_head][token][head_dim]` block; returns the token count.
-fn check_block(
+pub(crate) fn check_block(
     format: &Format,
     what: &'static str,
     data: &[f32],

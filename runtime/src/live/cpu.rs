@@ -9,7 +9,7 @@ use super::exact::{round, ExactPartial, ExactRows};
 use super::pool::PagePool;
 use super::{Append, Attention, CachePolicy, LiveError, LiveKv, SequenceKv};
 use crate::cache::{self, PagedCache, Tables};
-use crate::encode::{check_finite, encode_page, EncodeError, TrainOptions};
+use crate::encode::{encode_page, EncodeError, TrainOptions};
 use crate::exec::ExecutorKind;
 
 /// How a [`LiveCache`] is shaped.
@@ -276,21 +276,10 @@ fn check_kv(
     keys: &[f32],
     values: &[f32],
 ) -> Result<usize, LiveError> {
-    let d = format.head_dim() as usize;
-    let mut tokens = [0; 2];
-    for (slot, (what, data)) in [("keys", keys), ("values", values)].into_iter().enumerate() {
-        if kv_heads == 0 || !data.len().is_multiple_of(kv_heads * d) {
-            return Err(EncodeError::Block {
-                what,
-                found: data.len(),
-                kv_heads,
-                head_dim: d,
-            }
-            .into());
-        }
-        tokens[slot] = data.len() / (kv_heads * d);
-        check_finite(what, data, &[kv_heads, tokens[slot], d])?;
-    }
+    let tokens = [
+        cache::check_block(format, "keys", keys, kv_heads)?,
+        cache::check_block(format, "values", values, kv_heads)?,
+    ];
     if tokens[0] != tokens[1] {
         return Err(EncodeError::KeysValues {
             keys: tokens[0],
