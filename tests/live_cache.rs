@@ -543,6 +543,19 @@ fn bad_calls_leave_the_cache_unchanged() {
     bad_query[9] = f32::NAN;
     assert!(live.attend(&bad_query, q_heads).is_err());
     assert!(live.state() == before);
+    let empty = SequenceKv {
+        keys: &[],
+        values: &[],
+    };
+    let kivi = format("kivi");
+    let options = LiveOptions {
+        policy: CachePolicy::of(&kivi),
+        kv_heads: 2,
+        pages_per_tier: 8,
+        executor: ExecutorKind::Jit,
+    };
+    let untrained = LiveCache::train(&kivi, &options, &[empty], &TrainOptions::default());
+    assert!(matches!(untrained, Err(LiveError::NoTrainingData)));
 }
 
 #[test]
@@ -603,6 +616,8 @@ fn the_policy_splits_and_counts_exact_rows() {
     let shard = format("shard");
     let policy = CachePolicy::of(&shard);
     assert_eq!((policy.sinks, policy.window, policy.tier), (4, 64, 0));
+    let kivi = CachePolicy::of(&format("kivi"));
+    assert_eq!((kivi.sinks, kivi.window, kivi.tier), (0, 128, 0));
     let layout = shard.layout(0);
     let split = policy.split(8192, 64);
     assert_eq!((split.sinks, split.pages, split.tail), (4, 126, 124));

@@ -98,6 +98,9 @@ impl LiveCache {
         for prompt in prompts {
             blocks.push(check_kv(format, kv_heads, prompt.keys, prompt.values)?);
         }
+        if blocks.iter().sum::<usize>() == 0 {
+            return Err(LiveError::NoTrainingData);
+        }
         // [kv_head][every prompt's tokens][head_dim], what `cache::train` takes.
         let joined = |pick: for<'s> fn(&SequenceKv<'s>) -> &'s [f32]| -> Vec<f32> {
             (0..kv_heads)

@@ -72,6 +72,8 @@ pub enum LiveError {
         value: f32,
         dtype: &'static str,
     },
+    #[error("no prompt token to train the tables on")]
+    NoTrainingData,
     #[error("the policy's tier {tier} does not exist; the format has {tiers} tiers")]
     PolicyTier { tier: usize, tiers: usize },
 }
