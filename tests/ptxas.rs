@@ -357,6 +357,7 @@ fn random_spec(rng: &mut Rng, index: usize) -> FormatSpec {
             items: rng.pick(&[1, 5, 16, 33, 64, 128]),
             max_query_group: rng.pick(&[1, 2, 3, 4, 8]),
         },
+        cache: Default::default(),
         tiers: (0..tiers)
             .map(|t| {
                 let slot = 2 * (index * 2 + t);

@@ -15,6 +15,8 @@ pub struct FormatSpec {
     pub head_dim: u32,
     #[serde(default)]
     pub page: PageSpec,
+    #[serde(default, skip_serializing_if = "CacheSpec::is_default")]
+    pub cache: CacheSpec,
     #[serde(rename = "tier")]
     pub tiers: Vec<TierSpec>,
 }
@@ -45,6 +47,53 @@ impl Default for PageSpec {
         PageSpec {
             items: Self::default_items(),
             max_query_group: Self::default_max_query_group(),
+        }
+    }
+}
+
+/// What a live cache keeps exact, and the tier it compresses new pages into.
+/// A page is compressed only when whole, so the exact tail holds `window` to
+/// `window + items - 1` tokens once a sequence is long enough.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CacheSpec {
+    /// The first tokens of every sequence, kept exact.
+    #[serde(default)]
+    pub sinks: u32,
+    /// The most recent tokens, kept exact.
+    #[serde(default)]
+    pub window: u32,
+    /// How the exact rows are stored.
+    #[serde(default)]
+    pub exact: ExactDtype,
+    /// The tier new pages are compressed into, by name; `None`: the first tier.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tier: Option<String>,
+}
+
+impl CacheSpec {
+    pub fn is_default(&self) -> bool {
+        *self == CacheSpec::default()
+    }
+}
+
+/// The storage of a live cache's exact rows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ExactDtype {
+    #[default]
+    F16,
+    Bf16,
+}
+
+impl ExactDtype {
+    pub fn bytes(self) -> u32 {
+        2
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            ExactDtype::F16 => "f16",
+            ExactDtype::Bf16 => "bf16",
         }
     }
 }

@@ -50,7 +50,7 @@ pub fn train(
 }
 
 /// Checks a `[kv_head][token][head_dim]` block; returns the token count.
-fn check_block(
+pub(crate) fn check_block(
     format: &Format,
     what: &'static str,
     data: &[f32],
@@ -201,6 +201,23 @@ impl PagedCache {
         }
         self.page_tables.push(heads);
         Ok(self.page_tables.len() - 1)
+    }
+
+    /// Writes one page of `tier` (`page_bytes` bytes) into page slot `slot` of
+    /// its pool, growing the pool to hold it.
+    pub(crate) fn write_page(&mut self, tier: usize, slot: u32, bytes: &[u8]) {
+        let size = bytes.len();
+        let start = slot as usize * size;
+        let pool = &mut self.pools[tier];
+        if pool.len() < start + size {
+            pool.resize(start + size, 0);
+        }
+        pool[start..start + size].copy_from_slice(bytes);
+    }
+
+    /// The `[sequence][kv_head]` page tables, to edit in place.
+    pub(crate) fn page_tables_mut(&mut self) -> &mut Vec<Vec<Vec<PageRef>>> {
+        &mut self.page_tables
     }
 
     /// The borrowed view executors run over.

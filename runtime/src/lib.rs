@@ -4,6 +4,7 @@ pub mod cli;
 pub mod cuda;
 pub mod encode;
 pub mod exec;
+pub mod live;
 pub mod math;
 pub mod metrics;
 pub mod reference;

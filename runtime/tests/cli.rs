@@ -630,3 +630,39 @@ fn demo_amortizes_over_its_own_tokens_and_says_so() {
         "spherical's codebooks over 256 tokens: {own} vs {long}"
     );
 }
+
+#[test]
+fn eval_with_a_cache_policy_scores_each_tier_held_exactly_at_the_ends() {
+    let fx = Fixture::new();
+    let report = json(&ok(&[
+        "eval",
+        path_str(&fx.spec("kivi8_64.toml")),
+        "--qkv",
+        path_str(&fx.safetensors),
+        "--sinks",
+        "4",
+        "--window",
+        "16",
+        "--json",
+    ]));
+    let row = &report["rows"][0];
+    let policy = &row["policy"];
+    assert_eq!(
+        (policy["sinks"].clone(), policy["window"].clone()),
+        (4.into(), 16.into()),
+        "{row}"
+    );
+    assert_eq!(
+        policy["fidelity"]["rows"],
+        LAYERS * Q_HEADS * Q_TOKENS,
+        "{row}"
+    );
+    // Exact rows cost more bytes than the pages they replace, and keep
+    // attention closer to dense.
+    assert!(num(&policy["bytes_per_token"], "bytes") > num(&row["bytes_per_token"], "bytes"));
+    let err = |r: &Value| num(&r["fidelity"]["output_rel_error"], "output_rel_error");
+    assert!(err(policy) < err(row), "{row}");
+    // Without a policy in the spec or on the command line, rows carry none.
+    let plain = fx.eval("kivi8_64.toml", &fx.safetensors);
+    assert!(plain["rows"][0].get("policy").is_none(), "{plain}");
+}

@@ -101,6 +101,7 @@ pub fn check_spec(spec: &FormatSpec) -> Vec<Problem> {
         problems: Vec::new(),
     };
     checker.spec(spec);
+    checker.problems.extend(super::cache::check_cache(spec));
     checker.problems
 }
 

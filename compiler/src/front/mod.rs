@@ -2,9 +2,11 @@
 //! with every error at a file:line:column and a document path.
 //!
 //! - [`toml`]: [`parse_spec`] / [`load_spec`] (syntax, shape, then semantic checks).
+//! - [`cache`]: the `[cache]` table's rules (the live-cache policy).
 //! - [`check`]: the semantic rules and the shared-memory estimate.
 //! - [`diagnostic`]: [`Diagnostic`] and [`SpecError`].
 
+pub mod cache;
 pub mod check;
 pub mod diagnostic;
 mod suggest;

@@ -7,10 +7,11 @@ use std::time::Duration;
 use clap::{Args, Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressFinish, ProgressStyle};
 use kvcc_compiler::Format;
-use kvcc_runtime::cli::{self, bench, check, demo, eval};
+use kvcc_runtime::cli::{self, bench, check, demo, eval, policy};
 use kvcc_runtime::cuda::measure::StepTiming;
 use kvcc_runtime::cuda::Gpu;
 use kvcc_runtime::exec::ExecutorKind;
+use kvcc_runtime::live::CachePolicy;
 use kvcc_runtime::tensor_io::load_qkv;
 use kvcc_runtime::tune::sweep::{self, TuneOptions};
 use kvcc_runtime::tune::TuneCache;
@@ -93,6 +94,8 @@ enum Command {
         tokens: usize,
         #[command(flatten)]
         fidelity: FidelityArgs,
+        #[command(flatten)]
+        policy: PolicyArgs,
     },
     /// Time the generated GPU kernels against dense decode baselines (needs a GPU).
     Bench {
@@ -187,7 +190,21 @@ enum Command {
         max_queries: usize,
         #[command(flatten)]
         fidelity: FidelityArgs,
+        #[command(flatten)]
+        policy: PolicyArgs,
     },
+}
+
+/// Overrides of the spec's `[cache]` policy: each tier is also scored held by
+/// a live cache that keeps these tokens exact.
+#[derive(Args)]
+struct PolicyArgs {
+    /// First tokens of every sequence kept exact (default: the spec's `cache.sinks`).
+    #[arg(long)]
+    sinks: Option<usize>,
+    /// Most recent tokens kept exact (default: the spec's `cache.window`).
+    #[arg(long)]
+    window: Option<usize>,
 }
 
 fn bar(total: u64, message: &str) -> ProgressBar {
@@ -239,13 +256,20 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
         } => {
             let format = Format::load(&spec)?;
             let report = check::report(&format, context);
-            emit(&report, None, json, || check::render(&report))?;
+            emit(&report, None, json, || {
+                format!(
+                    "{}\n{}",
+                    check::render(&report),
+                    policy::render(&format, context as usize)
+                )
+            })?;
         }
         Command::Demo {
             specs,
             seed,
             tokens,
             fidelity,
+            policy,
         } => {
             let formats = demo::formats(specs.as_deref())?;
             let options = demo::DemoOptions {
@@ -253,6 +277,8 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                 tokens,
                 context: fidelity.context,
                 executor: fidelity.executor,
+                sinks: policy.sinks,
+                window: policy.window,
                 ..Default::default()
             };
             let progress = bar(formats.len() as u64, "demo");
@@ -401,6 +427,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             prefix,
             max_queries,
             fidelity,
+            policy,
         } => {
             let format = Format::load(&spec)?;
             let loading = ProgressBar::new_spinner()
@@ -409,6 +436,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             loading.enable_steady_tick(Duration::from_millis(200));
             let data = load_qkv(&qkv, prefix.as_deref())?;
             loading.finish_and_clear();
+            let policy = CachePolicy::of(&format).with_overrides(policy.sinks, policy.window);
             let progress = bar(0, "eval").with_finish(ProgressFinish::AndClear);
             progress.enable_steady_tick(Duration::from_millis(200));
             let report = eval::run(
@@ -417,6 +445,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                 max_queries.max(1),
                 fidelity.context,
                 fidelity.executor,
+                policy.keeps_exact().then_some(policy),
                 |done, total| {
                     progress.set_length(total as u64);
                     progress.set_position(done as u64);

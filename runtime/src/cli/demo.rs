@@ -7,10 +7,12 @@ use kvcc_compiler::{CompileError, Format};
 use serde::Serialize;
 
 use super::fidelity::{self, Block};
+use super::live_fidelity::{self, PolicyScore};
 use crate::builtin::SPECS;
 use crate::cache;
 use crate::encode::TrainOptions;
 use crate::exec::ExecutorKind;
+use crate::live::{CachePolicy, LiveError};
 use crate::metrics::{Fidelity, FidelityAccumulator};
 use crate::synth::{synthesize, SynthOptions};
 use crate::table::Table;
@@ -27,6 +29,9 @@ pub struct DemoOptions {
     /// Decodes the queries the fidelity columns score (the interpreter is
     /// timed as well).
     pub executor: ExecutorKind,
+    /// Replace the spec's `[cache]` sinks and window (`--sinks`, `--window`).
+    pub sinks: Option<usize>,
+    pub window: Option<usize>,
 }
 
 impl DemoOptions {
@@ -46,6 +51,8 @@ impl Default for DemoOptions {
             q_heads: 8,
             context: None,
             executor: ExecutorKind::default(),
+            sinks: None,
+            window: None,
         }
     }
 }
@@ -62,6 +69,9 @@ pub struct DemoRow {
     /// The executor the fidelity numbers come from, and its time.
     pub executor: String,
     pub executor_ms: f64,
+    /// The same tier held by a live cache under the spec's `[cache]` policy.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub policy: Option<PolicyScore>,
 }
 
 /// Loads the specs to run: the bundled ones, or every `*.toml` in `dir`.
@@ -155,10 +165,49 @@ pub fn run(
                 interpreter_ms: result.interpreter.unwrap_or(result.elapsed).as_secs_f64() * 1e3,
                 executor: executor.name().to_string(),
                 executor_ms: result.elapsed.as_secs_f64() * 1e3,
+                policy: match tier {
+                    Some(t) => policy_score(format, &tables, &block, options, t)?,
+                    None => None,
+                },
             });
         }
     }
     Ok(rows)
+}
+
+/// Tier `tier` held by a live cache under the spec's policy (with the
+/// options' overrides); `None` when that policy keeps no token exact.
+fn policy_score(
+    format: &Format,
+    tables: &cache::Tables,
+    block: &Block,
+    options: &DemoOptions,
+    tier: usize,
+) -> Result<Option<PolicyScore>, LiveError> {
+    let policy = CachePolicy::of(format).with_overrides(options.sinks, options.window);
+    if !policy.keeps_exact() {
+        return Ok(None);
+    }
+    let policy = CachePolicy { tier, ..policy };
+    let mut acc = FidelityAccumulator::default();
+    let elapsed = live_fidelity::run(format, tables, block, policy, options.executor, &mut acc)?;
+    let context = options.context as usize;
+    Ok(Some(PolicyScore::new(
+        format, &policy, &acc, elapsed, context,
+    )))
+}
+
+/// A tier's score under the cache policy, as a row beneath the tier's.
+fn policy_row(policy: &PolicyScore, timed: bool) -> Vec<String> {
+    let mut row = vec![String::new(), policy.label()];
+    row.extend(policy.cells(4));
+    let ms = format!("{:.2}", policy.executor_ms);
+    if timed {
+        row.extend(["-".to_string(), ms]);
+    } else {
+        row.push(ms);
+    }
+    row
 }
 
 pub fn render(rows: &[DemoRow], options: &DemoOptions) -> String {
@@ -189,6 +238,9 @@ pub fn render(rows: &[DemoRow], options: &DemoOptions) -> String {
             row.push(format!("{:.2}", r.executor_ms));
         }
         table.row(row);
+        if let Some(policy) = &r.policy {
+            table.row(policy_row(policy, timed));
+        }
     }
     format!(
         "kvcc demo: synthetic K/V (seed {}, {} tokens, {} kv heads, {} query heads), the {executor} executor vs dense fp32 attention\n(B/token per kv head over {} tokens, headers, partial pages and tables included)\n{}",

@@ -7,9 +7,11 @@ use kvcc_compiler::Format;
 use serde::Serialize;
 
 use super::fidelity::{self, Block, FidelityError};
+use super::live_fidelity::{self, PolicyScore};
 use crate::cache;
 use crate::encode::TrainOptions;
 use crate::exec::ExecutorKind;
+use crate::live::{CachePolicy, LiveError};
 use crate::metrics::{Fidelity, FidelityAccumulator};
 use crate::table::Table;
 use crate::tensor_io::Qkv;
@@ -22,6 +24,9 @@ pub struct EvalRow {
     pub fidelity: Fidelity,
     /// Time of the executor decoding every query row of every layer.
     pub executor_ms: f64,
+    /// The same tier held by a live cache under the cache policy.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub policy: Option<PolicyScore>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -48,20 +53,27 @@ pub enum EvalError {
     Fidelity(#[from] FidelityError),
     #[error(transparent)]
     Executor(#[from] crate::exec::ExecError),
+    #[error(transparent)]
+    Live(#[from] LiveError),
 }
 
 /// Evaluates every tier on `executor`; at most `max_query_rows` query rows per
 /// (layer, head), evenly spaced, attend to all of their layer's keys. Bytes
 /// per token are amortized over `context` tokens, by default the dump's own.
 /// `progress(done, total)` counts steps: per layer, training and each tier.
+/// With a `policy`, every tier is also scored held by a live cache under it
+/// (each row's `policy`).
 pub fn run(
     format: &Format,
     qkv: &Qkv,
     max_query_rows: usize,
     context: Option<u32>,
     executor: ExecutorKind,
+    policy: Option<CachePolicy>,
     mut progress: impl FnMut(usize, usize),
 ) -> Result<EvalReport, EvalError> {
+    let kind = executor;
+    let mut live = LiveRows::new(format, policy);
     let [layers, kv_heads, tokens, d] = qkv.k.shape;
     let [_, q_heads, q_tokens, _] = qkv.q.shape;
     if d != format.head_dim() as usize {
@@ -127,6 +139,7 @@ pub fn run(
             page_bytes[i] += result.page_bytes;
             progress(layer * steps + 2 + i, layers * steps);
         }
+        live.add_layer(format, &tables, &block, kind)?;
     }
     let table_bytes: u32 = (0..tiers).map(|t| format.layout(t).table_bytes()).sum();
     let rows_out = plans
@@ -146,6 +159,7 @@ pub fn run(
                 compression: f64::from(4 * format.head_dim()) / bytes_per_token,
                 fidelity: accumulators[i].finish(),
                 executor_ms: elapsed[i].as_secs_f64() * 1e3,
+                policy: tier.and_then(|t| live.score(format, t, context)),
             }
         })
         .collect();
@@ -180,6 +194,12 @@ pub fn render(report: &EvalReport) -> String {
         row.extend(r.fidelity.cells(5));
         row.push(format!("{:.1}", r.executor_ms));
         table.row(row);
+        if let Some(policy) = &r.policy {
+            let mut row = vec![policy.label()];
+            row.extend(policy.cells(5));
+            row.push(format!("{:.1}", policy.executor_ms));
+            table.row(row);
+        }
     }
     format!(
         "kvcc eval {}: {} layers, {} query heads over {} kv heads, {} tokens, {} query rows per head\n(B/token per kv head over {} tokens, headers, partial pages and tables included)\n{}",
@@ -192,4 +212,60 @@ pub fn render(report: &EvalReport) -> String {
         report.context,
         table
     )
+}
+
+/// The rows of every tier under a cache policy, scored layer by layer.
+struct LiveRows {
+    policy: Option<CachePolicy>,
+    accumulators: Vec<FidelityAccumulator>,
+    elapsed: Vec<Duration>,
+}
+
+impl LiveRows {
+    fn new(format: &Format, policy: Option<CachePolicy>) -> LiveRows {
+        let tiers = if policy.is_some() {
+            format.tiers().len()
+        } else {
+            0
+        };
+        LiveRows {
+            policy,
+            accumulators: vec![FidelityAccumulator::default(); tiers],
+            elapsed: vec![Duration::ZERO; tiers],
+        }
+    }
+
+    fn add_layer(
+        &mut self,
+        format: &Format,
+        tables: &cache::Tables,
+        block: &Block,
+        executor: ExecutorKind,
+    ) -> Result<(), EvalError> {
+        let Some(policy) = self.policy else {
+            return Ok(());
+        };
+        for (tier, acc) in self.accumulators.iter_mut().enumerate() {
+            let policy = CachePolicy { tier, ..policy };
+            self.elapsed[tier] += live_fidelity::run(format, tables, block, policy, executor, acc)?;
+        }
+        Ok(())
+    }
+
+    /// Tier `tier`'s score; bytes per token count the exact rows of a
+    /// `context`-token sequence.
+    fn score(&self, format: &Format, tier: usize, context: u32) -> Option<PolicyScore> {
+        let policy = CachePolicy {
+            tier,
+            ..self.policy?
+        };
+        let (acc, elapsed) = (&self.accumulators[tier], self.elapsed[tier]);
+        Some(PolicyScore::new(
+            format,
+            &policy,
+            acc,
+            elapsed,
+            context as usize,
+        ))
+    }
 }

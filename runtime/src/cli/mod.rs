@@ -5,4 +5,6 @@ pub mod check;
 pub mod demo;
 pub mod eval;
 mod fidelity;
+pub mod live_fidelity;
+pub mod policy;
 pub mod tune;
