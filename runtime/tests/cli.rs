@@ -535,6 +535,7 @@ fn eval_reports_progress_per_layer_step() {
         4,
         None,
         kvcc_runtime::exec::ExecutorKind::Interp,
+        None,
         |done, total| seen.push((done, total)),
     )
     .unwrap();

@@ -191,7 +191,7 @@ fn policy_score(
     let policy = CachePolicy { tier, ..policy };
     let mut acc = FidelityAccumulator::default();
     let elapsed = live_fidelity::run(format, tables, block, policy, options.executor, &mut acc)?;
-    let context = options.context as usize;
+    let context = options.context() as usize;
     Ok(Some(PolicyScore::new(
         format, &policy, &acc, elapsed, context,
     )))
