@@ -2,11 +2,11 @@
 
 use half::f16;
 use kvcc_compiler::layout::{
-    coeff_max, srht_signs, CodecLayout, FieldLayout, TableRole, TableStorage, TierLayout,
-    TransformLayout,
+    srht_signs, CodecLayout, FieldLayout, TableRole, TableStorage, TierLayout, TransformLayout,
 };
 use kvcc_compiler::spec::{CodewordKind, CoeffScale};
 
+use super::ops::{coeff_scale, max_abs};
 use super::transform;
 use crate::math::kmeans::{kmeans, spherical_kmeans, KMeansOptions};
 use crate::math::pca::fit_pca;
@@ -129,16 +129,8 @@ fn fit_fields(
                 table: Some(table),
                 ..
             } => {
-                let q = coeff_max(bits) as f32;
                 tables[table] = (0..count as usize)
-                    .map(|c| {
-                        let max = items.iter().fold(0.0f32, |m, x| m.max(x[c].abs()));
-                        if max > 0.0 {
-                            max / q
-                        } else {
-                            1.0
-                        }
-                    })
+                    .map(|c| coeff_scale(max_abs(items.iter().map(|x| &x[c])), bits))
                     .collect();
             }
             _ => {}
