@@ -355,40 +355,30 @@ impl Codec<'_> {
                 bits,
                 scale,
                 slot,
-                table: t,
                 ..
             } => {
-                let n = count as usize;
-                let b = lit(bits);
-                let slot = slot as usize;
-                let quantize = |s: TokenStream| {
+                let (n, b, slot) = (count as usize, lit(bits), slot as usize);
+                let quantize = {
+                    let s = self.coeff_factor();
                     quote! {
                         let code: [u32; #n] = ::core::array::from_fn(|c| #ops::quantize(y[c], #s, #b));
                     }
                 };
                 match scale {
-                    CoeffScale::Item => {
-                        let quantize = quantize(quote!(scale));
-                        Plan::OnePass {
-                            item: quote! {
-                                let scale = #ops::coeff_item_scale(y, #b);
-                                let item_scale = [#ops::f16_bits(scale)];
-                                #quantize
-                            },
-                        }
-                    }
-                    CoeffScale::Component => {
-                        let scales = table(t.expect("component scales have a table"));
-                        Plan::OnePass {
-                            item: quantize(quote!(#scales[c])),
-                        }
-                    }
+                    CoeffScale::Item => Plan::OnePass {
+                        item: quote! {
+                            let scale = #ops::coeff_item_scale(y, #b);
+                            let item_scale = [#ops::f16_bits(scale)];
+                            #quantize
+                        },
+                    },
+                    CoeffScale::Component => Plan::OnePass { item: quantize },
                     CoeffScale::Page => Plan::TwoPass {
                         init: quote!(let mut max = 0.0f32;),
                         measure: quote!(max = max.max(#ops::max_abs(y));),
                         finish: quote!(scales[#slot] = #ops::coeff_scale(max, #b);),
                         keep_y: true,
-                        item: quantize(quote!(scales[#slot])),
+                        item: quantize,
                     },
                     CoeffScale::PageComponent => Plan::TwoPass {
                         init: quote!(let mut max = [0.0f32; #n];),
@@ -403,7 +393,7 @@ impl Codec<'_> {
                             }
                         },
                         keep_y: true,
-                        item: quantize(quote!(scales[#slot + c])),
+                        item: quantize,
                     },
                 }
             }
@@ -479,6 +469,30 @@ impl Codec<'_> {
             format_ident!("{}", format!("{variant:?}")),
         );
         quote!(#krate::compiler::spec::#ty::#variant)
+    }
+
+    /// The scale of coefficient `c`: `scale` (the item's, bound by the
+    /// caller), a header slot, or the trained component table.
+    fn coeff_factor(&self) -> TokenStream {
+        let FieldLayout::Coeff {
+            scale,
+            slot,
+            table: t,
+            ..
+        } = *self.codec.body()
+        else {
+            unreachable!("coeff_factor of a coeff codec")
+        };
+        let slot = slot as usize;
+        match scale {
+            CoeffScale::Item => quote!(scale),
+            CoeffScale::Page => quote!(scales[#slot]),
+            CoeffScale::PageComponent => quote!(scales[#slot + c]),
+            CoeffScale::Component => {
+                let scales = table(t.expect("component scales have a table"));
+                quote!(#scales[c])
+            }
+        }
     }
 
     /// The first value of group `j`'s book in the codebook table.
@@ -575,23 +589,9 @@ impl Codec<'_> {
                 }
             }
             FieldLayout::Coeff {
-                count,
-                bits,
-                scale,
-                slot,
-                table: t,
-                ..
+                count, bits, scale, ..
             } => {
-                let (n, slot, b) = (count as usize, slot as usize, lit(bits));
-                let s = match scale {
-                    CoeffScale::Item => quote!(scale),
-                    CoeffScale::Page => quote!(scales[#slot]),
-                    CoeffScale::PageComponent => quote!(scales[#slot + c]),
-                    CoeffScale::Component => {
-                        let scales = table(t.expect("component scales have a table"));
-                        quote!(#scales[c])
-                    }
-                };
+                let (n, b, s) = (count as usize, lit(bits), self.coeff_factor());
                 let bind = (scale == CoeffScale::Item).then(|| quote!(let scale = #item_scale;));
                 quote! {
                     #bind
