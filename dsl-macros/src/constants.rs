@@ -4,122 +4,146 @@
 use kvcc_compiler::layout::{bitmap_elem_bits, FieldLayout, TierLayout};
 use kvcc_compiler::spec::{CoeffScale, RadiusScale};
 use proc_macro2::TokenStream;
-use quote::quote;
+use quote::{format_ident, quote};
+
+/// One `pub const NAME: u32 | usize` of a field module, with its doc line.
+struct Const {
+    name: &'static str,
+    doc: Option<String>,
+    value: TokenStream,
+}
+
+/// A bit offset or width (`u32`, as the layout's).
+fn bits(name: &'static str, doc: &str, value: u32) -> Const {
+    Const {
+        name,
+        doc: Some(doc.to_string()),
+        value: quote!(u32 = #value),
+    }
+}
+
+/// A count or index (`usize`).
+fn count(name: &'static str, doc: Option<&str>, value: u32) -> Const {
+    let value = value as usize;
+    Const {
+        name,
+        doc: doc.map(str::to_string),
+        value: quote!(usize = #value),
+    }
+}
 
 /// `pub mod <kind> { ... }`: bit positions and sizes of one field.
 pub fn field_constants(field: &FieldLayout, layout: &TierLayout) -> TokenStream {
-    let table_doc = |t: usize| {
+    let table = |t: usize| {
         let table = &layout.tables[t];
-        format!(
+        let doc = format!(
             "Index of the `{}` table ({} values) in the tier's tables.",
             table.name, table.len
-        )
+        );
+        Const {
+            name: "TABLE",
+            doc: Some(doc),
+            value: quote!(usize = #t),
+        }
     };
-    match *field {
+    let item_scale = |at: Option<u32>, doc: &str| at.map(|at| bits("ITEM_SCALE_OFFSET", doc, at));
+    let (kind, doc, consts): (&str, &str, Vec<Const>) = match *field {
         FieldLayout::Radius {
             offset,
             groups,
             group_size,
-            bits,
+            bits: width,
             scale,
             slot,
-        } => {
-            let slots = match scale {
-                RadiusScale::Page => 1,
-                RadiusScale::PageGroup => groups as usize,
-            };
-            let (groups, group_size, slot) = (groups as usize, group_size as usize, slot as usize);
-            quote! {
-                /// The radius field: `GROUPS` unsigned codes of `BITS` bits.
-                pub mod radius {
-                    /// Bit offset of the first code in the item.
-                    pub const OFFSET: u32 = #offset;
-                    /// Bits per code.
-                    pub const BITS: u32 = #bits;
-                    pub const GROUPS: usize = #groups;
-                    pub const GROUP_SIZE: usize = #group_size;
-                    /// First page-header scale slot of the field.
-                    pub const SLOT: usize = #slot;
-                    /// Header scale slots of the field (1, or one per group).
-                    pub const SLOTS: usize = #slots;
-                }
-            }
-        }
+        } => (
+            "radius",
+            "The radius field: `GROUPS` unsigned codes of `BITS` bits.",
+            vec![
+                bits(
+                    "OFFSET",
+                    "Bit offset of the first code in the item.",
+                    offset,
+                ),
+                bits("BITS", "Bits per code.", width),
+                count("GROUPS", None, groups),
+                count("GROUP_SIZE", None, group_size),
+                count(
+                    "SLOT",
+                    Some("First page-header scale slot of the field."),
+                    slot,
+                ),
+                count(
+                    "SLOTS",
+                    Some("Header scale slots of the field (1, or one per group)."),
+                    match scale {
+                        RadiusScale::Page => 1,
+                        RadiusScale::PageGroup => groups,
+                    },
+                ),
+            ],
+        ),
         FieldLayout::Codebook {
             offset,
             groups,
             group_size,
-            bits,
+            bits: width,
             per_group,
-            table,
+            table: t,
             ..
-        } => {
-            let books = if per_group { groups as usize } else { 1 };
-            let entries = 1usize << bits;
-            let (groups, group_size) = (groups as usize, group_size as usize);
-            let doc = table_doc(table);
-            quote! {
-                /// The codebook field: `GROUPS` indices of `BITS` bits.
-                pub mod codebook {
-                    /// Bit offset of the first index in the item.
-                    pub const OFFSET: u32 = #offset;
-                    /// Bits per index.
-                    pub const BITS: u32 = #bits;
-                    pub const GROUPS: usize = #groups;
-                    /// Coordinates per group (codeword length).
-                    pub const GROUP_SIZE: usize = #group_size;
-                    /// Codewords per codebook.
-                    pub const ENTRIES: usize = #entries;
-                    /// Codebooks (one per group, or one shared).
-                    pub const BOOKS: usize = #books;
-                    #[doc = #doc]
-                    pub const TABLE: usize = #table;
-                }
-            }
-        }
+        } => (
+            "codebook",
+            "The codebook field: `GROUPS` indices of `BITS` bits.",
+            vec![
+                bits(
+                    "OFFSET",
+                    "Bit offset of the first index in the item.",
+                    offset,
+                ),
+                bits("BITS", "Bits per index.", width),
+                count("GROUPS", None, groups),
+                count(
+                    "GROUP_SIZE",
+                    Some("Coordinates per group (codeword length)."),
+                    group_size,
+                ),
+                count("ENTRIES", Some("Codewords per codebook."), 1 << width),
+                count(
+                    "BOOKS",
+                    Some("Codebooks (one per group, or one shared)."),
+                    if per_group { groups } else { 1 },
+                ),
+                table(t),
+            ],
+        ),
         FieldLayout::Coeff {
-            item_scale,
+            item_scale: at,
             offset,
-            count,
-            bits,
+            count: n,
+            bits: width,
             slot,
-            table,
+            table: t,
             scale,
         } => {
-            let count = count as usize;
-            let item_scale = item_scale.map(|at| {
-                quote! {
-                    /// Bit offset of the item's f16 scale.
-                    pub const ITEM_SCALE_OFFSET: u32 = #at;
-                }
-            });
-            let slot = matches!(scale, CoeffScale::Page | CoeffScale::PageComponent).then(|| {
-                let slot = slot as usize;
-                quote! {
-                    /// First page-header scale slot of the field.
-                    pub const SLOT: usize = #slot;
-                }
-            });
-            let table = table.map(|t| {
-                let doc = table_doc(t);
-                quote! {
-                    #[doc = #doc]
-                    pub const TABLE: usize = #t;
-                }
-            });
-            quote! {
-                /// The coeff field: `COUNT` signed codes of `BITS` bits.
-                pub mod coeff {
-                    /// Bit offset of the first code in the item.
-                    pub const OFFSET: u32 = #offset;
-                    /// Bits per code.
-                    pub const BITS: u32 = #bits;
-                    pub const COUNT: usize = #count;
-                    #item_scale
-                    #slot
-                    #table
-                }
+            let mut consts = vec![
+                bits(
+                    "OFFSET",
+                    "Bit offset of the first code in the item.",
+                    offset,
+                ),
+                bits("BITS", "Bits per code.", width),
+                count("COUNT", None, n),
+            ];
+            consts.extend(item_scale(at, "Bit offset of the item's f16 scale."));
+            if matches!(scale, CoeffScale::Page | CoeffScale::PageComponent) {
+                let doc = "First page-header scale slot of the field.";
+                consts.push(count("SLOT", Some(doc), slot));
             }
+            consts.extend(t.map(table));
+            (
+                "coeff",
+                "The coeff field: `COUNT` signed codes of `BITS` bits.",
+                consts,
+            )
         }
         FieldLayout::Bitmap {
             mask_offset,
@@ -127,51 +151,68 @@ pub fn field_constants(field: &FieldLayout, layout: &TierLayout) -> TokenStream 
             group_size,
             keep,
             elem,
-            item_scale,
+            item_scale: at,
             elems_offset,
         } => {
-            let elem_bits = bitmap_elem_bits(elem);
-            let (groups, group_size, keep) = (groups as usize, group_size as usize, keep as usize);
-            let item_scale = item_scale.map(|at| {
-                quote! {
-                    /// Bit offset of the item's f16 scale (int8 elements).
-                    pub const ITEM_SCALE_OFFSET: u32 = #at;
-                }
-            });
-            quote! {
-                /// The bitmap field: a mask of `GROUPS` bits, then `KEEP` kept groups.
-                pub mod bitmap {
-                    /// Bit offset of the mask (bit `g` set: group `g` is kept).
-                    pub const MASK_OFFSET: u32 = #mask_offset;
-                    pub const GROUPS: usize = #groups;
-                    /// Elements per group.
-                    pub const GROUP_SIZE: usize = #group_size;
-                    /// Groups stored per item.
-                    pub const KEEP: usize = #keep;
-                    #item_scale
-                    /// Bit offset of the first kept element.
-                    pub const ELEMS_OFFSET: u32 = #elems_offset;
-                    /// Bits per element.
-                    pub const ELEM_BITS: u32 = #elem_bits;
-                }
-            }
+            let mut consts = vec![
+                bits(
+                    "MASK_OFFSET",
+                    "Bit offset of the mask (bit `g` set: group `g` is kept).",
+                    mask_offset,
+                ),
+                count("GROUPS", None, groups),
+                count("GROUP_SIZE", Some("Elements per group."), group_size),
+                count("KEEP", Some("Groups stored per item."), keep),
+            ];
+            consts.extend(item_scale(
+                at,
+                "Bit offset of the item's f16 scale (int8 elements).",
+            ));
+            consts.push(bits(
+                "ELEMS_OFFSET",
+                "Bit offset of the first kept element.",
+                elems_offset,
+            ));
+            consts.push(bits(
+                "ELEM_BITS",
+                "Bits per element.",
+                bitmap_elem_bits(elem),
+            ));
+            (
+                "bitmap",
+                "The bitmap field: a mask of `GROUPS` bits, then `KEEP` kept groups.",
+                consts,
+            )
         }
         FieldLayout::Dense {
             offset,
-            count,
+            count: n,
             dtype,
-        } => {
-            let (count, bits) = (count as usize, dtype.bits());
-            quote! {
-                /// The dense field: `COUNT` values of `BITS` bits.
-                pub mod dense {
-                    /// Bit offset of the first value in the item.
-                    pub const OFFSET: u32 = #offset;
-                    /// Bits per value.
-                    pub const BITS: u32 = #bits;
-                    pub const COUNT: usize = #count;
-                }
-            }
+        } => (
+            "dense",
+            "The dense field: `COUNT` values of `BITS` bits.",
+            vec![
+                bits(
+                    "OFFSET",
+                    "Bit offset of the first value in the item.",
+                    offset,
+                ),
+                bits("BITS", "Bits per value.", dtype.bits()),
+                count("COUNT", None, n),
+            ],
+        ),
+    };
+    let kind = format_ident!("{}", kind);
+    let consts = consts.iter().map(|c| {
+        let name = format_ident!("{}", c.name);
+        let value = &c.value;
+        let doc = c.doc.as_ref().map(|d| quote!(#[doc = #d]));
+        quote!(#doc pub const #name: #value;)
+    });
+    quote! {
+        #[doc = #doc]
+        pub mod #kind {
+            #(#consts)*
         }
     }
 }

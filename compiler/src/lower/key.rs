@@ -4,7 +4,7 @@ use super::fields::{
     bitmap_element, bitmap_slot, codeword_start, coeff_scale, dense_value, item_scale,
     signed_value, slot_bits_at,
 };
-use super::transform::{array, dot_with_table, elementwise, fwht, project};
+use super::transform::{array, dot, dot_with_table, elementwise, fwht, project};
 use super::Tables;
 use crate::ir::builder::ExprBuilder;
 use crate::ir::{Arena, ArrayDecl, BinaryOp, Function, Handle, Kernel, KeyProgram, Stage};
@@ -89,16 +89,12 @@ pub fn lower(
                 let row = codeword_start(b, body, j, i);
                 let first = b.mul_u32(j, group_size);
                 let zero = b.f32(0.0);
-                let terms: Vec<_> = (0..group_size)
-                    .map(|t| {
-                        let at = b.add_u32(first, t);
-                        let q = b.shared(transformed, at);
-                        let cat = b.add_u32(row, t);
-                        let c = b.table(codebook, cat);
-                        (q, c)
-                    })
-                    .collect();
-                let value = b.dot(zero, terms);
+                let value = dot(b, zero, group_size, |b, t| {
+                    let at = b.add_u32(first, t);
+                    let q = b.shared(transformed, at);
+                    let cat = b.add_u32(row, t);
+                    (q, b.table(codebook, cat))
+                });
                 vec![(out, it, value)]
             }));
             lut = Some(out);

@@ -83,14 +83,13 @@ fn fit_fields(
             FieldLayout::Codebook {
                 groups,
                 group_size,
-                bits,
                 codewords,
                 per_group,
                 table,
                 ..
             } => {
                 let g = group_size as usize;
-                let TableRole::Codebook { books, .. } = layout.tables[table].role else {
+                let TableRole::Codebook { books, entries } = layout.tables[table].role else {
                     unreachable!("codebook fields own codebook tables")
                 };
                 let mut book = Vec::with_capacity(layout.tables[table].len as usize);
@@ -110,7 +109,7 @@ fn fit_fields(
                         })
                         .collect();
                     let opts = KMeansOptions {
-                        clusters: 1 << bits,
+                        clusters: entries as usize,
                         iterations: options.iterations,
                         max_samples: options.max_samples,
                         seed: options.seed ^ ((table as u64) << 32) ^ b as u64,
