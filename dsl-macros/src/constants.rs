@@ -22,6 +22,18 @@ fn bits(name: &'static str, doc: &str, value: u32) -> Const {
     }
 }
 
+/// `OFFSET` and `BITS` of a run of equal elements (each a `what`).
+fn run(what: &str, offset: u32, width: u32) -> [Const; 2] {
+    [
+        bits(
+            "OFFSET",
+            &format!("Bit offset of the first {what} in the item."),
+            offset,
+        ),
+        bits("BITS", &format!("Bits per {what}."), width),
+    ]
+}
+
 /// A count or index (`usize`).
 fn count(name: &'static str, doc: Option<&str>, value: u32) -> Const {
     let value = value as usize;
@@ -58,29 +70,26 @@ pub fn field_constants(field: &FieldLayout, layout: &TierLayout) -> TokenStream 
         } => (
             "radius",
             "The radius field: `GROUPS` unsigned codes of `BITS` bits.",
-            vec![
-                bits(
-                    "OFFSET",
-                    "Bit offset of the first code in the item.",
-                    offset,
-                ),
-                bits("BITS", "Bits per code.", width),
-                count("GROUPS", None, groups),
-                count("GROUP_SIZE", None, group_size),
-                count(
-                    "SLOT",
-                    Some("First page-header scale slot of the field."),
-                    slot,
-                ),
-                count(
-                    "SLOTS",
-                    Some("Header scale slots of the field (1, or one per group)."),
-                    match scale {
-                        RadiusScale::Page => 1,
-                        RadiusScale::PageGroup => groups,
-                    },
-                ),
-            ],
+            run("code", offset, width)
+                .into_iter()
+                .chain([
+                    count("GROUPS", None, groups),
+                    count("GROUP_SIZE", None, group_size),
+                    count(
+                        "SLOT",
+                        Some("First page-header scale slot of the field."),
+                        slot,
+                    ),
+                    count(
+                        "SLOTS",
+                        Some("Header scale slots of the field (1, or one per group)."),
+                        match scale {
+                            RadiusScale::Page => 1,
+                            RadiusScale::PageGroup => groups,
+                        },
+                    ),
+                ])
+                .collect(),
         ),
         FieldLayout::Codebook {
             offset,
@@ -93,27 +102,24 @@ pub fn field_constants(field: &FieldLayout, layout: &TierLayout) -> TokenStream 
         } => (
             "codebook",
             "The codebook field: `GROUPS` indices of `BITS` bits.",
-            vec![
-                bits(
-                    "OFFSET",
-                    "Bit offset of the first index in the item.",
-                    offset,
-                ),
-                bits("BITS", "Bits per index.", width),
-                count("GROUPS", None, groups),
-                count(
-                    "GROUP_SIZE",
-                    Some("Coordinates per group (codeword length)."),
-                    group_size,
-                ),
-                count("ENTRIES", Some("Codewords per codebook."), 1 << width),
-                count(
-                    "BOOKS",
-                    Some("Codebooks (one per group, or one shared)."),
-                    if per_group { groups } else { 1 },
-                ),
-                table(t),
-            ],
+            run("index", offset, width)
+                .into_iter()
+                .chain([
+                    count("GROUPS", None, groups),
+                    count(
+                        "GROUP_SIZE",
+                        Some("Coordinates per group (codeword length)."),
+                        group_size,
+                    ),
+                    count("ENTRIES", Some("Codewords per codebook."), 1 << width),
+                    count(
+                        "BOOKS",
+                        Some("Codebooks (one per group, or one shared)."),
+                        if per_group { groups } else { 1 },
+                    ),
+                    table(t),
+                ])
+                .collect(),
         ),
         FieldLayout::Coeff {
             item_scale: at,
@@ -124,15 +130,10 @@ pub fn field_constants(field: &FieldLayout, layout: &TierLayout) -> TokenStream 
             table: t,
             scale,
         } => {
-            let mut consts = vec![
-                bits(
-                    "OFFSET",
-                    "Bit offset of the first code in the item.",
-                    offset,
-                ),
-                bits("BITS", "Bits per code.", width),
-                count("COUNT", None, n),
-            ];
+            let mut consts: Vec<Const> = run("code", offset, width)
+                .into_iter()
+                .chain([count("COUNT", None, n)])
+                .collect();
             consts.extend(item_scale(at, "Bit offset of the item's f16 scale."));
             if matches!(scale, CoeffScale::Page | CoeffScale::PageComponent) {
                 let doc = "First page-header scale slot of the field.";
@@ -191,15 +192,10 @@ pub fn field_constants(field: &FieldLayout, layout: &TierLayout) -> TokenStream 
         } => (
             "dense",
             "The dense field: `COUNT` values of `BITS` bits.",
-            vec![
-                bits(
-                    "OFFSET",
-                    "Bit offset of the first value in the item.",
-                    offset,
-                ),
-                bits("BITS", "Bits per value.", dtype.bits()),
-                count("COUNT", None, n),
-            ],
+            run("value", offset, dtype.bits())
+                .into_iter()
+                .chain([count("COUNT", None, n)])
+                .collect(),
         ),
     };
     let kind = format_ident!("{}", kind);
