@@ -17,10 +17,10 @@ use std::time::{Duration, Instant};
 use criterion::Criterion;
 use kvcc::compiler::layout::TierLayout;
 use kvcc::compiler::Format;
+use kvcc::kv_format;
 use kvcc::runtime::cache;
 use kvcc::runtime::encode::{encode_page, EncodeError, TrainOptions};
 use kvcc::runtime::synth::{synthesize, SynthOptions};
-use kvcc_dsl_macros::kv_format;
 
 kv_format!("specs/dense_f16.toml");
 kv_format!("specs/spherical.toml");

@@ -13,9 +13,9 @@ use common::{data, fresh_seed};
 use kvcc::compiler::back::ptx::{self, Options, Target};
 use kvcc::compiler::layout::TierLayout;
 use kvcc::compiler::Format;
+use kvcc::kv_format;
 use kvcc::runtime::cache::{self, PagedCache};
 use kvcc::runtime::encode::{decode_page, encode_page, EncodeError, TrainOptions};
-use kvcc_dsl_macros::kv_format;
 
 kv_format!("specs/dense_f16.toml");
 kv_format!("specs/spherical.toml");

@@ -21,7 +21,9 @@ use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
 use crate::back::ptx::{self, Target};
-use crate::layout::{CodecLayout, FieldLayout, TableStorage, TierLayout, TransformLayout};
+use crate::layout::{
+    BitRange, CodecLayout, FieldLayout, SlotRole, TableStorage, TierLayout, TransformLayout,
+};
 use serde::Serialize;
 
 use crate::{CompileError, Format};
@@ -159,82 +161,81 @@ fn codec_report(out: &mut String, codec: &CodecLayout, layout: &TierLayout) {
         codec.stride
     );
     let table = |t: usize| format!("table {t} {}", layout.tables[t].name);
+    let range = |role| {
+        let r: BitRange = codec.slot(role);
+        format!("bits {}..{}", r.offset, r.end())
+    };
     for field in &codec.fields {
         let line = match *field {
             FieldLayout::Radius {
-                offset,
                 groups,
                 group_size,
                 bits,
                 scale,
                 slot,
+                ..
             } => format!(
-                "radius    bits {offset}..{}: {groups} x {bits} bits, groups of {group_size}, scale {} from header slot {slot}",
-                offset + groups * bits,
+                "radius    {}: {groups} x {bits} bits, groups of {group_size}, scale {} from header slot {slot}",
+                range(SlotRole::RadiusCode),
                 spelled(scale)
             ),
             FieldLayout::Codebook {
-                offset,
                 groups,
                 group_size,
                 bits,
                 codewords,
                 per_group,
                 table: t,
+                ..
             } => format!(
-                "codebook  bits {offset}..{}: {groups} x {bits} bits, groups of {group_size}, {} codewords{}, {}",
-                offset + groups * bits,
+                "codebook  {}: {groups} x {bits} bits, groups of {group_size}, {} codewords{}, {}",
+                range(SlotRole::CodebookIndex),
                 spelled(codewords),
                 if per_group { " per group" } else { "" },
                 table(t)
             ),
             FieldLayout::Coeff {
                 item_scale,
-                offset,
                 count,
                 bits,
                 scale,
                 slot,
                 table: t,
+                ..
             } => {
                 let source = match (item_scale, t) {
-                    (Some(at), _) => format!("f16 item scale at bits {at}..{}", at + 16),
+                    (Some(_), _) => format!("f16 item scale at {}", range(SlotRole::ItemScale)),
                     (None, Some(t)) => table(t),
                     (None, None) => format!("header slot {slot}"),
                 };
                 format!(
-                    "coeff     bits {offset}..{}: {count} x {bits} bits, scale {} ({source})",
-                    offset + count * bits,
+                    "coeff     {}: {count} x {bits} bits, scale {} ({source})",
+                    range(SlotRole::Coefficient),
                     spelled(scale)
                 )
             }
             FieldLayout::Bitmap {
-                mask_offset,
                 groups,
                 group_size,
                 keep,
                 elem,
                 item_scale,
-                elems_offset,
+                ..
             } => {
-                let elems = keep * group_size;
-                let end = elems_offset + elems * crate::layout::bitmap_elem_bits(elem);
                 let scale = item_scale
-                    .map(|at| format!(", f16 item scale at bits {at}..{}", at + 16))
+                    .map(|_| format!(", f16 item scale at {}", range(SlotRole::ItemScale)))
                     .unwrap_or_default();
                 format!(
-                    "bitmap    mask bits {mask_offset}..{}: {groups} groups of {group_size}{scale}, {keep} kept: {elems} {} elements at bits {elems_offset}..{end}",
-                    mask_offset + groups,
-                    spelled(elem)
+                    "bitmap    mask {}: {groups} groups of {group_size}{scale}, {keep} kept: {} {} elements at {}",
+                    range(SlotRole::MaskBit),
+                    keep * group_size,
+                    spelled(elem),
+                    range(SlotRole::BitmapElement)
                 )
             }
-            FieldLayout::Dense {
-                offset,
-                count,
-                dtype,
-            } => format!(
-                "dense     bits {offset}..{}: {count} x {}",
-                offset + count * dtype.bits(),
+            FieldLayout::Dense { count, dtype, .. } => format!(
+                "dense     {}: {count} x {}",
+                range(SlotRole::DenseValue),
                 spelled(dtype)
             ),
         };

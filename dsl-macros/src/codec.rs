@@ -4,46 +4,53 @@
 //! The generated code does what `kvcc_runtime::encode::encode_page` and
 //! `decode_page` do for this codec, with every size and bit offset a
 //! constant: the numbers come from the same `kvcc_runtime::encode::ops`
-//! helpers (so pages are byte-identical), the fields are not walked at run
-//! time, and bits are packed a 64-bit word at a time (`pack`).
+//! functions (so pages are byte-identical), and the bit positions from the
+//! item's schema (`CodecLayout::slots`), walked once here at expansion time
+//! and packed a 64-bit word at a time (`pack`).
 
-use kvcc_compiler::layout::{
-    bitmap_elem_bits, coeff_max, CodecLayout, FieldLayout, TierLayout, TransformLayout,
-    ITEM_SCALE_BITS,
-};
-use kvcc_compiler::spec::{BitmapElem, CodewordKind, CoeffScale, DenseDtype, RadiusScale};
+use kvcc_compiler::layout::{CodecLayout, FieldLayout, SlotRole, TierLayout, TransformLayout};
+use kvcc_compiler::spec::{BitmapElem, CodewordKind, CoeffScale, RadiusScale};
 use proc_macro2::{Ident, Literal, TokenStream};
 use quote::{format_ident, quote};
 
+use crate::constants::field_constants;
 use crate::pack::{pack, Element, Words};
 
 fn lit(v: u32) -> Literal {
     Literal::u32_unsuffixed(v)
 }
 
-fn ops() -> TokenStream {
-    quote!(::kvcc_runtime::encode::ops)
+/// The generated code's array of a slot's elements (a mask's: its words).
+fn slot_array(role: SlotRole) -> Ident {
+    format_ident!(
+        "{}",
+        match role {
+            SlotRole::RadiusCode => "radius_code",
+            SlotRole::CodebookIndex => "index",
+            SlotRole::Coefficient => "code",
+            SlotRole::ItemScale => "item_scale",
+            SlotRole::MaskBit => "mask",
+            SlotRole::BitmapElement => "elems",
+            SlotRole::DenseValue => "dense",
+        }
+    )
 }
-
-/// Bits of a mask word of a bitmap field.
-const MASK_WORD: u32 = 32;
 
 pub struct Codec<'a> {
     pub layout: &'a TierLayout,
     pub codec: &'a CodecLayout,
-}
-
-/// The radius field of a direction codebook, as the codebook's encoder uses it.
-struct Radius {
-    offset: u32,
-    bits: u32,
-    scale: RadiusScale,
-    slot: u32,
+    /// The runtime crate's path in the calling crate (`$crate` of `kv_format!`).
+    pub krate: &'a TokenStream,
 }
 
 impl Codec<'_> {
     fn side(&self) -> &'static str {
         self.codec.side.name()
+    }
+
+    fn ops(&self) -> TokenStream {
+        let krate = self.krate;
+        quote!(#krate::encode::ops)
     }
 
     pub fn encoder_name(&self) -> Ident {
@@ -52,24 +59,6 @@ impl Codec<'_> {
 
     pub fn decoder_name(&self) -> Ident {
         format_ident!("decode_{}", self.side())
-    }
-
-    fn radius(&self) -> Option<Radius> {
-        match self.codec.radius() {
-            Some(&FieldLayout::Radius {
-                offset,
-                bits,
-                scale,
-                slot,
-                ..
-            }) => Some(Radius {
-                offset,
-                bits,
-                scale,
-                slot,
-            }),
-            _ => None,
-        }
     }
 
     /// Whether the codec stores scales in the page header: encoding then
@@ -128,7 +117,7 @@ impl Codec<'_> {
     /// Statements binding `y: &[f32; dims]`, the transformed coordinates of
     /// `x: &[f32; head_dim]`.
     fn forward(&self) -> TokenStream {
-        let ops = ops();
+        let ops = self.ops();
         let dims = self.dims();
         match self.codec.transform {
             TransformLayout::Identity => quote!(let y: &[f32; #dims] = x;),
@@ -158,7 +147,7 @@ impl Codec<'_> {
 
     /// Statements appending the head-space vector of `y` (mutable, `dims`) to `out`.
     fn inverse(&self) -> TokenStream {
-        let ops = ops();
+        let ops = self.ops();
         let head_dim = self.head_dim();
         match self.codec.transform {
             TransformLayout::Identity => quote!(out.extend_from_slice(&y);),
@@ -204,12 +193,9 @@ impl Codec<'_> {
             "Encodes `data` (`[token][{head_dim}]`) as {} items into `stream`.",
             self.side()
         );
+        let pack = pack(&item, &self.elements(), self.codec.stride);
         let body = match self.plan() {
-            Plan::OnePass {
-                item: stmts,
-                elements,
-            } => {
-                let pack = pack(&item, &elements, self.codec.bits.div_ceil(8));
+            Plan::OnePass { item: stmts } => {
                 quote! {
                     for (x, #item) in data.chunks_exact(#head_dim).zip(stream.chunks_exact_mut(#stride)) {
                         let x: &[f32; #head_dim] = x.try_into().expect("chunks_exact");
@@ -226,9 +212,7 @@ impl Codec<'_> {
                 finish,
                 keep_y,
                 item: stmts,
-                elements,
             } => {
-                let pack = pack(&item, &elements, self.codec.bits.div_ceil(8));
                 let dims = self.dims();
                 let (store_y, init_y, load_y) = match (keep_y, self.codec.transform) {
                     (false, _) => (quote!(), quote!(), quote!()),
@@ -279,75 +263,49 @@ impl Codec<'_> {
         }
     }
 
-    /// How the items are encoded.
+    /// How the items are encoded. Each kind binds the arrays its slots take
+    /// (named by [`slot_array`]); [`Self::elements`] places them.
     fn plan(&self) -> Plan {
-        let ops = ops();
-        match *self.codec.body() {
+        let ops = self.ops();
+        let body = self.codec.body();
+        match *body {
             FieldLayout::Codebook {
-                offset,
                 groups,
                 group_size,
-                bits,
                 codewords,
-                per_group,
                 table: t,
+                ..
             } => {
-                let (g, book_len) = (group_size as usize, (1usize << bits) * group_size as usize);
-                let groups_n = groups as usize;
+                let (g, book_len, groups_n) = (
+                    group_size as usize,
+                    body.book_len() as usize,
+                    groups as usize,
+                );
                 let book = table(t);
-                let book_start = if per_group {
-                    quote!(j * #book_len)
-                } else {
-                    quote!(0)
-                };
-                let index_elements = || {
-                    (0..groups).map(move |j| {
-                        let ju = j as usize;
-                        Element {
-                            value: quote!(index[#ju]),
-                            offset: offset + j * bits,
-                            width: bits,
-                        }
-                    })
-                };
-                match (codewords, self.radius()) {
-                    (CodewordKind::Direction, Some(radius)) => {
-                        let max = match radius.scale {
-                            RadiusScale::Page => {
-                                let slot = radius.slot as usize;
-                                quote!(scales[#slot] = #ops::scale_or_one(group_max.iter().copied().fold(0.0, f32::max));)
-                            }
-                            RadiusScale::PageGroup => {
-                                let slot = radius.slot as usize;
+                let book_start = self.book_start();
+                match (codewords, self.codec.radius()) {
+                    (
+                        CodewordKind::Direction,
+                        Some(&FieldLayout::Radius {
+                            bits, scale, slot, ..
+                        }),
+                    ) => {
+                        let slot = slot as usize;
+                        let (finish, scale) = match scale {
+                            RadiusScale::Page => (
+                                quote!(scales[#slot] = #ops::scale_or_one(#ops::max_abs(&group_max));),
+                                quote!(scales[#slot]),
+                            ),
+                            RadiusScale::PageGroup => (
                                 quote! {
                                     for j in 0..#groups_n {
                                         scales[#slot + j] = #ops::scale_or_one(group_max[j]);
                                     }
-                                }
-                            }
+                                },
+                                quote!(scales[#slot + j]),
+                            ),
                         };
-                        let scale = match radius.scale {
-                            RadiusScale::Page => {
-                                let slot = radius.slot as usize;
-                                quote!(scales[#slot])
-                            }
-                            RadiusScale::PageGroup => {
-                                let slot = radius.slot as usize;
-                                quote!(scales[#slot + j])
-                            }
-                        };
-                        let rbits = lit(radius.bits);
-                        let mut elements: Vec<Element> = (0..groups)
-                            .map(|j| {
-                                let ju = j as usize;
-                                Element {
-                                    value: quote!(code[#ju]),
-                                    offset: radius.offset + j * radius.bits,
-                                    width: radius.bits,
-                                }
-                            })
-                            .collect();
-                        elements.extend(index_elements());
+                        let rbits = lit(bits);
                         let head_dim = self.head_dim();
                         Plan::TwoPass {
                             init: quote! {
@@ -370,15 +328,14 @@ impl Codec<'_> {
                                 indices.push(index);
                                 radii.push(radius);
                             },
-                            finish: max,
+                            finish,
                             keep_y: false,
                             item: quote! {
                                 let index = &indices[i];
-                                let code: [u32; #groups_n] = ::core::array::from_fn(|j| {
+                                let radius_code: [u32; #groups_n] = ::core::array::from_fn(|j| {
                                     #ops::radius_code(radii[i][j], #scale, #rbits)
                                 });
                             },
-                            elements,
                         }
                     }
                     _ => Plan::OnePass {
@@ -390,68 +347,38 @@ impl Codec<'_> {
                                 index[j] = #ops::nearest(book, #ops::Fixed::<#g>, part) as u32;
                             }
                         },
-                        elements: index_elements().collect(),
                     },
                 }
             }
             FieldLayout::Coeff {
-                item_scale,
-                offset,
                 count,
                 bits,
                 scale,
                 slot,
-                table: t,
+                ..
             } => {
-                let n = count as usize;
-                let b = lit(bits);
-                let slot = slot as usize;
-                let mut elements: Vec<Element> = (0..count)
-                    .map(|c| {
-                        let cu = c as usize;
-                        Element {
-                            value: quote!(code[#cu]),
-                            offset: offset + c * bits,
-                            width: bits,
-                        }
-                    })
-                    .collect();
-                let quantize = |s: TokenStream| {
+                let (n, b, slot) = (count as usize, lit(bits), slot as usize);
+                let quantize = {
+                    let s = self.coeff_factor();
                     quote! {
                         let code: [u32; #n] = ::core::array::from_fn(|c| #ops::quantize(y[c], #s, #b));
                     }
                 };
                 match scale {
-                    CoeffScale::Item => {
-                        let q = Literal::f32_suffixed(coeff_max(bits) as f32);
-                        let quantize = quantize(quote!(scale));
-                        elements.push(Element {
-                            value: quote!(#ops::f16_bits(scale)),
-                            offset: item_scale.expect("item scales have a position"),
-                            width: ITEM_SCALE_BITS,
-                        });
-                        Plan::OnePass {
-                            item: quote! {
-                                let scale = #ops::half_scale(y.iter().fold(0.0f32, |m, v| m.max(v.abs())), #q);
-                                #quantize
-                            },
-                            elements,
-                        }
-                    }
-                    CoeffScale::Component => {
-                        let scales = table(t.expect("component scales have a table"));
-                        Plan::OnePass {
-                            item: quantize(quote!(#scales[c])),
-                            elements,
-                        }
-                    }
+                    CoeffScale::Item => Plan::OnePass {
+                        item: quote! {
+                            let scale = #ops::coeff_item_scale(y, #b);
+                            let item_scale = [#ops::f16_bits(scale)];
+                            #quantize
+                        },
+                    },
+                    CoeffScale::Component => Plan::OnePass { item: quantize },
                     CoeffScale::Page => Plan::TwoPass {
                         init: quote!(let mut max = 0.0f32;),
-                        measure: quote!(max = y.iter().fold(max, |m, v| m.max(v.abs()));),
+                        measure: quote!(max = max.max(#ops::max_abs(y));),
                         finish: quote!(scales[#slot] = #ops::coeff_scale(max, #b);),
                         keep_y: true,
-                        item: quantize(quote!(scales[#slot])),
-                        elements,
+                        item: quantize,
                     },
                     CoeffScale::PageComponent => Plan::TwoPass {
                         init: quote!(let mut max = [0.0f32; #n];),
@@ -466,115 +393,118 @@ impl Codec<'_> {
                             }
                         },
                         keep_y: true,
-                        item: quantize(quote!(scales[#slot + c])),
-                        elements,
+                        item: quantize,
                     },
                 }
             }
             FieldLayout::Bitmap {
-                mask_offset,
                 groups,
                 group_size,
-                keep,
                 elem,
-                item_scale,
-                elems_offset,
+                ..
             } => {
-                let (g, groups_n, keep_n) = (group_size as usize, groups as usize, keep as usize);
-                let kept_elems = keep_n * g;
-                let mask_words = groups.div_ceil(MASK_WORD);
-                let mask_words_n = mask_words as usize;
-                let elem_bits = bitmap_elem_bits(elem);
-                let mut elements: Vec<Element> = (0..mask_words)
-                    .map(|w| {
-                        let wu = w as usize;
-                        Element {
-                            value: quote!(mask[#wu]),
-                            offset: mask_offset + w * MASK_WORD,
-                            width: (groups - w * MASK_WORD).min(MASK_WORD),
-                        }
-                    })
-                    .collect();
-                elements.extend((0..keep * group_size).map(|e| {
-                    let eu = e as usize;
-                    Element {
-                        value: quote!(elems[#eu]),
-                        offset: elems_offset + e * elem_bits,
-                        width: elem_bits,
-                    }
-                }));
-                let (scale, convert) = match elem {
-                    BitmapElem::F16 => (quote!(), quote!(#ops::f16_bits(v))),
-                    BitmapElem::Int8 => {
-                        elements.push(Element {
-                            value: quote!(#ops::f16_bits(scale)),
-                            offset: item_scale.expect("int8 elements have an item scale"),
-                            width: ITEM_SCALE_BITS,
-                        });
-                        let q = Literal::f32_suffixed(coeff_max(8) as f32);
-                        (
-                            quote! {
-                                let scale = #ops::half_scale(
-                                    kept.iter()
-                                        .flat_map(|&j| &y[j * #g..(j + 1) * #g])
-                                        .fold(0.0f32, |m, v| m.max(v.abs())),
-                                    #q,
-                                );
-                            },
-                            quote!(#ops::quantize(v, scale, 8)),
-                        )
-                    }
+                let (g, groups_n) = (group_size as usize, groups as usize);
+                let [mask_n, elems_n] =
+                    [SlotRole::MaskBit, SlotRole::BitmapElement].map(|r| self.count(r));
+                let elem_ty = self.spec_enum("BitmapElem", elem);
+                let encode = quote!(#ops::bitmap_encode(y, #g, #elem_ty, (&mut energy, &mut order), &mut mask, &mut elems));
+                let encode = match elem {
+                    BitmapElem::Int8 => quote! {
+                        let item_scale = [#ops::f16_bits(#encode.expect("int8 bitmaps have a scale"))];
+                    },
+                    BitmapElem::F16 => quote!(#encode;),
                 };
                 Plan::OnePass {
                     item: quote! {
-                        let energy: [f32; #groups_n] = ::core::array::from_fn(|j| #ops::energy(&y[j * #g..(j + 1) * #g]));
+                        let mut energy = [0.0f32; #groups_n];
                         let mut order = [0usize; #groups_n];
-                        let kept = #ops::keep_largest(&energy, #keep_n, &mut order);
-                        let mut mask = [0u32; #mask_words_n];
-                        for &j in kept {
-                            mask[j / 32] |= 1 << (j % 32);
-                        }
-                        #scale
-                        let elems: [u32; #kept_elems] = ::core::array::from_fn(|e| {
-                            let v = y[kept[e / #g] * #g + e % #g];
-                            #convert
-                        });
+                        let mut mask = [0u32; #mask_n];
+                        let mut elems = [0u32; #elems_n];
+                        #encode
                     },
-                    elements,
                 }
             }
-            FieldLayout::Dense {
-                offset,
-                count,
-                dtype,
-            } => {
+            FieldLayout::Dense { count, dtype, .. } => {
                 let n = count as usize;
-                let width = dtype.bits();
-                let convert = match dtype {
-                    DenseDtype::F16 => quote!(#ops::f16_bits(v)),
-                    DenseDtype::Bf16 => quote!(#ops::bf16_bits(v)),
-                    DenseDtype::F32 => quote!(v.to_bits()),
-                };
+                let dtype = self.spec_enum("DenseDtype", dtype);
                 Plan::OnePass {
                     item: quote! {
-                        let elems: [u32; #n] = ::core::array::from_fn(|c| {
-                            let v = y[c];
-                            #convert
-                        });
+                        let dense: [u32; #n] = ::core::array::from_fn(|c| #ops::dense_bits(#dtype, y[c]));
                     },
-                    elements: (0..count)
-                        .map(|c| {
-                            let cu = c as usize;
-                            Element {
-                                value: quote!(elems[#cu]),
-                                offset: offset + c * width,
-                                width,
-                            }
-                        })
-                        .collect(),
                 }
             }
             FieldLayout::Radius { .. } => unreachable!("body() is never a radius"),
+        }
+    }
+
+    /// Every element of the item's schema, each naming its slot's array.
+    fn elements(&self) -> Vec<Element> {
+        self.codec
+            .slots
+            .iter()
+            .flat_map(|slot| {
+                let array = slot_array(slot.role);
+                slot.elements()
+                    .enumerate()
+                    .map(move |(k, (offset, width))| Element {
+                        value: quote!(#array[#k]),
+                        offset,
+                        width,
+                    })
+            })
+            .collect()
+    }
+
+    /// Elements of the slot with `role` (mask words for a mask).
+    fn count(&self, role: SlotRole) -> usize {
+        let slot = self.codec.slots.iter().find(|s| s.role == role);
+        slot.expect("the codec has this slot").element_count() as usize
+    }
+
+    /// `<krate>::compiler::spec::<ty>::<variant>`.
+    fn spec_enum(&self, ty: &str, variant: impl std::fmt::Debug) -> TokenStream {
+        let krate = self.krate;
+        let (ty, variant) = (
+            format_ident!("{}", ty),
+            format_ident!("{}", format!("{variant:?}")),
+        );
+        quote!(#krate::compiler::spec::#ty::#variant)
+    }
+
+    /// The scale of coefficient `c`: `scale` (the item's, bound by the
+    /// caller), a header slot, or the trained component table.
+    fn coeff_factor(&self) -> TokenStream {
+        let FieldLayout::Coeff {
+            scale,
+            slot,
+            table: t,
+            ..
+        } = *self.codec.body()
+        else {
+            unreachable!("coeff_factor of a coeff codec")
+        };
+        let slot = slot as usize;
+        match scale {
+            CoeffScale::Item => quote!(scale),
+            CoeffScale::Page => quote!(scales[#slot]),
+            CoeffScale::PageComponent => quote!(scales[#slot + c]),
+            CoeffScale::Component => {
+                let scales = table(t.expect("component scales have a table"));
+                quote!(#scales[c])
+            }
+        }
+    }
+
+    /// The first value of group `j`'s book in the codebook table.
+    fn book_start(&self) -> TokenStream {
+        match *self.codec.body() {
+            FieldLayout::Codebook {
+                per_group: true, ..
+            } => {
+                let book_len = self.codec.body().book_len() as usize;
+                quote!(j * #book_len)
+            }
+            _ => quote!(0),
         }
     }
 
@@ -611,62 +541,47 @@ impl Codec<'_> {
         }
     }
 
-    /// Statements filling `y` from the item's words.
+    /// Statements filling `y` from the item's words: every slot of the schema
+    /// read into its array, then the body's kind turns them into coordinates.
     fn decode_body(&self, words: &Words) -> TokenStream {
-        let ops = ops();
-        let array = |count: u32, offset: u32, width: u32| {
-            let reads = (0..count).map(|i| words.read(offset + i * width, width));
-            quote!([#(#reads),*])
-        };
-        match *self.codec.body() {
+        let ops = self.ops();
+        let loads = self.codec.slots.iter().map(|slot| {
+            let array = slot_array(slot.role);
+            let n = slot.element_count() as usize;
+            let reads = slot.elements().map(|(at, width)| words.read(at, width));
+            quote!(let #array: [u32; #n] = [#(#reads),*];)
+        });
+        let item_scale = quote!(#ops::f16_value(item_scale[0]));
+        let body = match *self.codec.body() {
             FieldLayout::Codebook {
-                offset,
                 groups,
                 group_size,
-                bits,
-                per_group,
                 table: t,
                 ..
             } => {
-                let (g, book_len, groups_n) = (
-                    group_size as usize,
-                    (1usize << bits) * group_size as usize,
-                    groups as usize,
-                );
+                let (g, groups_n) = (group_size as usize, groups as usize);
                 let book = table(t);
-                let book_start = if per_group {
-                    quote!(j * #book_len)
-                } else {
-                    quote!(0)
-                };
-                let indices = array(groups, offset, bits);
-                let (codes, set) = match self.radius() {
-                    Some(radius) => {
-                        let slot = radius.slot as usize;
-                        let scale = match radius.scale {
+                let book_start = self.book_start();
+                let set = match self.codec.radius() {
+                    Some(&FieldLayout::Radius {
+                        bits, scale, slot, ..
+                    }) => {
+                        let slot = slot as usize;
+                        let scale = match scale {
                             RadiusScale::Page => quote!(scales[#slot]),
                             RadiusScale::PageGroup => quote!(scales[#slot + j]),
                         };
-                        let rbits = lit(radius.bits);
-                        let codes = array(groups, radius.offset, radius.bits);
-                        (
-                            quote!(let code: [u32; #groups_n] = #codes;),
-                            quote! {
-                                let r = #ops::radius_value(code[j], #scale, #rbits);
-                                for (v, c) in y[j * #g..(j + 1) * #g].iter_mut().zip(codeword) {
-                                    *v = r * c;
-                                }
-                            },
-                        )
+                        let rbits = lit(bits);
+                        quote! {
+                            let r = #ops::radius_value(radius_code[j], #scale, #rbits);
+                            for (v, c) in y[j * #g..(j + 1) * #g].iter_mut().zip(codeword) {
+                                *v = r * c;
+                            }
+                        }
                     }
-                    None => (
-                        quote!(),
-                        quote!(y[j * #g..(j + 1) * #g].copy_from_slice(codeword);),
-                    ),
+                    _ => quote!(y[j * #g..(j + 1) * #g].copy_from_slice(codeword);),
                 };
                 quote! {
-                    let index: [u32; #groups_n] = #indices;
-                    #codes
                     for j in 0..#groups_n {
                         let codeword = &#book[#book_start + index[j] as usize * #g..][..#g];
                         #set
@@ -674,35 +589,11 @@ impl Codec<'_> {
                 }
             }
             FieldLayout::Coeff {
-                item_scale,
-                offset,
-                count,
-                bits,
-                scale,
-                slot,
-                table: t,
+                count, bits, scale, ..
             } => {
-                let n = count as usize;
-                let slot = slot as usize;
-                let b = lit(bits);
-                let codes = array(count, offset, bits);
-                let (bind, s) = match scale {
-                    CoeffScale::Item => {
-                        let read = words.read(
-                            item_scale.expect("item scales have a position"),
-                            ITEM_SCALE_BITS,
-                        );
-                        (quote!(let scale = #ops::f16_value(#read);), quote!(scale))
-                    }
-                    CoeffScale::Page => (quote!(), quote!(scales[#slot])),
-                    CoeffScale::PageComponent => (quote!(), quote!(scales[#slot + c])),
-                    CoeffScale::Component => {
-                        let scales = table(t.expect("component scales have a table"));
-                        (quote!(), quote!(#scales[c]))
-                    }
-                };
+                let (n, b, s) = (count as usize, lit(bits), self.coeff_factor());
+                let bind = (scale == CoeffScale::Item).then(|| quote!(let scale = #item_scale;));
                 quote! {
-                    let code: [u32; #n] = #codes;
                     #bind
                     for c in 0..#n {
                         y[c] = #ops::signed(code[c], #b) * #s;
@@ -710,75 +601,27 @@ impl Codec<'_> {
                 }
             }
             FieldLayout::Bitmap {
-                mask_offset,
-                groups,
-                group_size,
-                keep,
-                elem,
-                item_scale,
-                elems_offset,
+                group_size, elem, ..
             } => {
-                let (g, groups_n) = (group_size as usize, groups as usize);
-                let mask_words = groups.div_ceil(MASK_WORD);
-                let masks = (0..mask_words).map(|w| {
-                    words.read(
-                        mask_offset + w * MASK_WORD,
-                        (groups - w * MASK_WORD).min(MASK_WORD),
-                    )
-                });
-                let elem_bits = bitmap_elem_bits(elem);
-                let kept_elems = (keep * group_size) as usize;
-                let elems = array(keep * group_size, elems_offset, elem_bits);
-                let (bind, convert) = match elem {
-                    BitmapElem::F16 => (quote!(), quote!(#ops::f16_value(raw))),
-                    BitmapElem::Int8 => {
-                        let read = words.read(
-                            item_scale.expect("int8 elements have an item scale"),
-                            ITEM_SCALE_BITS,
-                        );
-                        (
-                            quote!(let scale = #ops::f16_value(#read);),
-                            quote!(#ops::signed(raw, 8) * scale),
-                        )
-                    }
+                let g = group_size as usize;
+                let scale = match elem {
+                    BitmapElem::Int8 => item_scale,
+                    BitmapElem::F16 => quote!(1.0),
                 };
-                quote! {
-                    let mask = [#(#masks),*];
-                    let elems: [u32; #kept_elems] = #elems;
-                    #bind
-                    let mut slot = 0usize;
-                    for j in 0..#groups_n {
-                        if (mask[j / 32] >> (j % 32)) & 1 == 1 {
-                            for t in 0..#g {
-                                let raw = elems[slot * #g + t];
-                                y[j * #g + t] = #convert;
-                            }
-                            slot += 1;
-                        }
-                    }
-                }
+                let elem = self.spec_enum("BitmapElem", elem);
+                quote!(#ops::bitmap_decode(&mask, &elems, #g, #elem, #scale, &mut y);)
             }
-            FieldLayout::Dense {
-                offset,
-                count,
-                dtype,
-            } => {
-                let n = count as usize;
-                let raw = array(count, offset, dtype.bits());
-                let convert = match dtype {
-                    DenseDtype::F16 => quote!(#ops::f16_value(raw)),
-                    DenseDtype::Bf16 => quote!(#ops::bf16_value(raw)),
-                    DenseDtype::F32 => quote!(f32::from_bits(raw)),
-                };
+            FieldLayout::Dense { dtype, .. } => {
+                let dtype = self.spec_enum("DenseDtype", dtype);
                 quote! {
-                    let raw: [u32; #n] = #raw;
-                    for (v, &raw) in y.iter_mut().zip(&raw) {
-                        *v = #convert;
+                    for (v, &raw) in y.iter_mut().zip(&dense) {
+                        *v = #ops::dense_value(#dtype, raw);
                     }
                 }
             }
             FieldLayout::Radius { .. } => unreachable!("body() is never a radius"),
-        }
+        };
+        quote!(#(#loads)* #body)
     }
 
     /// `pub mod key { ... }`: the codec's item layout as constants.
@@ -811,13 +654,10 @@ impl Codec<'_> {
 
 /// How a codec's items are encoded.
 enum Plan {
-    /// Each item on its own: transform, compute `item`, pack `elements`.
-    OnePass {
-        item: TokenStream,
-        elements: Vec<Element>,
-    },
+    /// Each item on its own: transform, compute `item`, pack the slots.
+    OnePass { item: TokenStream },
     /// Page scales first: `measure` every transformed item (after `init`),
-    /// `finish` the scales, then compute `item` for item `i` and pack.
+    /// `finish` the scales, then compute `item` for item `i` and pack the slots.
     /// `keep_y`: the second pass reads the transformed item again.
     TwoPass {
         init: TokenStream,
@@ -825,180 +665,9 @@ enum Plan {
         finish: TokenStream,
         keep_y: bool,
         item: TokenStream,
-        elements: Vec<Element>,
     },
 }
 
 fn table(index: usize) -> Ident {
     format_ident!("table_{}", index)
-}
-
-/// `pub mod <kind> { ... }`: bit positions and sizes of one field.
-fn field_constants(field: &FieldLayout, layout: &TierLayout) -> TokenStream {
-    let table_doc = |t: usize| {
-        let table = &layout.tables[t];
-        format!(
-            "Index of the `{}` table ({} values) in the tier's tables.",
-            table.name, table.len
-        )
-    };
-    match *field {
-        FieldLayout::Radius {
-            offset,
-            groups,
-            group_size,
-            bits,
-            scale,
-            slot,
-        } => {
-            let slots = match scale {
-                RadiusScale::Page => 1,
-                RadiusScale::PageGroup => groups as usize,
-            };
-            let (groups, group_size, slot) = (groups as usize, group_size as usize, slot as usize);
-            quote! {
-                /// The radius field: `GROUPS` unsigned codes of `BITS` bits.
-                pub mod radius {
-                    /// Bit offset of the first code in the item.
-                    pub const OFFSET: u32 = #offset;
-                    /// Bits per code.
-                    pub const BITS: u32 = #bits;
-                    pub const GROUPS: usize = #groups;
-                    pub const GROUP_SIZE: usize = #group_size;
-                    /// First page-header scale slot of the field.
-                    pub const SLOT: usize = #slot;
-                    /// Header scale slots of the field (1, or one per group).
-                    pub const SLOTS: usize = #slots;
-                }
-            }
-        }
-        FieldLayout::Codebook {
-            offset,
-            groups,
-            group_size,
-            bits,
-            per_group,
-            table,
-            ..
-        } => {
-            let books = if per_group { groups as usize } else { 1 };
-            let entries = 1usize << bits;
-            let (groups, group_size) = (groups as usize, group_size as usize);
-            let doc = table_doc(table);
-            quote! {
-                /// The codebook field: `GROUPS` indices of `BITS` bits.
-                pub mod codebook {
-                    /// Bit offset of the first index in the item.
-                    pub const OFFSET: u32 = #offset;
-                    /// Bits per index.
-                    pub const BITS: u32 = #bits;
-                    pub const GROUPS: usize = #groups;
-                    /// Coordinates per group (codeword length).
-                    pub const GROUP_SIZE: usize = #group_size;
-                    /// Codewords per codebook.
-                    pub const ENTRIES: usize = #entries;
-                    /// Codebooks (one per group, or one shared).
-                    pub const BOOKS: usize = #books;
-                    #[doc = #doc]
-                    pub const TABLE: usize = #table;
-                }
-            }
-        }
-        FieldLayout::Coeff {
-            item_scale,
-            offset,
-            count,
-            bits,
-            slot,
-            table,
-            scale,
-        } => {
-            let count = count as usize;
-            let item_scale = item_scale.map(|at| {
-                quote! {
-                    /// Bit offset of the item's f16 scale.
-                    pub const ITEM_SCALE_OFFSET: u32 = #at;
-                }
-            });
-            let slot = matches!(scale, CoeffScale::Page | CoeffScale::PageComponent).then(|| {
-                let slot = slot as usize;
-                quote! {
-                    /// First page-header scale slot of the field.
-                    pub const SLOT: usize = #slot;
-                }
-            });
-            let table = table.map(|t| {
-                let doc = table_doc(t);
-                quote! {
-                    #[doc = #doc]
-                    pub const TABLE: usize = #t;
-                }
-            });
-            quote! {
-                /// The coeff field: `COUNT` signed codes of `BITS` bits.
-                pub mod coeff {
-                    /// Bit offset of the first code in the item.
-                    pub const OFFSET: u32 = #offset;
-                    /// Bits per code.
-                    pub const BITS: u32 = #bits;
-                    pub const COUNT: usize = #count;
-                    #item_scale
-                    #slot
-                    #table
-                }
-            }
-        }
-        FieldLayout::Bitmap {
-            mask_offset,
-            groups,
-            group_size,
-            keep,
-            elem,
-            item_scale,
-            elems_offset,
-        } => {
-            let elem_bits = bitmap_elem_bits(elem);
-            let (groups, group_size, keep) = (groups as usize, group_size as usize, keep as usize);
-            let item_scale = item_scale.map(|at| {
-                quote! {
-                    /// Bit offset of the item's f16 scale (int8 elements).
-                    pub const ITEM_SCALE_OFFSET: u32 = #at;
-                }
-            });
-            quote! {
-                /// The bitmap field: a mask of `GROUPS` bits, then `KEEP` kept groups.
-                pub mod bitmap {
-                    /// Bit offset of the mask (bit `g` set: group `g` is kept).
-                    pub const MASK_OFFSET: u32 = #mask_offset;
-                    pub const GROUPS: usize = #groups;
-                    /// Elements per group.
-                    pub const GROUP_SIZE: usize = #group_size;
-                    /// Groups stored per item.
-                    pub const KEEP: usize = #keep;
-                    #item_scale
-                    /// Bit offset of the first kept element.
-                    pub const ELEMS_OFFSET: u32 = #elems_offset;
-                    /// Bits per element.
-                    pub const ELEM_BITS: u32 = #elem_bits;
-                }
-            }
-        }
-        FieldLayout::Dense {
-            offset,
-            count,
-            dtype,
-        } => {
-            let (count, bits) = (count as usize, dtype.bits());
-            quote! {
-                /// The dense field: `COUNT` values of `BITS` bits.
-                pub mod dense {
-                    /// Bit offset of the first value in the item.
-                    pub const OFFSET: u32 = #offset;
-                    /// Bits per value.
-                    pub const BITS: u32 = #bits;
-                    pub const COUNT: usize = #count;
-                }
-            }
-        }
-    }
 }

@@ -1,9 +1,13 @@
 //! `kv_format!`: a kvcc spec file becomes a Rust module at compile time.
 //!
 //! ```ignore
-//! kvcc_dsl_macros::kv_format!("specs/spherical.toml");          // pub mod spherical { ... }
-//! kvcc_dsl_macros::kv_format!(pub(crate) mod sph = "specs/spherical.toml");
+//! kvcc_runtime::kv_format!("specs/spherical.toml");          // pub mod spherical { ... }
+//! kvcc_runtime::kv_format!(pub(crate) mod sph = "specs/spherical.toml");
 //! ```
+//!
+//! Call it through the runtime (`kvcc_runtime::kv_format!`, or `kvcc::kv_format!`):
+//! that wrapper passes its own path (`crate = $crate;`), and every path of the
+//! expansion starts there, so the calling crate needs no other dependency.
 //!
 //! The path is relative to the calling crate's `CARGO_MANIFEST_DIR`. The
 //! short form names the module after the format's `name`; the long form
@@ -30,8 +34,8 @@
 //!   from the same `kvcc_runtime::encode::ops` helpers as the generic
 //!   encoder, so the pages are byte-identical to its pages.
 //!
-//! The generated code names `::kvcc_compiler` and `::kvcc_runtime`: the
-//! calling crate depends on both. A spec error is a compile error at the
+//! The generated code names only the runtime (`<runtime>::encode`, and the
+//! compiler as `<runtime>::compiler`). A spec error is a compile error at the
 //! macro call with the message `kvcc check` prints
 //! (`file:line:column: field.path: message`). The spec file is tracked
 //! (`include_bytes!`), so editing it rebuilds the calling crate.
@@ -39,6 +43,7 @@
 extern crate proc_macro;
 
 mod codec;
+mod constants;
 mod pack;
 mod tier;
 
@@ -53,8 +58,11 @@ use quote::{format_ident, quote};
 use syn::parse::{Parse, ParseStream};
 use syn::{Attribute, LitStr, Token, Visibility};
 
-/// `"path"`, or `#[attrs] vis mod name = "path"`.
+/// `[crate = PATH;] "path"`, or `[crate = PATH;] #[attrs] vis mod name = "path"`:
+/// `PATH` is the runtime crate the expansion names (`$crate` of the runtime's
+/// `kv_format!`, which passes it), `::kvcc_runtime` when left out.
 struct Input {
+    krate: TokenStream,
     attrs: Vec<Attribute>,
     vis: Visibility,
     name: Option<Ident>,
@@ -63,8 +71,19 @@ struct Input {
 
 impl Parse for Input {
     fn parse(input: ParseStream) -> syn::Result<Input> {
+        let mut krate = quote!(::kvcc_runtime);
+        if input.peek(Token![crate]) && input.peek2(Token![=]) {
+            input.parse::<Token![crate]>()?;
+            input.parse::<Token![=]>()?;
+            krate = TokenStream::new();
+            while !input.peek(Token![;]) {
+                krate.extend([input.parse::<proc_macro2::TokenTree>()?]);
+            }
+            input.parse::<Token![;]>()?;
+        }
         if input.peek(LitStr) {
             return Ok(Input {
+                krate,
                 attrs: Vec::new(),
                 vis: syn::parse_quote!(pub),
                 name: None,
@@ -77,6 +96,7 @@ impl Parse for Input {
         let name = input.parse()?;
         input.parse::<Token![=]>()?;
         Ok(Input {
+            krate,
             attrs,
             vis,
             name: Some(name),
@@ -102,6 +122,7 @@ pub fn kv_format(input: proc_macro::TokenStream) -> proc_macro::TokenStream {
 /// The module, or every error message (each becomes a compile error).
 fn expand(input: &Input) -> Result<TokenStream, Vec<String>> {
     let file = input.path.value();
+    let krate = &input.krate;
     let manifest_dir = std::env::var_os("CARGO_MANIFEST_DIR").ok_or_else(|| {
         vec!["CARGO_MANIFEST_DIR is not set: kv_format! runs under Cargo".to_string()]
     })?;
@@ -148,7 +169,7 @@ fn expand(input: &Input) -> Result<TokenStream, Vec<String>> {
             .iter()
             .map(|out| (out.target, out.tiers[t].ptx.clone()))
             .collect();
-        tier::module(format.layout(t), ident, &per_target)
+        tier::module(format.layout(t), ident, &per_target, krate)
     });
     let merge_consts = ptx.iter().map(|out| {
         let c = tier::ptx_const("MERGE_PTX_", out.target);
@@ -162,7 +183,7 @@ fn expand(input: &Input) -> Result<TokenStream, Vec<String>> {
             pub const #c: &str = #text;
         }
     });
-    let merge_match = tier::ptx_match("MERGE_PTX_", &Target::ALL);
+    let merge_match = tier::ptx_match("MERGE_PTX_", &Target::ALL, krate);
     let arms_encode = tier_idents
         .iter()
         .enumerate()
@@ -203,22 +224,22 @@ fn expand(input: &Input) -> Result<TokenStream, Vec<String>> {
             #(#merge_consts)*
 
             /// The PTX of the format's merge kernel for `target`.
-            pub fn merge_ptx(target: ::kvcc_compiler::back::ptx::Target) -> &'static str {
+            pub fn merge_ptx(target: #krate::compiler::back::ptx::Target) -> &'static str {
                 #merge_match
             }
 
             /// The compiled format (built from `SPEC` on first use): what
             /// `PagedCache`, the trainers and the executors take.
-            pub fn format() -> &'static ::kvcc_compiler::Format {
-                static FORMAT: ::std::sync::OnceLock<::kvcc_compiler::Format> = ::std::sync::OnceLock::new();
+            pub fn format() -> &'static #krate::compiler::Format {
+                static FORMAT: ::std::sync::OnceLock<#krate::compiler::Format> = ::std::sync::OnceLock::new();
                 FORMAT.get_or_init(|| {
-                    ::kvcc_compiler::Format::parse(SPEC, SPEC_FILE)
+                    #krate::compiler::Format::parse(SPEC, SPEC_FILE)
                         .expect("kv_format! compiled this spec when it expanded")
                 })
             }
 
             /// The tier `layout` is, if it is one of this format's.
-            fn tier_of(layout: &::kvcc_compiler::layout::TierLayout) -> Option<usize> {
+            fn tier_of(layout: &#krate::compiler::layout::TierLayout) -> Option<usize> {
                 let t = layout.index as usize;
                 (t < #tier_count && format().layout(t) == layout).then_some(t)
             }
@@ -226,15 +247,15 @@ fn expand(input: &Input) -> Result<TokenStream, Vec<String>> {
             /// `kvcc_runtime::encode::encode_page` for this format's tiers, specialized
             /// (same signature, same bytes); a layout of another format is an error.
             pub fn encode_page(
-                layout: &::kvcc_compiler::layout::TierLayout,
+                layout: &#krate::compiler::layout::TierLayout,
                 tables: &[::std::vec::Vec<f32>],
                 keys: &[f32],
                 values: &[f32],
                 page: &mut [u8],
-            ) -> ::core::result::Result<(), ::kvcc_runtime::encode::EncodeError> {
+            ) -> ::core::result::Result<(), #krate::encode::EncodeError> {
                 match tier_of(layout) {
                     #(#arms_encode)*
-                    _ => Err(::kvcc_runtime::encode::EncodeError::ForeignLayout {
+                    _ => Err(#krate::encode::EncodeError::ForeignLayout {
                         encoder: NAME.to_string(),
                         tier: layout.name.clone(),
                         index: layout.index,
@@ -248,7 +269,7 @@ fn expand(input: &Input) -> Result<TokenStream, Vec<String>> {
             /// If `layout` is not one of this format's tiers, or `page` is
             /// shorter than the layout says.
             pub fn decode_page(
-                layout: &::kvcc_compiler::layout::TierLayout,
+                layout: &#krate::compiler::layout::TierLayout,
                 tables: &[::std::vec::Vec<f32>],
                 page: &[u8],
             ) -> (::std::vec::Vec<f32>, ::std::vec::Vec<f32>) {

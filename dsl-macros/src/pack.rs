@@ -1,9 +1,9 @@
 //! Constant-offset bit packing: an item as little-endian 64-bit words, each
 //! assembled from (or split into) the elements overlapping it with shifts
-//! known at expansion time. This is the layout's bit order (item bit `i` is
-//! bit `i % 8` of byte `i / 8`), the one `write_bits` / `read_bits` walk one
-//! bit or byte at a time.
+//! known at expansion time. Where an element lies in the words comes from the
+//! layout's [`WordSplit`], the bit order `read_bits` / `write_bits` define.
 
+use kvcc_compiler::layout::bits::{self, words, WordSplit};
 use proc_macro2::{Ident, Literal, TokenStream};
 use quote::{format_ident, quote};
 
@@ -15,11 +15,7 @@ pub struct Element {
 }
 
 fn mask(width: u32) -> Literal {
-    Literal::u64_unsuffixed((1u64 << width) - 1)
-}
-
-fn words(stride: u32) -> u32 {
-    stride.div_ceil(8)
+    Literal::u64_unsuffixed(bits::mask(width))
 }
 
 /// Statements that write `elements` into `item` (an `&mut [u8; stride]`).
@@ -27,7 +23,8 @@ fn words(stride: u32) -> u32 {
 pub fn pack(item: &Ident, elements: &[Element], stride: u32) -> TokenStream {
     let mut parts: Vec<Vec<TokenStream>> = vec![Vec::new(); words(stride) as usize];
     for e in elements {
-        let (word, shift) = ((e.offset / 64) as usize, e.offset % 64);
+        let split = WordSplit::new(e.offset, e.width);
+        let (word, shift) = (split.word as usize, split.shift);
         let value = &e.value;
         let bits = mask(e.width);
         let masked = quote!((u64::from(#value) & #bits));
@@ -36,8 +33,7 @@ pub fn pack(item: &Ident, elements: &[Element], stride: u32) -> TokenStream {
         } else {
             quote!(#masked << #shift)
         });
-        if shift + e.width > 64 {
-            let back = 64 - shift;
+        if let Some(back) = split.spill() {
             parts[word + 1].push(quote!(#masked >> #back));
         }
     }
@@ -94,17 +90,17 @@ impl Words {
 
     /// The `u32` element at `offset`, `width` bits wide (1..=32).
     pub fn read(&self, offset: u32, width: u32) -> TokenStream {
-        let (k, shift) = (offset / 64, offset % 64);
+        let split = WordSplit::new(offset, width);
+        let (k, shift) = (split.word, split.shift);
         let lo = Self::word(k);
         let bits = mask(width);
-        let joined = if shift == 0 {
-            quote!(#lo)
-        } else if shift + width > 64 {
-            let hi = Self::word(k + 1);
-            let back = 64 - shift;
-            quote!((#lo >> #shift | #hi << #back))
-        } else {
-            quote!((#lo >> #shift))
+        let joined = match split.spill() {
+            _ if shift == 0 => quote!(#lo),
+            Some(back) => {
+                let hi = Self::word(k + 1);
+                quote!((#lo >> #shift | #hi << #back))
+            }
+            None => quote!((#lo >> #shift)),
         };
         quote!((#joined & #bits) as u32)
     }

@@ -15,25 +15,32 @@ pub fn ptx_const(prefix: &str, target: Target) -> Ident {
 }
 
 /// `Target::Sm80 => PTX_SM_80, ...`: a `match` over the targets the PTX was generated for.
-pub fn ptx_match(prefix: &str, targets: &[Target]) -> TokenStream {
+pub fn ptx_match(prefix: &str, targets: &[Target], krate: &TokenStream) -> TokenStream {
     let arms = targets.iter().map(|&t| {
         let variant = format_ident!("{}", format!("{t:?}"));
         let name = ptx_const(prefix, t);
-        quote!(::kvcc_compiler::back::ptx::Target::#variant => #name,)
+        quote!(#krate::compiler::back::ptx::Target::#variant => #name,)
     });
     quote!(match target { #(#arms)* })
 }
 
 /// The module of tier `layout`, named `ident`; `ptx` holds its decode module
 /// per target.
-pub fn module(layout: &TierLayout, ident: &Ident, ptx: &[(Target, String)]) -> TokenStream {
+pub fn module(
+    layout: &TierLayout,
+    ident: &Ident,
+    ptx: &[(Target, String)],
+    krate: &TokenStream,
+) -> TokenStream {
     let key = Codec {
         layout,
         codec: &layout.key,
+        krate,
     };
     let value = Codec {
         layout,
         codec: &layout.value,
+        krate,
     };
     let index = layout.index as usize;
     let index_u32 = layout.index;
@@ -92,7 +99,7 @@ pub fn module(layout: &TierLayout, ident: &Ident, ptx: &[(Target, String)]) -> T
         }
     });
     let targets: Vec<Target> = ptx.iter().map(|(t, _)| *t).collect();
-    let ptx_match = ptx_match("PTX_", &targets);
+    let ptx_match = ptx_match("PTX_", &targets, krate);
     let doc = format!("Tier `{name}`.\n\n```text\n{}```", tier_report(layout));
 
     quote! {
@@ -119,12 +126,12 @@ pub fn module(layout: &TierLayout, ident: &Ident, ptx: &[(Target, String)]) -> T
             #(#ptx_consts)*
 
             /// The PTX of the tier's decode kernel for `target`.
-            pub fn ptx(target: ::kvcc_compiler::back::ptx::Target) -> &'static str {
+            pub fn ptx(target: #krate::compiler::back::ptx::Target) -> &'static str {
                 #ptx_match
             }
 
             /// The tier's layout, as the compiler computes it.
-            pub fn layout() -> &'static ::kvcc_compiler::layout::TierLayout {
+            pub fn layout() -> &'static #krate::compiler::layout::TierLayout {
                 super::format().layout(INDEX)
             }
 
@@ -137,8 +144,8 @@ pub fn module(layout: &TierLayout, ident: &Ident, ptx: &[(Target, String)]) -> T
                 keys: &[f32],
                 values: &[f32],
                 page: &mut [u8],
-            ) -> ::core::result::Result<(), ::kvcc_runtime::encode::EncodeError> {
-                let tokens = ::kvcc_runtime::encode::ops::check_page(#head_dim, #items as u32, keys, values)?;
+            ) -> ::core::result::Result<(), #krate::encode::EncodeError> {
+                let tokens = #krate::encode::ops::check_page(#head_dim, #items as u32, keys, values)?;
                 #scales_decl
                 #encode_keys
                 page[#key_offset + tokens * #key_bytes..#value_offset].fill(0);

@@ -1,3 +1,4 @@
+#[cfg(feature = "jit")]
 pub mod clif;
 pub mod interp;
 pub mod ptx;

@@ -10,9 +10,8 @@ use std::fmt;
 use super::suggest::{divisor_suggestions, or_list};
 use crate::back::ptx::Target;
 use crate::back::shared_memory::{TierModel, TILE_RESERVE};
-use crate::spec::{
-    BitmapElem, CodecSpec, CodewordKind, CoeffScale, FieldSpec, FormatSpec, TransformSpec,
-};
+use crate::layout::schema;
+use crate::spec::{CodecSpec, CodewordKind, FieldSpec, FormatSpec, TransformSpec};
 
 /// The kernels' shared-memory model is the back end's: its targets' budgets.
 pub use crate::back::shared_memory::{shared_memory_estimate, SHARED_MEMORY_BUDGET};
@@ -35,10 +34,7 @@ pub const CODEBOOK_BITS_RANGE: (u32, u32) = (1, 12);
 pub const COEFF_BITS: [u32; 2] = [4, 8];
 /// Valid bitmap `group_size`s.
 pub const BITMAP_GROUP_SIZES: [u32; 3] = [1, 2, 4];
-/// Bits of one bitmap mask word.
-pub const MASK_WORD_BITS: u32 = 32;
-/// Bits of an f16 scale stored inside an item (coeff `scale = "item"`, int8 bitmaps).
-const ITEM_SCALE_BITS: u64 = 16;
+pub use crate::layout::schema::MASK_WORD_BITS;
 
 /// One step of a path into the spec document.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -731,51 +727,9 @@ fn set_codebook(
 }
 
 /// Payload bits of one item of `codec`, or `None` when a field's sizes are invalid
-/// (reported elsewhere). Fields are packed in order; see `layout`.
+/// (reported elsewhere): the layout's item schema, summed.
 fn item_bits(codec: &CodecSpec, head_dim: u32) -> Option<u64> {
-    let n = u64::from(codec.transform.dims(head_dim));
-    let groups = |group_size: u32| {
-        let g = u64::from(group_size);
-        (g > 0 && n.is_multiple_of(g)).then(|| n / g)
-    };
-    let mut total = 0u64;
-    for field in &codec.fields {
-        let bits = match *field {
-            FieldSpec::Radius {
-                group_size, bits, ..
-            }
-            | FieldSpec::Codebook {
-                group_size, bits, ..
-            } => groups(group_size)?.saturating_mul(u64::from(bits)),
-            FieldSpec::Coeff { bits, scale } => {
-                let item_scale = if scale == CoeffScale::Item {
-                    ITEM_SCALE_BITS
-                } else {
-                    0
-                };
-                item_scale.saturating_add(n.saturating_mul(u64::from(bits)))
-            }
-            FieldSpec::Bitmap {
-                group_size,
-                keep,
-                elem,
-            } => {
-                let (elem_bits, item_scale) = match elem {
-                    BitmapElem::F16 => (16, 0),
-                    BitmapElem::Int8 => (8, ITEM_SCALE_BITS),
-                };
-                let elems = u64::from(keep)
-                    .saturating_mul(u64::from(group_size))
-                    .saturating_mul(elem_bits);
-                groups(group_size)?
-                    .saturating_add(item_scale)
-                    .saturating_add(elems)
-            }
-            FieldSpec::Dense { dtype } => n.saturating_mul(u64::from(dtype.bits())),
-        };
-        total = total.saturating_add(bits);
-    }
-    Some(total)
+    schema::item_bits(&codec.fields, codec.transform.dims(head_dim).into())
 }
 
 /// Largest power of two <= `n` (1 for 0).

@@ -2,16 +2,24 @@
 
 use crate::ir::builder::ExprBuilder;
 use crate::ir::{BinaryOp, Expr, Handle, UnaryOp};
-use crate::layout::{bitmap_elem_bits, FieldLayout, ITEM_SCALE_BITS};
+use crate::layout::schema::MASK_WORD_BITS;
+use crate::layout::{BitRange, CodecLayout, FieldLayout, SlotRole};
 use crate::spec::{BitmapElem, CoeffScale, DenseDtype};
 
-/// A `bits`-wide storage element at `bit_offset` as f32.
-pub fn dense_element(
-    b: &mut ExprBuilder,
-    bit_offset: Handle<Expr>,
-    dtype: DenseDtype,
-) -> Handle<Expr> {
-    let raw = b.item_bits(bit_offset, dtype.bits());
+/// Element `j` (a constant) of a slot: its raw bits.
+pub fn slot_bits_at(b: &mut ExprBuilder, slot: BitRange, j: u32) -> Handle<Expr> {
+    b.item_bits_at(slot.at(j), slot.width)
+}
+
+/// Element `j` (a u32 expression) of a slot: its raw bits.
+pub fn slot_bits(b: &mut ExprBuilder, slot: BitRange, j: Handle<Expr>) -> Handle<Expr> {
+    let scaled = b.mul_u32(j, slot.width);
+    let at = b.add_u32(scaled, slot.offset);
+    b.item_bits(at, slot.width)
+}
+
+/// Raw stored bits of a dense value as f32.
+pub fn dense_value(b: &mut ExprBuilder, raw: Handle<Expr>, dtype: DenseDtype) -> Handle<Expr> {
     let op = match dtype {
         DenseDtype::F16 => UnaryOp::HalfToFloat,
         DenseDtype::Bf16 => UnaryOp::BfloatToFloat,
@@ -20,43 +28,37 @@ pub fn dense_element(
     b.unary(op, raw)
 }
 
-/// A signed `bits`-wide integer at `bit_offset` as f32.
-pub fn signed_element(b: &mut ExprBuilder, bit_offset: Handle<Expr>, bits: u32) -> Handle<Expr> {
-    let raw = b.item_bits(bit_offset, bits);
+/// Raw `bits`-wide two's-complement bits as f32.
+pub fn signed_value(b: &mut ExprBuilder, raw: Handle<Expr>, bits: u32) -> Handle<Expr> {
     let signed = b.unary(UnaryOp::SignExtend(bits as u8), raw);
     b.to_float(signed)
 }
 
-/// The f16 scale stored in the item at a constant offset.
-pub fn item_scale(b: &mut ExprBuilder, bit_offset: u32) -> Handle<Expr> {
-    let raw = b.item_bits_at(bit_offset, ITEM_SCALE_BITS);
+/// The codec's f16 item scale.
+pub fn item_scale(b: &mut ExprBuilder, codec: &CodecLayout) -> Handle<Expr> {
+    let raw = slot_bits_at(b, codec.slot(SlotRole::ItemScale), 0);
     b.unary(UnaryOp::HalfToFloat, raw)
 }
 
 /// A bitmap's kept element `t` of group slot `slot` (u32), as f32 (int8 not yet scaled).
 pub fn bitmap_element(
     b: &mut ExprBuilder,
-    field: &FieldLayout,
+    codec: &CodecLayout,
     slot: Handle<Expr>,
     t: Handle<Expr>,
 ) -> Handle<Expr> {
     let FieldLayout::Bitmap {
-        group_size,
-        elem,
-        elems_offset,
-        ..
-    } = *field
+        group_size, elem, ..
+    } = *codec.body()
     else {
-        unreachable!("bitmap_element takes a bitmap field")
+        unreachable!("bitmap_element takes a bitmap codec")
     };
-    let elem_bits = bitmap_elem_bits(elem);
     let first = b.mul_u32(slot, group_size);
     let index = b.add(first, t);
-    let scaled = b.mul_u32(index, elem_bits);
-    let offset = b.add_u32(scaled, elems_offset);
+    let raw = slot_bits(b, codec.slot(SlotRole::BitmapElement), index);
     match elem {
-        BitmapElem::F16 => dense_element(b, offset, DenseDtype::F16),
-        BitmapElem::Int8 => signed_element(b, offset, 8),
+        BitmapElem::F16 => dense_value(b, raw, DenseDtype::F16),
+        BitmapElem::Int8 => signed_value(b, raw, 8),
     }
 }
 
@@ -65,23 +67,21 @@ pub fn bitmap_element(
 /// dropped group still addresses inside the item).
 pub fn bitmap_slot(
     b: &mut ExprBuilder,
-    field: &FieldLayout,
+    codec: &CodecLayout,
     group: Handle<Expr>,
 ) -> (Handle<Expr>, Handle<Expr>) {
-    let FieldLayout::Bitmap {
-        mask_offset,
-        groups,
-        keep,
-        ..
-    } = *field
-    else {
-        unreachable!("bitmap_slot takes a bitmap field")
+    let FieldLayout::Bitmap { keep, .. } = *codec.body() else {
+        unreachable!("bitmap_slot takes a bitmap codec")
     };
-    let words = groups.div_ceil(32);
-    let word_index = b.div_u32(group, 32);
-    let bit = b.rem_u32(group, 32);
-    let mask_words: Vec<_> = (0..words)
-        .map(|w| b.item_bits_at(mask_offset + 32 * w, (groups - 32 * w).min(32)))
+    let word_index = b.div_u32(group, MASK_WORD_BITS);
+    let bit = b.rem_u32(group, MASK_WORD_BITS);
+    let mask_words: Vec<_> = codec
+        .slots
+        .iter()
+        .find(|s| s.role == SlotRole::MaskBit)
+        .expect("bitmap codecs have a mask")
+        .elements()
+        .map(|(at, width)| b.item_bits_at(at, width))
         .collect();
     // Multi-word masks: count the set bits of the words before this group's word,
     // and pick that word.
@@ -120,23 +120,14 @@ pub fn bitmap_slot(
 /// `component` kind (folded into the query on the key side).
 pub fn coeff_scale(
     b: &mut ExprBuilder,
-    field: &FieldLayout,
+    codec: &CodecLayout,
     c: Handle<Expr>,
 ) -> Option<Handle<Expr>> {
-    let FieldLayout::Coeff {
-        item_scale: item_offset,
-        scale,
-        slot,
-        ..
-    } = *field
-    else {
-        unreachable!("coeff_scale takes a coeff field")
+    let FieldLayout::Coeff { scale, slot, .. } = *codec.body() else {
+        unreachable!("coeff_scale takes a coeff codec")
     };
     match scale {
-        CoeffScale::Item => Some(item_scale(
-            b,
-            item_offset.expect("item scale has an offset"),
-        )),
+        CoeffScale::Item => Some(item_scale(b, codec)),
         CoeffScale::Page => Some(b.header_scale_at(slot)),
         CoeffScale::PageComponent => {
             let at = b.add_u32(c, slot);
@@ -157,7 +148,6 @@ pub fn codeword_start(
 ) -> Handle<Expr> {
     let FieldLayout::Codebook {
         group_size,
-        bits,
         per_group,
         ..
     } = *field
@@ -165,7 +155,7 @@ pub fn codeword_start(
         unreachable!("codeword_start takes a codebook field")
     };
     let book = if per_group {
-        b.mul_u32(group, (1u32 << bits) * group_size)
+        b.mul_u32(group, field.book_len())
     } else {
         b.u32(0)
     };

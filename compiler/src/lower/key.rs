@@ -1,14 +1,14 @@
 //! Key codec -> query prologue (transform, LUTs) and per-item score ⟨q, k⟩.
 
 use super::fields::{
-    bitmap_element, bitmap_slot, codeword_start, coeff_scale, dense_element, item_scale,
-    signed_element,
+    bitmap_element, bitmap_slot, codeword_start, coeff_scale, dense_value, item_scale,
+    signed_value, slot_bits_at,
 };
-use super::transform::{array, dot_with_table, elementwise, fwht, project};
+use super::transform::{array, dot, dot_with_table, elementwise, fwht, project};
 use super::Tables;
 use crate::ir::builder::ExprBuilder;
 use crate::ir::{Arena, ArrayDecl, BinaryOp, Function, Handle, Kernel, KeyProgram, Stage};
-use crate::layout::{CodecLayout, FieldLayout, TransformLayout};
+use crate::layout::{CodecLayout, FieldLayout, SlotRole, TransformLayout};
 use crate::spec::{BitmapElem, CoeffScale, RadiusScale};
 
 /// Query-side arrays the score reads.
@@ -89,16 +89,12 @@ pub fn lower(
                 let row = codeword_start(b, body, j, i);
                 let first = b.mul_u32(j, group_size);
                 let zero = b.f32(0.0);
-                let terms: Vec<_> = (0..group_size)
-                    .map(|t| {
-                        let at = b.add_u32(first, t);
-                        let q = b.shared(transformed, at);
-                        let cat = b.add_u32(row, t);
-                        let c = b.table(codebook, cat);
-                        (q, c)
-                    })
-                    .collect();
-                let value = b.dot(zero, terms);
+                let value = dot(b, zero, group_size, |b, t| {
+                    let at = b.add_u32(first, t);
+                    let q = b.shared(transformed, at);
+                    let cat = b.add_u32(row, t);
+                    (q, b.table(codebook, cat))
+                });
                 vec![(out, it, value)]
             }));
             lut = Some(out);
@@ -123,30 +119,20 @@ fn score(codec: &CodecLayout, q: &QueryArrays) -> Function {
     let b = &mut b;
     let zero = b.f32(0.0);
     let mut logit = match *codec.body() {
-        FieldLayout::Codebook {
-            offset,
-            groups,
-            bits,
-            ..
-        } => {
+        FieldLayout::Codebook { groups, bits, .. } => {
             let lut = q.lut.expect("codebook keys build a LUT");
             let entries = 1u32 << bits;
             let radius = codec.radius().cloned();
+            let indices = codec.slot(SlotRole::CodebookIndex);
             let mut acc = zero;
             for j in 0..groups {
-                let index = b.item_bits_at(offset + j * bits, bits);
+                let index = slot_bits_at(b, indices, j);
                 let at = b.add_u32(index, j * entries);
                 let dot = b.shared(lut, at);
                 acc = match radius {
                     None => b.binary(BinaryOp::Add, acc, dot),
-                    Some(FieldLayout::Radius {
-                        offset: r_offset,
-                        bits: r_bits,
-                        scale,
-                        slot,
-                        ..
-                    }) => {
-                        let code = b.item_bits_at(r_offset + j * r_bits, r_bits);
+                    Some(FieldLayout::Radius { scale, slot, .. }) => {
+                        let code = slot_bits_at(b, codec.slot(SlotRole::RadiusCode), j);
                         let mut r = b.to_float(code);
                         if scale == RadiusScale::PageGroup {
                             let s = b.header_scale_at(slot + j);
@@ -171,20 +157,17 @@ fn score(codec: &CodecLayout, q: &QueryArrays) -> Function {
             }
             acc
         }
-        ref field @ FieldLayout::Coeff {
-            offset,
-            count,
-            bits,
-            scale,
-            ..
+        FieldLayout::Coeff {
+            count, bits, scale, ..
         } => {
+            let codes = codec.slot(SlotRole::Coefficient);
             let mut acc = zero;
             for c in 0..count {
-                let at = b.u32(offset + c * bits);
-                let mut x = signed_element(b, at, bits);
+                let raw = slot_bits_at(b, codes, c);
+                let mut x = signed_value(b, raw, bits);
                 if scale == CoeffScale::PageComponent {
                     let c_literal = b.u32(c);
-                    let s = coeff_scale(b, field, c_literal).expect("page_component scale");
+                    let s = coeff_scale(b, codec, c_literal).expect("page_component scale");
                     x = b.binary(BinaryOp::Multiply, x, s);
                 }
                 let qc = b.shared_at(q.transformed, c);
@@ -192,26 +175,25 @@ fn score(codec: &CodecLayout, q: &QueryArrays) -> Function {
             }
             if matches!(scale, CoeffScale::Item | CoeffScale::Page) {
                 let any = b.u32(0);
-                let s = coeff_scale(b, field, any).expect("item or page scale");
+                let s = coeff_scale(b, codec, any).expect("item or page scale");
                 acc = b.binary(BinaryOp::Multiply, acc, s);
             }
             acc
         }
-        ref field @ FieldLayout::Bitmap {
+        FieldLayout::Bitmap {
             groups,
             group_size,
             elem,
-            item_scale: scale_offset,
             ..
         } => {
             let mut acc = zero;
             for j in 0..groups {
                 let group = b.u32(j);
-                let (kept, slot) = bitmap_slot(b, field, group);
+                let (kept, slot) = bitmap_slot(b, codec, group);
                 let mut part = zero;
                 for t in 0..group_size {
                     let t_literal = b.u32(t);
-                    let e = bitmap_element(b, field, slot, t_literal);
+                    let e = bitmap_element(b, codec, slot, t_literal);
                     let qc = b.shared_at(q.transformed, j * group_size + t);
                     part = b.fma(e, qc, part);
                 }
@@ -219,20 +201,17 @@ fn score(codec: &CodecLayout, q: &QueryArrays) -> Function {
                 acc = b.binary(BinaryOp::Add, acc, contribution);
             }
             if elem == BitmapElem::Int8 {
-                let s = item_scale(b, scale_offset.expect("int8 bitmaps store a scale"));
+                let s = item_scale(b, codec);
                 acc = b.binary(BinaryOp::Multiply, acc, s);
             }
             acc
         }
-        FieldLayout::Dense {
-            offset,
-            count,
-            dtype,
-        } => {
+        FieldLayout::Dense { count, dtype, .. } => {
+            let values = codec.slot(SlotRole::DenseValue);
             let mut acc = zero;
             for c in 0..count {
-                let at = b.u32(offset + c * dtype.bits());
-                let x = dense_element(b, at, dtype);
+                let raw = slot_bits_at(b, values, c);
+                let x = dense_value(b, raw, dtype);
                 let qc = b.shared_at(q.transformed, c);
                 acc = b.fma(x, qc, acc);
             }

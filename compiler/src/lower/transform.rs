@@ -2,7 +2,7 @@
 //! inverted on the accumulator in the value epilogue.
 
 use crate::ir::builder::ExprBuilder;
-use crate::ir::{Arena, ArrayDecl, BinaryOp, Handle, Input, Stage, TableDecl};
+use crate::ir::{Arena, ArrayDecl, BinaryOp, Expr, Handle, Input, Stage, TableDecl};
 
 /// Normalized Walsh–Hadamard transform of `input` into `output` as log2(n)
 /// butterfly stages (Sylvester order), ping-ponging through `scratch`.
@@ -78,15 +78,10 @@ pub fn project(
 ) -> Stage {
     Stage::build(rank, |b, k| {
         let zero = b.f32(0.0);
-        let terms: Vec<_> = (0..dim)
-            .map(|i| {
-                let at = b.add_u32(k, i * rank);
-                let w = b.table(basis, at);
-                let x = b.shared_at(input, i);
-                (w, x)
-            })
-            .collect();
-        let value = b.dot(zero, terms);
+        let value = dot(b, zero, dim, |b, i| {
+            let at = b.add_u32(k, i * rank);
+            (b.table(basis, at), b.shared_at(input, i))
+        });
         vec![(output, k, value)]
     })
 }
@@ -106,15 +101,10 @@ pub fn reconstruct(
         let l = b.input(Input::Denominator);
         let init = b.binary(BinaryOp::Multiply, mu, l);
         let row = b.mul_u32(i, rank);
-        let terms: Vec<_> = (0..rank)
-            .map(|k| {
-                let at = b.add_u32(row, k);
-                let w = b.table(basis, at);
-                let x = b.shared_at(input, k);
-                (w, x)
-            })
-            .collect();
-        let value = b.dot(init, terms);
+        let value = dot(b, init, rank, |b, k| {
+            let at = b.add_u32(row, k);
+            (b.table(basis, at), b.shared_at(input, k))
+        });
         vec![(output, i, value)]
     })
 }
@@ -128,16 +118,22 @@ pub fn dot_with_table(
 ) -> Stage {
     Stage::build(1, |b, zero_index| {
         let zero = b.f32(0.0);
-        let terms: Vec<_> = (0..dim)
-            .map(|i| {
-                let w = b.table_at(table, i);
-                let x = b.shared_at(input, i);
-                (w, x)
-            })
-            .collect();
-        let value = b.dot(zero, terms);
+        let value = dot(b, zero, dim, |b, i| {
+            (b.table_at(table, i), b.shared_at(input, i))
+        });
         vec![(output, zero_index, value)]
     })
+}
+
+/// `init + Σ_i a_i·b_i` over the `n` pairs `term(b, i)` emits, in order.
+pub fn dot(
+    b: &mut ExprBuilder,
+    init: Handle<Expr>,
+    n: u32,
+    mut term: impl FnMut(&mut ExprBuilder, u32) -> (Handle<Expr>, Handle<Expr>),
+) -> Handle<Expr> {
+    let terms: Vec<_> = (0..n).map(|i| term(b, i)).collect();
+    b.dot(init, terms)
 }
 
 /// `output[i] = input[i] · factor(i)`, for `n` elements.

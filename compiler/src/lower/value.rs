@@ -1,14 +1,14 @@
 //! Value codec -> per-item, per-channel accumulate and the inverse-transform epilogue.
 
 use super::fields::{
-    bitmap_element, bitmap_slot, codeword_start, coeff_scale, dense_element, item_scale,
-    signed_element,
+    bitmap_element, bitmap_slot, codeword_start, coeff_scale, dense_value, item_scale,
+    signed_value, slot_bits,
 };
 use super::transform::{array, elementwise, fwht, reconstruct};
 use super::Tables;
 use crate::ir::builder::ExprBuilder;
 use crate::ir::{Arena, ArrayDecl, BinaryOp, Function, Input, Kernel, ValueProgram};
-use crate::layout::{CodecLayout, FieldLayout, TransformLayout};
+use crate::layout::{CodecLayout, FieldLayout, SlotRole, TransformLayout};
 use crate::spec::{BitmapElem, CoeffScale, RadiusScale};
 
 pub fn lower(
@@ -59,32 +59,23 @@ fn accumulate(codec: &CodecLayout, tables: &Tables) -> Function {
     let body = codec.body();
     let value = match *body {
         FieldLayout::Codebook {
-            offset,
-            group_size,
-            bits,
-            table,
-            ..
+            group_size, table, ..
         } => {
             let j = b.div_u32(c, group_size);
             let t = b.rem_u32(c, group_size);
-            let index_bits = b.mul_u32(j, bits);
-            let index_offset = b.add_u32(index_bits, offset);
-            let index = b.item_bits(index_offset, bits);
+            let index = slot_bits(b, codec.slot(SlotRole::CodebookIndex), j);
             let row = codeword_start(b, body, j, index);
             let at = b.add(row, t);
             let codeword = b.table(tables.get(table), at);
             match codec.radius().cloned() {
                 None => codeword,
                 Some(FieldLayout::Radius {
-                    offset: r_offset,
                     bits: r_bits,
                     scale,
                     slot,
                     ..
                 }) => {
-                    let code_bits = b.mul_u32(j, r_bits);
-                    let code_offset = b.add_u32(code_bits, r_offset);
-                    let code = b.item_bits(code_offset, r_bits);
+                    let code = slot_bits(b, codec.slot(SlotRole::RadiusCode), j);
                     let code = b.to_float(code);
                     let page_scale = match scale {
                         RadiusScale::Page => b.header_scale_at(slot),
@@ -101,45 +92,36 @@ fn accumulate(codec: &CodecLayout, tables: &Tables) -> Function {
                 Some(_) => unreachable!("radius() returns a radius"),
             }
         }
-        ref field @ FieldLayout::Coeff {
-            offset,
-            bits,
-            scale,
-            table,
-            ..
+        FieldLayout::Coeff {
+            bits, scale, table, ..
         } => {
-            let scaled = b.mul_u32(c, bits);
-            let at = b.add_u32(scaled, offset);
-            let x = signed_element(b, at, bits);
+            let raw = slot_bits(b, codec.slot(SlotRole::Coefficient), c);
+            let x = signed_value(b, raw, bits);
             let s = match scale {
                 CoeffScale::Component => {
                     b.table(tables.get(table.expect("component scale table")), c)
                 }
-                _ => coeff_scale(b, field, c).expect("stored scale"),
+                _ => coeff_scale(b, codec, c).expect("stored scale"),
             };
             b.binary(BinaryOp::Multiply, x, s)
         }
-        ref field @ FieldLayout::Bitmap {
-            group_size,
-            elem,
-            item_scale: scale_offset,
-            ..
+        FieldLayout::Bitmap {
+            group_size, elem, ..
         } => {
             let group = b.div_u32(c, group_size);
             let t = b.rem_u32(c, group_size);
-            let (kept, slot) = bitmap_slot(b, field, group);
-            let mut e = bitmap_element(b, field, slot, t);
+            let (kept, slot) = bitmap_slot(b, codec, group);
+            let mut e = bitmap_element(b, codec, slot, t);
             if elem == BitmapElem::Int8 {
-                let s = item_scale(b, scale_offset.expect("int8 bitmaps store a scale"));
+                let s = item_scale(b, codec);
                 e = b.binary(BinaryOp::Multiply, e, s);
             }
             let zero = b.f32(0.0);
             b.select(kept, e, zero)
         }
-        FieldLayout::Dense { offset, dtype, .. } => {
-            let scaled = b.mul_u32(c, dtype.bits());
-            let at = b.add_u32(scaled, offset);
-            dense_element(b, at, dtype)
+        FieldLayout::Dense { dtype, .. } => {
+            let raw = slot_bits(b, codec.slot(SlotRole::DenseValue), c);
+            dense_value(b, raw, dtype)
         }
         FieldLayout::Radius { .. } => unreachable!("body() is never a radius"),
     };

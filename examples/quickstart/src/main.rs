@@ -1,10 +1,10 @@
 //! kvcc quickstart: a spec, one `kv_format!` call, a few vectors encoded,
 //! decode attention on the CPU and, when there is one, on the GPU.
 
-use kvcc_dsl_macros::kv_format;
 use kvcc_runtime::cache::{self, PagedCache};
 use kvcc_runtime::encode::TrainOptions;
 use kvcc_runtime::exec::{CudaExecutor, Executor, JitExecutor};
+use kvcc_runtime::kv_format;
 use kvcc_runtime::reference::dense_attention;
 
 // The module `quickstart`: layout constants, specialized encoders, PTX.

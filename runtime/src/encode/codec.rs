@@ -1,15 +1,59 @@
 //! Encoding one codec's items of a page (transformed vectors in, header scales
 //! and packed item bits out), and the reference decoder back to coordinates.
+//!
+//! Each field turns an item into the element values of its slots; the item's
+//! schema (`CodecLayout::slots`) alone says where those values go.
 
-use kvcc_compiler::back::interp::read_bits;
-use kvcc_compiler::layout::{bitmap_elem_bits, coeff_max, CodecLayout, FieldLayout};
-use kvcc_compiler::spec::{BitmapElem, CoeffScale, DenseDtype, RadiusScale};
+use kvcc_compiler::layout::bits::{read_bits, write_bits};
+use kvcc_compiler::layout::{CodecLayout, FieldLayout, SlotRole};
+use kvcc_compiler::spec::{CodewordKind, CoeffScale, RadiusScale};
 
-use super::bits::write_bits;
 use super::ops::{
-    best_direction, bf16_bits, bf16_value, coeff_scale, energy, f16_bits, f16_value, half_scale,
-    keep_largest, nearest, quantize, radius_code, radius_of, radius_value, scale_or_one, signed,
+    best_direction, bitmap_decode, bitmap_encode, coeff_item_scale, coeff_scale, dense_bits,
+    dense_value, f16_bits, f16_value, max_abs, nearest, quantize, radius_code, radius_of,
+    radius_value, scale_or_one, signed,
 };
+
+/// The element values of one item's slots, by role (a codec has one slot per role).
+#[derive(Default)]
+struct SlotValues(Vec<(SlotRole, Vec<u32>)>);
+
+impl SlotValues {
+    fn set(&mut self, role: SlotRole, values: Vec<u32>) {
+        self.0.push((role, values));
+    }
+
+    fn get(&self, role: SlotRole) -> &[u32] {
+        self.0
+            .iter()
+            .find(|(r, _)| *r == role)
+            .map(|(_, v)| v.as_slice())
+            .unwrap_or_else(|| panic!("no values for the {} slot", role.name()))
+    }
+
+    /// Writes every slot of the schema into `item`.
+    fn write(&self, codec: &CodecLayout, item: &mut [u8]) {
+        for slot in &codec.slots {
+            for ((at, width), &v) in slot.elements().zip(self.get(slot.role)) {
+                write_bits(item, at, width, v);
+            }
+        }
+    }
+
+    /// Reads every slot of the schema from `item`.
+    fn read(codec: &CodecLayout, item: &[u8]) -> SlotValues {
+        SlotValues(
+            codec
+                .slots
+                .iter()
+                .map(|slot| {
+                    let values = slot.elements().map(|(at, w)| read_bits(item, at, w));
+                    (slot.role, values.collect())
+                })
+                .collect(),
+        )
+    }
+}
 
 /// Encodes `items` (each `codec.dims` transformed coordinates) into `stream`
 /// (`items.len() * stride` bytes), setting this codec's slots of `header_scales`.
@@ -32,47 +76,44 @@ pub fn encode_page(
     for (i, x) in items.iter().enumerate() {
         let item = &mut stream[i * stride..(i + 1) * stride];
         item.fill(0);
+        let mut values = SlotValues::default();
         for field in &codec.fields {
-            encode_field(
-                field,
-                codec,
-                tables,
-                x,
-                codes.get(i).map(Vec::as_slice),
-                header_scales,
-                item,
-            );
+            let codes = codes.get(i).map(Vec::as_slice);
+            encode_field(field, codec, tables, x, codes, header_scales, &mut values);
         }
+        values.write(codec, item);
     }
+}
+
+/// The codebook field's book for group `j`, and its codeword length.
+fn book<'t>(codec: &CodecLayout, tables: &'t [Vec<f32>], j: usize) -> (&'t [f32], usize) {
+    let body = codec.body();
+    let FieldLayout::Codebook {
+        group_size, table, ..
+    } = *body
+    else {
+        unreachable!("called for codebook bodies")
+    };
+    let start = body.codeword_at(j as u32, 0) as usize;
+    let len = body.book_len() as usize;
+    (&tables[table][start..start + len], group_size as usize)
 }
 
 /// Codeword index per group: max dot product for unit directions, nearest for vectors.
 fn choose_codewords(codec: &CodecLayout, tables: &[Vec<f32>], x: &[f32]) -> Vec<u32> {
     let FieldLayout::Codebook {
-        groups,
-        group_size,
-        bits,
-        codewords,
-        per_group,
-        table,
-        ..
+        groups, codewords, ..
     } = *codec.body()
     else {
         unreachable!("called for codebook bodies")
     };
-    let g = group_size as usize;
-    let book_len = (1usize << bits) * g;
     (0..groups as usize)
         .map(|j| {
-            let book = if per_group {
-                &tables[table][j * book_len..(j + 1) * book_len]
-            } else {
-                &tables[table][..book_len]
-            };
+            let (book, g) = book(codec, tables, j);
             let part = &x[j * g..(j + 1) * g];
             let index = match codewords {
-                kvcc_compiler::spec::CodewordKind::Direction => best_direction(book, g, part),
-                kvcc_compiler::spec::CodewordKind::Vector => nearest(book, g, part),
+                CodewordKind::Direction => best_direction(book, g, part),
+                CodewordKind::Vector => nearest(book, g, part),
             };
             index as u32
         })
@@ -86,24 +127,22 @@ fn codeword<'t>(
     group: usize,
     index: u32,
 ) -> &'t [f32] {
-    let FieldLayout::Codebook {
-        group_size,
-        bits,
-        per_group,
-        table,
-        ..
-    } = *codec.body()
-    else {
-        unreachable!("called for codebook bodies")
-    };
-    let g = group_size as usize;
-    let book = if per_group {
-        group * (1usize << bits) * g
-    } else {
-        0
-    };
-    let start = book + index as usize * g;
-    &tables[table][start..start + g]
+    let (book, g) = book(codec, tables, group);
+    &book[index as usize * g..(index as usize + 1) * g]
+}
+
+/// The radius of each group of `x` along its chosen codeword.
+fn radii<'a>(
+    codec: &'a CodecLayout,
+    tables: &'a [Vec<f32>],
+    x: &'a [f32],
+    codes: &'a [u32],
+) -> impl Iterator<Item = f32> + 'a {
+    let g = x.len() / codes.len();
+    codes
+        .iter()
+        .enumerate()
+        .map(move |(j, &k)| radius_of(&x[j * g..(j + 1) * g], codeword(codec, tables, j, k)))
 }
 
 fn set_page_scales(
@@ -117,28 +156,23 @@ fn set_page_scales(
         match *field {
             FieldLayout::Radius {
                 groups,
-                group_size,
                 scale,
                 slot,
                 ..
             } => {
-                let g = group_size as usize;
                 let mut per_group = vec![0.0f32; groups as usize];
                 for (x, idx) in items.iter().zip(codes) {
-                    for (j, max) in per_group.iter_mut().enumerate() {
-                        let r =
-                            radius_of(&x[j * g..(j + 1) * g], codeword(codec, tables, j, idx[j]));
+                    for (max, r) in per_group.iter_mut().zip(radii(codec, tables, x, idx)) {
                         *max = max.max(r);
                     }
                 }
                 match scale {
                     RadiusScale::Page => {
-                        scales[slot as usize] =
-                            scale_or_one(per_group.iter().copied().fold(0.0, f32::max));
+                        scales[slot as usize] = scale_or_one(max_abs(&per_group));
                     }
                     RadiusScale::PageGroup => {
-                        for (j, m) in per_group.iter().enumerate() {
-                            scales[slot as usize + j] = scale_or_one(*m);
+                        for (s, m) in scales[slot as usize..].iter_mut().zip(&per_group) {
+                            *s = scale_or_one(*m);
                         }
                     }
                 }
@@ -151,12 +185,11 @@ fn set_page_scales(
                 ..
             } => match scale {
                 CoeffScale::Page => {
-                    let max = items.iter().flatten().fold(0.0f32, |m, v| m.max(v.abs()));
-                    scales[slot as usize] = coeff_scale(max, bits);
+                    scales[slot as usize] = coeff_scale(max_abs(items.iter().flatten()), bits);
                 }
                 CoeffScale::PageComponent => {
                     for c in 0..count as usize {
-                        let max = items.iter().fold(0.0f32, |m, x| m.max(x[c].abs()));
+                        let max = max_abs(items.iter().map(|x| &x[c]));
                         scales[slot as usize + c] = coeff_scale(max, bits);
                     }
                 }
@@ -167,6 +200,39 @@ fn set_page_scales(
     }
 }
 
+/// The scale that multiplies coefficient `c` of a coeff field.
+fn coeff_factor(
+    field: &FieldLayout,
+    tables: &[Vec<f32>],
+    scales: &[f32],
+    item_scale: Option<f32>,
+    c: usize,
+) -> f32 {
+    let FieldLayout::Coeff {
+        scale, slot, table, ..
+    } = *field
+    else {
+        unreachable!("called for coeff fields")
+    };
+    match scale {
+        CoeffScale::Item => item_scale.expect("item scale stored"),
+        CoeffScale::Page => scales[slot as usize],
+        CoeffScale::PageComponent => scales[slot as usize + c],
+        CoeffScale::Component => tables[table.expect("component table")][c],
+    }
+}
+
+/// The header scale of group `j` of a radius field.
+fn radius_scale(field: &FieldLayout, scales: &[f32], j: usize) -> f32 {
+    let FieldLayout::Radius { scale, slot, .. } = *field else {
+        unreachable!("called for radius fields")
+    };
+    match scale {
+        RadiusScale::Page => scales[slot as usize],
+        RadiusScale::PageGroup => scales[slot as usize + j],
+    }
+}
+
 fn encode_field(
     field: &FieldLayout,
     codec: &CodecLayout,
@@ -174,123 +240,55 @@ fn encode_field(
     x: &[f32],
     codes: Option<&[u32]>,
     scales: &[f32],
-    item: &mut [u8],
+    out: &mut SlotValues,
 ) {
     match *field {
-        FieldLayout::Radius {
-            offset,
-            groups,
-            group_size,
-            bits,
-            scale,
-            slot,
-        } => {
+        FieldLayout::Radius { bits, .. } => {
             let codes = codes.expect("radius pairs with a codebook");
-            let g = group_size as usize;
-            for j in 0..groups as usize {
-                let r = radius_of(&x[j * g..(j + 1) * g], codeword(codec, tables, j, codes[j]));
-                let s = match scale {
-                    RadiusScale::Page => scales[slot as usize],
-                    RadiusScale::PageGroup => scales[slot as usize + j],
-                };
-                write_bits(
-                    item,
-                    offset + j as u32 * bits,
-                    bits,
-                    radius_code(r, s, bits),
-                );
-            }
+            let radius = radii(codec, tables, x, codes).enumerate();
+            let stored = radius.map(|(j, r)| radius_code(r, radius_scale(field, scales, j), bits));
+            out.set(SlotRole::RadiusCode, stored.collect());
         }
-        FieldLayout::Codebook { offset, bits, .. } => {
-            for (j, &index) in codes.expect("codebook codes chosen").iter().enumerate() {
-                write_bits(item, offset + j as u32 * bits, bits, index);
-            }
+        FieldLayout::Codebook { .. } => {
+            let codes = codes.expect("codebook codes chosen");
+            out.set(SlotRole::CodebookIndex, codes.to_vec());
         }
         FieldLayout::Coeff {
-            item_scale,
-            offset,
-            count,
-            bits,
-            scale,
-            slot,
-            table,
+            item_scale, bits, ..
         } => {
-            let item_s = item_scale.map(|at| {
-                let max = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-                let s = half_scale(max, coeff_max(bits) as f32);
-                write_bits(item, at, 16, f16_bits(s));
-                s
-            });
-            for c in 0..count as usize {
-                let s = match scale {
-                    CoeffScale::Item => item_s.expect("item scale written"),
-                    CoeffScale::Page => scales[slot as usize],
-                    CoeffScale::PageComponent => scales[slot as usize + c],
-                    CoeffScale::Component => tables[table.expect("component table")][c],
-                };
-                write_bits(
-                    item,
-                    offset + c as u32 * bits,
-                    bits,
-                    quantize(x[c], s, bits),
-                );
+            let item_s = item_scale.map(|_| coeff_item_scale(x, bits));
+            if let Some(s) = item_s {
+                out.set(SlotRole::ItemScale, vec![f16_bits(s)]);
             }
+            let quantized = x
+                .iter()
+                .enumerate()
+                .map(|(c, &v)| quantize(v, coeff_factor(field, tables, scales, item_s, c), bits));
+            out.set(SlotRole::Coefficient, quantized.collect());
         }
         FieldLayout::Bitmap {
-            mask_offset,
             groups,
             group_size,
             keep,
             elem,
-            item_scale,
-            elems_offset,
+            ..
         } => {
+            let scratch = (
+                &mut vec![0.0f32; groups as usize][..],
+                &mut vec![0usize; groups as usize][..],
+            );
+            let mut mask = vec![0u32; groups.div_ceil(32) as usize];
+            let mut elems = vec![0u32; (keep * group_size) as usize];
             let g = group_size as usize;
-            let energies: Vec<f32> = x.chunks_exact(g).map(energy).collect();
-            let mut order = vec![0; groups as usize];
-            let kept = keep_largest(&energies, keep as usize, &mut order);
-            for &j in kept {
-                write_bits(item, mask_offset + j as u32, 1, 1);
+            if let Some(s) = bitmap_encode(x, g, elem, scratch, &mut mask, &mut elems) {
+                out.set(SlotRole::ItemScale, vec![f16_bits(s)]);
             }
-            let elem_bits = bitmap_elem_bits(elem);
-            let int8_scale = item_scale.map(|at| {
-                let max = kept
-                    .iter()
-                    .flat_map(|&j| &x[j * g..(j + 1) * g])
-                    .fold(0.0f32, |m, v| m.max(v.abs()));
-                let s = half_scale(max, coeff_max(8) as f32);
-                write_bits(item, at, 16, f16_bits(s));
-                s
-            });
-            for (slot, &j) in kept.iter().enumerate() {
-                for t in 0..g {
-                    let v = x[j * g + t];
-                    let bits = match elem {
-                        BitmapElem::F16 => f16_bits(v),
-                        BitmapElem::Int8 => quantize(v, int8_scale.expect("int8 scale"), 8),
-                    };
-                    write_bits(
-                        item,
-                        elems_offset + (slot * g + t) as u32 * elem_bits,
-                        elem_bits,
-                        bits,
-                    );
-                }
-            }
+            out.set(SlotRole::MaskBit, mask);
+            out.set(SlotRole::BitmapElement, elems);
         }
-        FieldLayout::Dense {
-            offset,
-            count,
-            dtype,
-        } => {
-            for (c, &v) in x.iter().enumerate().take(count as usize) {
-                let (bits, width) = match dtype {
-                    DenseDtype::F16 => (f16_bits(v), 16),
-                    DenseDtype::Bf16 => (bf16_bits(v), 16),
-                    DenseDtype::F32 => (v.to_bits(), 32),
-                };
-                write_bits(item, offset + c as u32 * width, width, bits);
-            }
+        FieldLayout::Dense { dtype, .. } => {
+            let stored = x.iter().map(|&v| dense_bits(dtype, v));
+            out.set(SlotRole::DenseValue, stored.collect());
         }
     }
 }
@@ -302,104 +300,58 @@ pub fn decode_item(
     item: &[u8],
     scales: &[f32],
 ) -> Vec<f32> {
-    let n = codec.dims as usize;
-    let mut x = vec![0.0f32; n];
+    let stored = SlotValues::read(codec, item);
+    let mut x = vec![0.0f32; codec.dims as usize];
+    let item_scale = || f16_value(stored.get(SlotRole::ItemScale)[0]);
     match *codec.body() {
-        FieldLayout::Codebook {
-            offset,
-            groups,
-            group_size,
-            bits,
-            ..
-        } => {
+        FieldLayout::Codebook { group_size, .. } => {
             let g = group_size as usize;
-            for j in 0..groups as usize {
-                let index = read_bits(item, offset + j as u32 * bits, bits);
+            for (j, &index) in stored.get(SlotRole::CodebookIndex).iter().enumerate() {
                 let r = match codec.radius() {
-                    Some(&FieldLayout::Radius {
-                        offset,
-                        bits,
-                        scale,
-                        slot,
-                        ..
-                    }) => {
-                        let s = match scale {
-                            RadiusScale::Page => scales[slot as usize],
-                            RadiusScale::PageGroup => scales[slot as usize + j],
-                        };
-                        radius_value(read_bits(item, offset + j as u32 * bits, bits), s, bits)
+                    Some(radius @ &FieldLayout::Radius { bits, .. }) => {
+                        let code = stored.get(SlotRole::RadiusCode)[j];
+                        radius_value(code, radius_scale(radius, scales, j), bits)
                     }
                     _ => 1.0,
                 };
-                for (t, c) in codeword(codec, tables, j, index).iter().enumerate() {
-                    x[j * g + t] = r * c;
+                for (v, c) in x[j * g..(j + 1) * g]
+                    .iter_mut()
+                    .zip(codeword(codec, tables, j, index))
+                {
+                    *v = r * c;
                 }
             }
         }
-        FieldLayout::Coeff {
-            item_scale,
-            offset,
-            count,
+        ref field @ FieldLayout::Coeff {
+            item_scale: at,
             bits,
-            scale,
-            slot,
-            table,
+            ..
         } => {
-            for (c, value) in x.iter_mut().enumerate().take(count as usize) {
-                let s = match scale {
-                    CoeffScale::Item => {
-                        f16_value(read_bits(item, item_scale.expect("item scale"), 16))
-                    }
-                    CoeffScale::Page => scales[slot as usize],
-                    CoeffScale::PageComponent => scales[slot as usize + c],
-                    CoeffScale::Component => tables[table.expect("component table")][c],
-                };
-                *value = signed(read_bits(item, offset + c as u32 * bits, bits), bits) * s;
+            let item_s = at.map(|_| item_scale());
+            for (c, (v, &code)) in x
+                .iter_mut()
+                .zip(stored.get(SlotRole::Coefficient))
+                .enumerate()
+            {
+                *v = signed(code, bits) * coeff_factor(field, tables, scales, item_s, c);
             }
         }
         FieldLayout::Bitmap {
-            mask_offset,
-            groups,
             group_size,
             elem,
-            item_scale,
-            elems_offset,
+            item_scale: at,
             ..
         } => {
-            let g = group_size as usize;
-            let elem_bits = bitmap_elem_bits(elem);
-            let scale = item_scale.map(|at| f16_value(read_bits(item, at, 16)));
-            let mut slot = 0usize;
-            for j in 0..groups as usize {
-                if read_bits(item, mask_offset + j as u32, 1) == 1 {
-                    for t in 0..g {
-                        let raw = read_bits(
-                            item,
-                            elems_offset + (slot * g + t) as u32 * elem_bits,
-                            elem_bits,
-                        );
-                        x[j * g + t] = match elem {
-                            BitmapElem::F16 => f16_value(raw),
-                            BitmapElem::Int8 => signed(raw, 8) * scale.expect("int8 scale"),
-                        };
-                    }
-                    slot += 1;
-                }
-            }
+            let scale = at.map_or(1.0, |_| item_scale());
+            let (mask, elems) = (
+                stored.get(SlotRole::MaskBit),
+                stored.get(SlotRole::BitmapElement),
+            );
+            bitmap_decode(mask, elems, group_size as usize, elem, scale, &mut x);
         }
-        FieldLayout::Dense {
-            offset,
-            count,
-            dtype,
-        } => {
-            for (c, value) in x.iter_mut().enumerate().take(count as usize) {
-                let width = dtype.bits();
-                let raw = read_bits(item, offset + c as u32 * width, width);
-                *value = match dtype {
-                    DenseDtype::F16 => f16_value(raw),
-                    DenseDtype::Bf16 => bf16_value(raw),
-                    DenseDtype::F32 => f32::from_bits(raw),
-                };
+        FieldLayout::Dense { dtype, .. } => {
+            for (v, &raw) in x.iter_mut().zip(stored.get(SlotRole::DenseValue)) {
+                *v = dense_value(dtype, raw);
             }
         }
         FieldLayout::Radius { .. } => unreachable!("body() is never a radius"),

@@ -1,7 +1,6 @@
 //! Encoders: dense keys and values in, tier-homogeneous pages out — plus the
 //! trainers that fit a tier's tables and a reference decoder for round trips.
 
-mod bits;
 mod codec;
 pub mod ops;
 pub mod train;

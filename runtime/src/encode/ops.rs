@@ -10,6 +10,7 @@
 
 use half::{bf16, f16};
 use kvcc_compiler::layout::coeff_max;
+use kvcc_compiler::spec::{BitmapElem, DenseDtype};
 
 pub use crate::math::hadamard::{fwht_normalized, srht_forward, srht_inverse};
 pub use crate::math::kmeans::{best_direction, nearest, Dim, Fixed};
@@ -158,6 +159,99 @@ pub fn keep_largest<'o>(energy: &[f32], keep: usize, order: &'o mut [usize]) -> 
     let kept = &mut order[..keep];
     kept.sort_unstable();
     kept
+}
+
+/// Largest magnitude of `values`.
+#[inline]
+pub fn max_abs<'v>(values: impl IntoIterator<Item = &'v f32>) -> f32 {
+    values.into_iter().fold(0.0f32, |m, v| m.max(v.abs()))
+}
+
+/// The f16 item scale of `bits`-bit coefficient codes of `y`.
+#[inline]
+pub fn coeff_item_scale(y: &[f32], bits: u32) -> f32 {
+    half_scale(max_abs(y), coeff_max(bits) as f32)
+}
+
+/// A dense coordinate as stored.
+#[inline]
+pub fn dense_bits(dtype: DenseDtype, v: f32) -> u32 {
+    match dtype {
+        DenseDtype::F16 => f16_bits(v),
+        DenseDtype::Bf16 => bf16_bits(v),
+        DenseDtype::F32 => v.to_bits(),
+    }
+}
+
+/// A stored dense coordinate as a number.
+#[inline]
+pub fn dense_value(dtype: DenseDtype, raw: u32) -> f32 {
+    match dtype {
+        DenseDtype::F16 => f16_value(raw),
+        DenseDtype::Bf16 => bf16_value(raw),
+        DenseDtype::F32 => f32::from_bits(raw),
+    }
+}
+
+/// A bitmap item: keeps the `elems.len() / g` groups of `y` (groups of `g`)
+/// of largest energy, sets their bits in `mask` (32 groups per word) and
+/// stores their elements in `elems`: f16 bits, or int8 codes under the
+/// returned f16 item scale. `energy` and `order` are scratch, one per group.
+#[inline]
+pub fn bitmap_encode(
+    y: &[f32],
+    g: usize,
+    elem: BitmapElem,
+    scratch: (&mut [f32], &mut [usize]),
+    mask: &mut [u32],
+    elems: &mut [u32],
+) -> Option<f32> {
+    let (energies, order) = scratch;
+    for (e, group) in energies.iter_mut().zip(y.chunks_exact(g)) {
+        *e = energy(group);
+    }
+    let kept = keep_largest(energies, elems.len() / g, order);
+    mask.fill(0);
+    for &j in kept.iter() {
+        mask[j / 32] |= 1 << (j % 32);
+    }
+    let scale = (elem == BitmapElem::Int8).then(|| {
+        let max = max_abs(kept.iter().flat_map(|&j| &y[j * g..(j + 1) * g]));
+        half_scale(max, coeff_max(8) as f32)
+    });
+    for (e, out) in elems.iter_mut().enumerate() {
+        let v = y[kept[e / g] * g + e % g];
+        *out = match scale {
+            Some(s) => quantize(v, s, 8),
+            None => f16_bits(v),
+        };
+    }
+    scale
+}
+
+/// The coordinates `y` (zero where a group was dropped) of a bitmap item's
+/// `mask` words and kept `elems` (groups of `g`); `scale` is the int8 scale.
+#[inline]
+pub fn bitmap_decode(
+    mask: &[u32],
+    elems: &[u32],
+    g: usize,
+    elem: BitmapElem,
+    scale: f32,
+    y: &mut [f32],
+) {
+    let mut slot = 0usize;
+    for (j, group) in y.chunks_exact_mut(g).enumerate() {
+        if (mask[j / 32] >> (j % 32)) & 1 == 1 {
+            for (v, &raw) in group.iter_mut().zip(&elems[slot * g..]) {
+                *v = match elem {
+                    BitmapElem::F16 => f16_value(raw),
+                    BitmapElem::Int8 => signed(raw, 8) * scale,
+                };
+            }
+            slot += 1;
+        }
+    }
 }
 
 /// PCA coordinates `out = Bᵀ (x − mean)` with a row-major `head_dim × rank`

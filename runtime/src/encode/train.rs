@@ -2,11 +2,11 @@
 
 use half::f16;
 use kvcc_compiler::layout::{
-    coeff_max, srht_signs, CodecLayout, FieldLayout, TableRole, TableStorage, TierLayout,
-    TransformLayout,
+    srht_signs, CodecLayout, FieldLayout, TableRole, TableStorage, TierLayout, TransformLayout,
 };
 use kvcc_compiler::spec::{CodewordKind, CoeffScale};
 
+use super::ops::{coeff_scale, max_abs};
 use super::transform;
 use crate::math::kmeans::{kmeans, spherical_kmeans, KMeansOptions};
 use crate::math::pca::fit_pca;
@@ -83,14 +83,13 @@ fn fit_fields(
             FieldLayout::Codebook {
                 groups,
                 group_size,
-                bits,
                 codewords,
                 per_group,
                 table,
                 ..
             } => {
                 let g = group_size as usize;
-                let TableRole::Codebook { books, .. } = layout.tables[table].role else {
+                let TableRole::Codebook { books, entries } = layout.tables[table].role else {
                     unreachable!("codebook fields own codebook tables")
                 };
                 let mut book = Vec::with_capacity(layout.tables[table].len as usize);
@@ -110,7 +109,7 @@ fn fit_fields(
                         })
                         .collect();
                     let opts = KMeansOptions {
-                        clusters: 1 << bits,
+                        clusters: entries as usize,
                         iterations: options.iterations,
                         max_samples: options.max_samples,
                         seed: options.seed ^ ((table as u64) << 32) ^ b as u64,
@@ -129,16 +128,8 @@ fn fit_fields(
                 table: Some(table),
                 ..
             } => {
-                let q = coeff_max(bits) as f32;
                 tables[table] = (0..count as usize)
-                    .map(|c| {
-                        let max = items.iter().fold(0.0f32, |m, x| m.max(x[c].abs()));
-                        if max > 0.0 {
-                            max / q
-                        } else {
-                            1.0
-                        }
-                    })
+                    .map(|c| coeff_scale(max_abs(items.iter().map(|x| &x[c])), bits))
                     .collect();
             }
             _ => {}

@@ -8,24 +8,7 @@ use super::ops::{fwht_normalized, pca_forward, pca_inverse, srht_forward, srht_i
 
 /// x (head_dim) -> x' (codec dims).
 pub fn forward(transform: TransformLayout, tables: &[Vec<f32>], x: &[f32]) -> Vec<f32> {
-    match transform {
-        TransformLayout::Identity => x.to_vec(),
-        TransformLayout::Hadamard => {
-            let mut y = x.to_vec();
-            fwht_normalized(&mut y);
-            y
-        }
-        TransformLayout::Srht { signs, .. } => {
-            let mut y = x.to_vec();
-            srht_forward(&mut y, &tables[signs]);
-            y
-        }
-        TransformLayout::Pca { rank, basis, mean } => {
-            let mut c = vec![0.0f32; rank as usize];
-            pca_forward(&tables[basis], &tables[mean], x, &mut c);
-            c
-        }
-    }
+    apply(transform, tables, x, Direction::Forward)
 }
 
 /// x' (codec dims) -> x (head_dim).
@@ -35,22 +18,39 @@ pub fn inverse(
     y: &[f32],
     head_dim: usize,
 ) -> Vec<f32> {
-    match transform {
-        TransformLayout::Identity => y.to_vec(),
-        TransformLayout::Hadamard => {
-            let mut x = y.to_vec();
-            fwht_normalized(&mut x);
-            x
+    apply(transform, tables, y, Direction::Inverse { head_dim })
+}
+
+#[derive(Clone, Copy)]
+enum Direction {
+    Forward,
+    Inverse { head_dim: usize },
+}
+
+fn apply(
+    transform: TransformLayout,
+    tables: &[Vec<f32>],
+    v: &[f32],
+    direction: Direction,
+) -> Vec<f32> {
+    let mut out = v.to_vec();
+    match (transform, direction) {
+        (TransformLayout::Identity, _) => {}
+        (TransformLayout::Hadamard, _) => fwht_normalized(&mut out),
+        (TransformLayout::Srht { signs, .. }, Direction::Forward) => {
+            srht_forward(&mut out, &tables[signs])
         }
-        TransformLayout::Srht { signs, .. } => {
-            let mut x = y.to_vec();
-            srht_inverse(&mut x, &tables[signs]);
-            x
+        (TransformLayout::Srht { signs, .. }, Direction::Inverse { .. }) => {
+            srht_inverse(&mut out, &tables[signs])
         }
-        TransformLayout::Pca { basis, mean, .. } => {
-            let mut x = vec![0.0f32; head_dim];
-            pca_inverse(&tables[basis], &tables[mean], y, &mut x);
-            x
+        (TransformLayout::Pca { rank, basis, mean }, Direction::Forward) => {
+            out = vec![0.0f32; rank as usize];
+            pca_forward(&tables[basis], &tables[mean], v, &mut out);
+        }
+        (TransformLayout::Pca { basis, mean, .. }, Direction::Inverse { head_dim }) => {
+            out = vec![0.0f32; head_dim];
+            pca_inverse(&tables[basis], &tables[mean], v, &mut out);
         }
     }
+    out
 }

@@ -2,6 +2,7 @@
 //! what each IR operation means.
 
 use crate::ir::{Arena, BinaryOp, Expr, Function, Handle, Input, Literal, Stage, UnaryOp};
+use crate::layout::bits::read_bits;
 
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Value {
@@ -42,17 +43,6 @@ pub struct Env<'a> {
     pub channel: u32,
     pub iteration: u32,
     pub denominator: f32,
-}
-
-/// `width` bits at `offset` of `bytes`, LSB-first little-endian.
-pub fn read_bits(bytes: &[u8], offset: u32, width: u32) -> u32 {
-    let first = (offset / 8) as usize;
-    let shift = offset % 8;
-    let mut word = 0u64;
-    for k in 0..5 {
-        word |= u64::from(bytes.get(first + k).copied().unwrap_or(0)) << (8 * k);
-    }
-    ((word >> shift) & ((1u64 << width) - 1)) as u32
 }
 
 fn eval_expr(expr: &Expr, values: &[Value], env: &Env) -> Value {
@@ -176,22 +166,4 @@ pub fn run_stage(stage: &Stage, env: &Env, values: &mut Vec<Value>) -> Vec<(usiz
         }
     }
     writes
-}
-
-#[cfg(test)]
-mod tests {
-    use super::read_bits;
-
-    #[test]
-    fn bits_are_little_endian_lsb_first() {
-        let bytes = [0b1010_1100u8, 0b0000_0011, 0xFF];
-        assert_eq!(read_bits(&bytes, 0, 4), 0b1100);
-        assert_eq!(read_bits(&bytes, 4, 6), 0b11_1010);
-        assert_eq!(read_bits(&bytes, 0, 24), 0xFF03AC);
-        assert_eq!(
-            read_bits(&bytes, 20, 32),
-            0xF,
-            "bytes past the end read as zero"
-        );
-    }
 }

@@ -10,7 +10,6 @@
 // The Cranelift backend folds constants with these same functions.
 pub(crate) mod eval;
 
-pub use eval::read_bits;
 use eval::{run_function, run_stage, Env, Value};
 
 use crate::page::{CacheView, PageHeader, PageRef};

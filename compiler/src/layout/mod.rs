@@ -1,20 +1,23 @@
 //! Where every bit lives: item streams, page headers and per-head tables.
 //!
-//! Lowering (IR) and the runtime encoders both read positions from here, so the
-//! kernels and the pages can never disagree about the format.
+//! Each codec's item is computed once, as the ordered slots of [`schema`];
+//! lowering, the encoders, the macro and the reports all walk those slots and
+//! read bits through [`bits`], so the kernels and the pages cannot disagree.
+
+pub mod bits;
+pub mod schema;
 
 use crate::spec::{
     BasisDtype, BitmapElem, CodecSpec, CodewordKind, CoeffScale, DenseDtype, FieldSpec, FormatSpec,
     RadiusScale, TableDtype, TransformSpec,
 };
+pub use schema::{bitmap_elem_bits, BitRange, HeaderScales, ItemSlot, SlotRole, ITEM_SCALE_BITS};
 
 /// Fixed page-header words: tier index, item count, flags, reserved.
 pub const HEADER_FIXED_BYTES: u32 = 16;
 /// Every page, and every stream inside it, starts on this boundary.
 pub const STREAM_ALIGN: u32 = 16;
 pub const PAGE_ALIGN: u32 = 128;
-/// Bits of an f16 scale stored inside an item.
-pub const ITEM_SCALE_BITS: u32 = 16;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Side {
@@ -79,7 +82,8 @@ pub enum TableRole {
     SrhtSigns,
 }
 
-/// A field with its bit positions inside the codec's item.
+/// A field's geometry, with the bit positions of its slots (the codec's
+/// `slots` are the source of those positions).
 #[derive(Debug, Clone, PartialEq)]
 pub enum FieldLayout {
     Radius {
@@ -129,6 +133,38 @@ pub enum FieldLayout {
     },
 }
 
+impl FieldLayout {
+    /// Values of one book of a codebook field: `2^bits` codewords of `group_size`.
+    pub fn book_len(&self) -> u32 {
+        match *self {
+            FieldLayout::Codebook {
+                group_size, bits, ..
+            } => (1u32 << bits) * group_size,
+            _ => unreachable!("book_len of a {self:?}"),
+        }
+    }
+
+    /// Index in a codebook field's table of the first value of codeword
+    /// `index` of group `group` (one book per group, or one shared book).
+    pub fn codeword_at(&self, group: u32, index: u32) -> u32 {
+        match *self {
+            FieldLayout::Codebook {
+                group_size,
+                per_group,
+                ..
+            } => {
+                let book = if per_group {
+                    group * self.book_len()
+                } else {
+                    0
+                };
+                book + index * group_size
+            }
+            _ => unreachable!("codeword_at of a {self:?}"),
+        }
+    }
+}
+
 /// The transform with its tables resolved.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum TransformLayout {
@@ -153,6 +189,8 @@ pub struct CodecLayout {
     pub dims: u32,
     pub transform: TransformLayout,
     pub fields: Vec<FieldLayout>,
+    /// The item's slots in bit order: the schema every item reader and writer walks.
+    pub slots: Vec<ItemSlot>,
     /// Payload bits per item, before rounding to bytes.
     pub bits: u32,
     /// Bytes per item in the stream.
@@ -169,6 +207,8 @@ pub struct TierLayout {
     pub value: CodecLayout,
     /// f32 scale slots in the page header (key codec's first).
     pub header_slots: u32,
+    /// What each run of header scale slots scales, in slot order.
+    pub header_scales: Vec<HeaderScales>,
     pub header_bytes: u32,
     pub key_stream_offset: u32,
     pub value_stream_offset: u32,
@@ -186,15 +226,22 @@ impl TierLayout {
     pub fn new(spec: &FormatSpec, index: usize) -> TierLayout {
         let tier = &spec.tiers[index];
         let mut tables = Vec::new();
-        let mut slots = 0;
-        let key = CodecLayout::new(Side::Key, &tier.key, spec.head_dim, &mut tables, &mut slots);
+        let mut scales = Vec::new();
+        let key = CodecLayout::new(
+            Side::Key,
+            &tier.key,
+            spec.head_dim,
+            &mut tables,
+            &mut scales,
+        );
         let value = CodecLayout::new(
             Side::Value,
             &tier.value,
             spec.head_dim,
             &mut tables,
-            &mut slots,
+            &mut scales,
         );
+        let slots = scales.iter().map(|s| s.count).sum::<u32>();
         let items = spec.page.items;
         let header_bytes = round_up(HEADER_FIXED_BYTES + 4 * slots, STREAM_ALIGN);
         let key_stream_offset = header_bytes;
@@ -208,6 +255,7 @@ impl TierLayout {
             key,
             value,
             header_slots: slots,
+            header_scales: scales,
             header_bytes,
             key_stream_offset,
             value_stream_offset,
@@ -249,7 +297,7 @@ impl CodecLayout {
         codec: &CodecSpec,
         head_dim: u32,
         tables: &mut Vec<TableLayout>,
-        slots: &mut u32,
+        scales: &mut Vec<HeaderScales>,
     ) -> CodecLayout {
         let dims = codec.transform.dims(head_dim);
         let mut add_table = |name: &str, role, len: u32, storage, source| {
@@ -308,35 +356,61 @@ impl CodecLayout {
                 }
             }
         };
-        let mut offset = 0;
-        let mut take = |bits: u32| {
-            let at = offset;
-            offset += bits;
-            at
-        };
+        let mut slots: Vec<ItemSlot> = Vec::new();
         let mut fields = Vec::new();
-        for field in &codec.fields {
+        for (index, field) in codec.fields.iter().enumerate() {
+            let mut offset = slots.last().map_or(0, |s| s.bits.end());
+            for (role, width, count) in
+                schema::field_slots(field, dims.into()).expect("checked group sizes divide dims")
+            {
+                let bits = BitRange {
+                    offset,
+                    width,
+                    count: count as u32,
+                };
+                offset = bits.end();
+                slots.push(ItemSlot {
+                    field: index,
+                    role,
+                    bits,
+                });
+            }
+            let scale_count = schema::header_scale_count(field, dims);
+            let first = scales
+                .last()
+                .map_or(0, |s: &HeaderScales| s.first + s.count);
+            if scale_count > 0 {
+                scales.push(HeaderScales {
+                    side,
+                    field: index,
+                    scales: match field {
+                        FieldSpec::Radius { .. } => SlotRole::RadiusCode,
+                        _ => SlotRole::Coefficient,
+                    },
+                    first,
+                    count: scale_count,
+                });
+            }
+            let at = |role| {
+                slots
+                    .iter()
+                    .find(|s| s.field == index && s.role == role)
+                    .map(|s| s.bits.offset)
+            };
+            let offset = |role| at(role).expect("the field has this slot");
             let layout = match *field {
                 FieldSpec::Radius {
                     group_size,
                     bits,
                     scale,
-                } => {
-                    let groups = dims / group_size;
-                    let slot = *slots;
-                    *slots += match scale {
-                        RadiusScale::Page => 1,
-                        RadiusScale::PageGroup => groups,
-                    };
-                    FieldLayout::Radius {
-                        offset: take(groups * bits),
-                        groups,
-                        group_size,
-                        bits,
-                        scale,
-                        slot,
-                    }
-                }
+                } => FieldLayout::Radius {
+                    offset: offset(SlotRole::RadiusCode),
+                    groups: dims / group_size,
+                    group_size,
+                    bits,
+                    scale,
+                    slot: first,
+                },
                 FieldSpec::Codebook {
                     group_size,
                     bits,
@@ -347,13 +421,12 @@ impl CodecLayout {
                     let groups = dims / group_size;
                     let books = if per_group { groups } else { 1 };
                     let entries = 1u32 << bits;
-                    let len = books * entries * group_size;
                     let storage = match dtype {
                         TableDtype::F16 => TableStorage::F16,
                         TableDtype::F32 => TableStorage::F32,
                     };
                     FieldLayout::Codebook {
-                        offset: take(groups * bits),
+                        offset: offset(SlotRole::CodebookIndex),
                         groups,
                         group_size,
                         bits,
@@ -362,21 +435,20 @@ impl CodecLayout {
                         table: add_table(
                             "codebook",
                             TableRole::Codebook { books, entries },
-                            len,
+                            books * entries * group_size,
                             storage,
                             TableSource::Trained,
                         ),
                     }
                 }
-                FieldSpec::Coeff { bits, scale } => {
-                    let item_scale = (scale == CoeffScale::Item).then(|| take(ITEM_SCALE_BITS));
-                    let slot = *slots;
-                    *slots += match scale {
-                        CoeffScale::Page => 1,
-                        CoeffScale::PageComponent => dims,
-                        CoeffScale::Item | CoeffScale::Component => 0,
-                    };
-                    let table = (scale == CoeffScale::Component).then(|| {
+                FieldSpec::Coeff { bits, scale } => FieldLayout::Coeff {
+                    item_scale: at(SlotRole::ItemScale),
+                    offset: offset(SlotRole::Coefficient),
+                    count: dims,
+                    bits,
+                    scale,
+                    slot: first,
+                    table: (scale == CoeffScale::Component).then(|| {
                         add_table(
                             "component_scale",
                             TableRole::ComponentScale,
@@ -384,52 +456,50 @@ impl CodecLayout {
                             TableStorage::F32,
                             TableSource::Trained,
                         )
-                    });
-                    FieldLayout::Coeff {
-                        item_scale,
-                        offset: take(dims * bits),
-                        count: dims,
-                        bits,
-                        scale,
-                        slot,
-                        table,
-                    }
-                }
+                    }),
+                },
                 FieldSpec::Bitmap {
                     group_size,
                     keep,
                     elem,
-                } => {
-                    let groups = dims / group_size;
-                    let mask_offset = take(groups);
-                    let item_scale = (elem == BitmapElem::Int8).then(|| take(ITEM_SCALE_BITS));
-                    let elem_bits = bitmap_elem_bits(elem);
-                    FieldLayout::Bitmap {
-                        mask_offset,
-                        groups,
-                        group_size,
-                        keep,
-                        elem,
-                        item_scale,
-                        elems_offset: take(keep * group_size * elem_bits),
-                    }
-                }
+                } => FieldLayout::Bitmap {
+                    mask_offset: offset(SlotRole::MaskBit),
+                    groups: dims / group_size,
+                    group_size,
+                    keep,
+                    elem,
+                    item_scale: at(SlotRole::ItemScale),
+                    elems_offset: offset(SlotRole::BitmapElement),
+                },
                 FieldSpec::Dense { dtype } => FieldLayout::Dense {
-                    offset: take(dims * dtype.bits()),
+                    offset: offset(SlotRole::DenseValue),
                     count: dims,
                     dtype,
                 },
             };
             fields.push(layout);
         }
+        let bits = slots.last().map_or(0, |s| s.bits.end());
         CodecLayout {
             side,
             dims,
             transform,
             fields,
-            bits: offset,
-            stride: offset.div_ceil(8),
+            slots,
+            bits,
+            stride: bits.div_ceil(8),
         }
+    }
+
+    /// The bit range of the slot holding `role` (a codec has at most one of each).
+    pub fn find_slot(&self, role: SlotRole) -> Option<BitRange> {
+        self.slots.iter().find(|s| s.role == role).map(|s| s.bits)
+    }
+
+    /// [`find_slot`](Self::find_slot) of a slot the codec's fields imply.
+    pub fn slot(&self, role: SlotRole) -> BitRange {
+        self.find_slot(role)
+            .unwrap_or_else(|| panic!("the {} codec has no {} slot", self.side.name(), role.name()))
     }
 
     /// The field that stores the coordinates (every checked codec has exactly one).
@@ -445,13 +515,6 @@ impl CodecLayout {
         self.fields
             .iter()
             .find(|f| matches!(f, FieldLayout::Radius { .. }))
-    }
-}
-
-pub fn bitmap_elem_bits(elem: BitmapElem) -> u32 {
-    match elem {
-        BitmapElem::F16 => 16,
-        BitmapElem::Int8 => 8,
     }
 }
 
