@@ -31,7 +31,9 @@
 
 use super::streams::{shared_stride, stride_align, Stream, CHUNK};
 use crate::ir::{ArrayDecl, BinaryOp, Expr, Function, Handle, Input, Literal, Module, UnaryOp};
-use crate::layout::{round_up, CodecLayout, FieldLayout, TransformLayout};
+use crate::layout::{
+    bitmap_elem_bits, round_up, CodecLayout, FieldLayout, SlotRole, TransformLayout,
+};
 use crate::spec::BitmapElem;
 
 /// The key row chunk lane `quad` loads as its `c`-th is a lane part plus
@@ -481,31 +483,40 @@ pub fn plan(
 }
 
 /// The codec's body when it is a bitmap of f16 groups covering its `dims`,
-/// alone, with masks and groups the expansion reads as words or halves.
+/// alone, with masks and groups the expansion reads as words or halves. The
+/// bit positions are the item schema's: a mask slot, then the kept f16
+/// elements, and no item scale.
 fn gather(codec: &CodecLayout, dims: u32, stream: &Stream) -> Option<Gather> {
     let [FieldLayout::Bitmap {
-        mask_offset,
         groups,
         group_size,
         keep,
-        elem: BitmapElem::F16,
-        item_scale: None,
-        elems_offset,
+        ..
     }] = codec.fields[..]
     else {
         return None;
     };
+    let [mask, elems] = codec.slots[..] else {
+        return None;
+    };
+    let half = bitmap_elem_bits(BitmapElem::F16);
+    if mask.role != SlotRole::MaskBit
+        || elems.role != SlotRole::BitmapElement
+        || elems.bits.width != half
+    {
+        return None;
+    }
     let g = Gather {
-        mask_bit: mask_offset,
+        mask_bit: mask.bits.offset,
         groups,
         group_size,
         keep,
-        elems_bit: elems_offset,
+        elems_bit: elems.bits.offset,
     };
-    let aligned = mask_offset.is_multiple_of(32)
+    let aligned = g.mask_bit.is_multiple_of(32)
         && stream.shared_stride.is_multiple_of(4)
         && (g.word_copies(stream.shared_stride)
-            || (elems_offset.is_multiple_of(16) && stream.shared_stride.is_multiple_of(2)));
+            || (g.elems_bit.is_multiple_of(16) && stream.shared_stride.is_multiple_of(2)));
     (groups * group_size == dims && keep > 0 && aligned).then_some(g)
 }
 
