@@ -13,7 +13,7 @@ use ::toml::de::{DeTable, DeValue, ValueDeserializer};
 use ::toml::Spanned;
 use serde::Deserialize;
 
-use super::check::{check_spec, PathSegment};
+use super::check::{check_spec, render_path, PathSegment};
 use super::diagnostic::{Diagnostic, SpecError};
 use crate::spec::{FieldSpec, FormatSpec};
 
@@ -80,7 +80,7 @@ pub fn parse_spec(source: &str, file: &str) -> Result<FormatSpec, SpecError> {
         Ok(spec) => spec,
         Err(err) => {
             let located = locate_shape_error(&root, err.span(), err.message());
-            let path = render(&located.path);
+            let path = render_path(&located.path);
             return Err(SpecError::Invalid(vec![at(
                 located.offset,
                 path,
@@ -138,27 +138,7 @@ fn first_line(message: &str) -> String {
 }
 
 /// A path segment with an owned key (shape errors may name keys the spec lacks).
-#[derive(Debug, Clone, PartialEq, Eq)]
-enum Seg {
-    Key(String),
-    Index(usize),
-}
-
-fn render(path: &[Seg]) -> String {
-    let mut out = String::new();
-    for segment in path {
-        match segment {
-            Seg::Key(key) => {
-                if !out.is_empty() {
-                    out.push('.');
-                }
-                out.push_str(key);
-            }
-            Seg::Index(index) => out.push_str(&format!("[{index}]")),
-        }
-    }
-    out
-}
+type Seg = PathSegment<String>;
 
 /// A value of the document with its path and, for table entries, its key's span.
 #[derive(Clone)]
@@ -501,7 +481,7 @@ fn unit_transform_extra_keys(root: &Spanned<DeValue<'_>>) -> Vec<(usize, String,
                 };
                 out.push((
                     child.key_span.clone().map_or(0, |s| s.start),
-                    render(&child.path),
+                    render_path(&child.path),
                     format!(
                         "unknown key `{key}`; {article} {kind} transform takes no keys besides `kind` \
                          (`seed` belongs to srht, `rank` and `basis` to pca)"
