@@ -530,10 +530,7 @@ impl Plan {
     }
 
     pub fn stream(&self, side: Side) -> &Stream {
-        match side {
-            Side::Key => &self.key,
-            Side::Value => &self.value,
-        }
+        side.pick(&self.key, &self.value)
     }
 }
 
