@@ -323,10 +323,10 @@ impl Plan {
             };
             // Bitmap sides (gathered or staged rows) are read otherwise.
             let keys = tensor_rows(&key)
-                && m.key_gather.is_none()
+                && m.key_rows.gather.is_none()
                 && (m.score.as_ref()).is_some_and(|s| s.key == Element::Half && s.spread_chunks());
             let values = tensor_rows(&value)
-                && m.value_gather.is_none()
+                && m.value_rows.gather.is_none()
                 && m.value == Element::Half
                 && m.value_aligned
                 && m.item_scale.is_none();

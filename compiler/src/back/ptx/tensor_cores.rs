@@ -176,6 +176,9 @@ pub struct Rows {
     pub staged: bool,
     /// The rows' 16-byte chunks are swizzled ([`Stream::swizzled`]).
     pub swizzled: bool,
+    /// The side's bitmap field: expanded into the staged rows each tile, or
+    /// (rows not staged) gathered into the fragments.
+    pub gather: Option<Gather>,
 }
 
 impl Rows {
@@ -185,18 +188,41 @@ impl Rows {
             stride: stream.shared_stride,
             staged: false,
             swizzled: stream.swizzled,
+            gather: None,
         }
     }
 
-    /// Dense f16 rows of `bytes`, 16-byte aligned (zeroed and read 16 bytes
-    /// at a time) and padded like a stream's rows; placed by the plan.
-    fn staged(bytes: u32) -> Rows {
+    /// The stream's rows, whose groups the fragments gather in place: a
+    /// group at a time, so unswizzled.
+    fn gathered(stream: &Stream, gather: Gather) -> Rows {
+        Rows {
+            swizzled: false,
+            gather: Some(gather),
+            ..Rows::of(stream)
+        }
+    }
+
+    /// The dense f16 rows `gather` expands into, 16-byte aligned (zeroed
+    /// and read 16 bytes at a time) and padded like a stream's rows; placed
+    /// by the plan.
+    fn staged(gather: Gather) -> Rows {
         Rows {
             offset: 0,
-            stride: shared_stride(round_up(bytes, CHUNK)),
+            stride: shared_stride(round_up(gather.dense_bytes(), CHUNK)),
             staged: true,
             swizzled: false,
+            gather: Some(gather),
         }
+    }
+
+    /// The bitmap whose groups the fragments gather.
+    pub fn fragments(&self) -> Option<Gather> {
+        self.gather.filter(|_| !self.staged)
+    }
+
+    /// The bitmap expanded into the staged rows.
+    pub fn expanded(&self) -> Option<Gather> {
+        self.gather.filter(|_| self.staged)
     }
 
     fn align(&self) -> u32 {
@@ -215,10 +241,6 @@ pub struct MmaPlan {
     pub value_dims: u32,
     /// Byte offset of value channel 0 in a value row.
     pub value_offset: u32,
-    /// Bitmap fields, per side: expanded into staged rows each tile, or
-    /// (rows not staged) gathered into the fragments.
-    pub key_gather: Option<Gather>,
-    pub value_gather: Option<Gather>,
     /// The rows the fragments read, per side.
     pub key_rows: Rows,
     pub value_rows: Rows,
@@ -246,16 +268,6 @@ pub struct MmaScore {
 }
 
 impl MmaPlan {
-    /// The key bitmap whose groups the score gathers into its fragments.
-    pub fn key_fragments(&self) -> Option<Gather> {
-        self.key_gather.filter(|_| !self.key_rows.staged)
-    }
-
-    /// The value bitmap whose groups the accumulate gathers into its fragments.
-    pub fn value_fragments(&self) -> Option<Gather> {
-        self.value_gather.filter(|_| !self.value_rows.staged)
-    }
-
     /// Bytes of the staged rows of a tile of `items` items (0 without gathers).
     pub fn staging_bytes(&self, items: u32) -> u32 {
         let side = |rows: &Rows| if rows.staged { items * rows.stride } else { 0 };
@@ -395,8 +407,7 @@ pub fn plan(
     value: &Stream,
 ) -> Option<MmaPlan> {
     let value_dims = module.value.dims;
-    let value_gather = gather(&module.layout.value, value_dims, value);
-    let (channel, value_rows) = match value_gather {
+    let (channel, value_rows) = match gather(&module.layout.value, value_dims, value) {
         Some(g) => (
             Channel {
                 element: Element::Half,
@@ -404,11 +415,8 @@ pub fn plan(
                 scale: None,
             },
             match g.gathers_rows(value_dims / TILE, value.shared_stride) {
-                true => Rows {
-                    swizzled: false,
-                    ..Rows::of(value)
-                },
-                false => Rows::staged(g.dense_bytes()),
+                true => Rows::gathered(value, g),
+                false => Rows::staged(g),
             },
         ),
         None => (scaled_channel(&module.value.accumulate)?, Rows::of(value)),
@@ -445,22 +453,18 @@ pub fn plan(
                         gathered_runs: Some(g.lane_runs(score.lane_pairs()).0),
                         ..score
                     },
-                    g,
-                    Rows {
-                        swizzled: false,
-                        ..Rows::of(key)
-                    },
+                    Rows::gathered(key, g),
                 ),
-                false => (score, g, Rows::staged(g.dense_bytes())),
+                false => (score, Rows::staged(g)),
             },
         )
-        .filter(|(score, _, rows)| fits_rows(score, rows, rows.staged));
-    let (score, key_gather, key_rows) = match gathered {
-        Some((score, g, rows)) => (Some(score), Some(g), rows),
+        .filter(|(score, rows)| fits_rows(score, rows, rows.staged));
+    let (score, key_rows) = match gathered {
+        Some((score, rows)) => (Some(score), rows),
         None => {
             let rows = Rows::of(key);
             let score = dot_product(&module.key.score).filter(|s| fits_rows(s, &rows, true));
-            (score, None, rows)
+            (score, rows)
         }
     };
     let plan = fits.then(|| MmaPlan {
@@ -468,8 +472,6 @@ pub fn plan(
         item_scale: channel.scale,
         value_dims,
         value_offset,
-        key_gather,
-        value_gather,
         key_rows,
         value_rows,
         score,

@@ -89,7 +89,7 @@ impl AccumulateMma<'_> {
         let zero = k.mov(0.0f32);
         // Gathered values: columns (head, channel parity), one C tile per two
         // channel tiles ([`channel_pair_products`]).
-        let acc_tiles = match m.value_fragments() {
+        let acc_tiles = match m.value_rows.fragments() {
             Some(_) => m.channel_tiles() / 2,
             None => m.channel_tiles(),
         };
@@ -103,7 +103,7 @@ impl AccumulateMma<'_> {
                     .collect(),
             );
         }
-        let parity_selectors = m.value_fragments().map(|_| {
+        let parity_selectors = m.value_rows.fragments().map(|_| {
             [0u32, 1].map(|half| {
                 // Bytes 4..8 are the zero operand's.
                 let (low, high) = (2 * half, 2 * half + 1);
@@ -118,7 +118,7 @@ impl AccumulateMma<'_> {
             .then(|| self.shared_weights(k, m, &lanes, token));
         // The largest σ: the first tile sets the real one.
         let sigma = (m.item_scale).map(|_| k.mov(f32::from_bits(MAX_EXPONENT << 23)));
-        let gather = (m.value_fragments())
+        let gather = (m.value_rows.fragments())
             .map(|g| FragmentGather::for_values(k, g, m, &self.cta.plan.value, lanes.row));
         let channels = match gather {
             Some(_) => k.mov(0u32),

@@ -192,8 +192,8 @@ impl ScoreMma<'_> {
             })
             .collect();
         let key_row = k.mad_lo(lanes.warp, TILE, lanes.row);
-        let gather =
-            (m.key_fragments()).map(|g| FragmentGather::for_keys(k, g, s, &plan.key, lanes.quad));
+        let gather = (m.key_rows.fragments())
+            .map(|g| FragmentGather::for_keys(k, g, s, &plan.key, lanes.quad));
         let key_chunk = match gather {
             Some(_) => k.mov(0u32),
             None => k.shl(chunk, 4u32),
