@@ -46,6 +46,16 @@ pub enum PathSegment<K = &'static str> {
     Index(usize),
 }
 
+impl PathSegment<String> {
+    /// This step with its key borrowed, as [`render_path`] takes it.
+    pub fn as_deref(&self) -> PathSegment<&str> {
+        match self {
+            PathSegment::Key(key) => PathSegment::Key(key),
+            PathSegment::Index(index) => PathSegment::Index(*index),
+        }
+    }
+}
+
 /// One semantic problem: where (a path into the document) and what.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Problem {
@@ -71,7 +81,7 @@ impl fmt::Display for Problem {
 }
 
 /// Renders a path as `tier[1].key.field[0].group_size` (`""` for the document).
-pub fn render_path<K: AsRef<str>>(path: &[PathSegment<K>]) -> String {
+pub fn render_path(path: &[PathSegment<&str>]) -> String {
     let mut out = String::new();
     for segment in path {
         match segment {
@@ -79,7 +89,7 @@ pub fn render_path<K: AsRef<str>>(path: &[PathSegment<K>]) -> String {
                 if !out.is_empty() {
                     out.push('.');
                 }
-                out.push_str(key.as_ref());
+                out.push_str(key);
             }
             PathSegment::Index(index) => {
                 out.push('[');

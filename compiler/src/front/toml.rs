@@ -80,7 +80,7 @@ pub fn parse_spec(source: &str, file: &str) -> Result<FormatSpec, SpecError> {
         Ok(spec) => spec,
         Err(err) => {
             let located = locate_shape_error(&root, err.span(), err.message());
-            let path = render_path(&located.path);
+            let path = render(&located.path);
             return Err(SpecError::Invalid(vec![at(
                 located.offset,
                 path,
@@ -139,6 +139,10 @@ fn first_line(message: &str) -> String {
 
 /// A path segment with an owned key (shape errors may name keys the spec lacks).
 type Seg = PathSegment<String>;
+
+fn render(path: &[Seg]) -> String {
+    render_path(&path.iter().map(Seg::as_deref).collect::<Vec<_>>())
+}
 
 /// A value of the document with its path and, for table entries, its key's span.
 #[derive(Clone)]
@@ -481,7 +485,7 @@ fn unit_transform_extra_keys(root: &Spanned<DeValue<'_>>) -> Vec<(usize, String,
                 };
                 out.push((
                     child.key_span.clone().map_or(0, |s| s.start),
-                    render_path(&child.path),
+                    render(&child.path),
                     format!(
                         "unknown key `{key}`; {article} {kind} transform takes no keys besides `kind` \
                          (`seed` belongs to srht, `rank` and `basis` to pca)"
