@@ -327,9 +327,9 @@ impl Plan {
                 && (m.score.as_ref()).is_some_and(|s| s.key == Element::Half && s.spread_chunks());
             let values = tensor_rows(&value)
                 && m.value_rows.gather.is_none()
-                && m.value == Element::Half
+                && m.channel.element == Element::Half
                 && m.value_aligned
-                && m.item_scale.is_none();
+                && m.channel.scale.is_none();
             keys && values
         });
         if swizzled {

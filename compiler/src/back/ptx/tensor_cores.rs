@@ -235,12 +235,9 @@ impl Rows {
 #[derive(Debug, Clone)]
 pub struct MmaPlan {
     pub score: Option<MmaScore>,
-    pub value: Element,
-    /// Bit offset of the value item's f16 scale.
-    pub item_scale: Option<u32>,
+    /// How a value row holds its channels.
+    pub channel: Channel,
     pub value_dims: u32,
-    /// Byte offset of value channel 0 in a value row.
-    pub value_offset: u32,
     /// The rows the fragments read, per side.
     pub key_rows: Rows,
     pub value_rows: Rows,
@@ -292,6 +289,11 @@ impl MmaPlan {
         self.column_tiles * (4 * self.channel_tiles() + queries)
     }
 
+    /// Byte offset of value channel 0 in a value row.
+    pub fn value_offset(&self) -> u32 {
+        self.channel.base / 8
+    }
+
     /// Channel tiles of the accumulate (16 channels each).
     pub fn channel_tiles(&self) -> u32 {
         self.value_dims / TILE
@@ -315,7 +317,7 @@ impl MmaPlan {
 
     /// 32-bit words of one token's channels of a lane group.
     pub fn group_words(&self) -> u32 {
-        self.group_channels() * self.value.bits() / 32
+        self.group_channels() * self.channel.element.bits() / 32
     }
 }
 
@@ -468,10 +470,8 @@ pub fn plan(
         }
     };
     let plan = fits.then(|| MmaPlan {
-        value: channel.element,
-        item_scale: channel.scale,
+        channel,
         value_dims,
-        value_offset,
         key_rows,
         value_rows,
         score,
@@ -673,10 +673,13 @@ fn literal(f: &Function, h: Handle<Expr>) -> Option<u32> {
 
 /// A value channel `element(base + bits · channel)`, alone or times the
 /// item's f16 scale.
-struct Channel {
-    element: Element,
-    base: u32,
-    scale: Option<u32>,
+#[derive(Debug, Clone, Copy)]
+pub struct Channel {
+    pub element: Element,
+    /// Bit offset of channel 0 in a value row.
+    pub base: u32,
+    /// Bit offset of the value item's f16 scale.
+    pub scale: Option<u32>,
 }
 
 fn scaled_channel(f: &Function) -> Option<Channel> {

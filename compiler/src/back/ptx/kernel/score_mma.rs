@@ -221,7 +221,8 @@ impl ScoreMma<'_> {
                 sum: k.mov(zero),
             })
             .collect();
-        let scale_lane = (m.item_scale).map(|bit| k.mad_lo(key_row, m.value_rows.stride, bit / 8));
+        let scale_lane =
+            (m.channel.scale).map(|bit| k.mad_lo(key_row, m.value_rows.stride, bit / 8));
         // Lane 4·r + q holds C row r's columns 2q, 2q + 1.
         let steps = StepTokens::of(m);
         let source = k.mul(lanes.quad, 4 * steps.spacing);
