@@ -34,22 +34,10 @@ pub fn write(module: &ValidModule, _options: &Options) -> String {
         layout.value.bits
     );
     for (handle, table) in m.tables.iter() {
-        let _ = writeln!(
-            out,
-            "table T{} {} [{}]",
-            handle.index(),
-            table.name,
-            table.len
-        );
+        write_decl(&mut out, "table T", handle.index(), &table.name, table.len);
     }
     for (handle, array) in m.arrays.iter() {
-        let _ = writeln!(
-            out,
-            "shared S{} {} [{}]",
-            handle.index(),
-            array.name,
-            array.len
-        );
+        write_decl(&mut out, "shared S", handle.index(), &array.name, array.len);
     }
     write_kernel(&mut out, "key.prologue", &m.key.prologue, &info.prologue);
     write_function(&mut out, "key.score", &m.key.score, &info.score);
@@ -66,6 +54,11 @@ pub fn write(module: &ValidModule, _options: &Options) -> String {
         &info.epilogue,
     );
     out
+}
+
+/// A declared table or array: `<kind><index> <name> [<len>]`.
+fn write_decl(out: &mut String, kind: &str, index: usize, name: &str, len: u32) {
+    let _ = writeln!(out, "{kind}{index} {name} [{len}]");
 }
 
 fn write_kernel(out: &mut String, name: &str, kernel: &Kernel, infos: &[FunctionInfo]) {

@@ -36,13 +36,24 @@ pub const COEFF_BITS: [u32; 2] = [4, 8];
 pub const BITMAP_GROUP_SIZES: [u32; 3] = [1, 2, 4];
 pub use crate::layout::schema::MASK_WORD_BITS;
 
-/// One step of a path into the spec document.
+/// One step of a path into the spec document. The checker names keys it
+/// knows (`&'static str`); the TOML reader owns keys the spec may lack.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum PathSegment {
+pub enum PathSegment<K = &'static str> {
     /// A key of a table (`head_dim`, `tier`, `field`, ...), as written in TOML.
-    Key(&'static str),
+    Key(K),
     /// An element of an array (`tier[1]`, `field[0]`).
     Index(usize),
+}
+
+impl PathSegment<String> {
+    /// This step with its key borrowed, as [`render_path`] takes it.
+    pub fn as_deref(&self) -> PathSegment<&str> {
+        match self {
+            PathSegment::Key(key) => PathSegment::Key(key),
+            PathSegment::Index(index) => PathSegment::Index(*index),
+        }
+    }
 }
 
 /// One semantic problem: where (a path into the document) and what.
@@ -70,7 +81,7 @@ impl fmt::Display for Problem {
 }
 
 /// Renders a path as `tier[1].key.field[0].group_size` (`""` for the document).
-pub fn render_path(path: &[PathSegment]) -> String {
+pub fn render_path(path: &[PathSegment<&str>]) -> String {
     let mut out = String::new();
     for segment in path {
         match segment {

@@ -13,7 +13,7 @@ use ::toml::de::{DeTable, DeValue, ValueDeserializer};
 use ::toml::Spanned;
 use serde::Deserialize;
 
-use super::check::{check_spec, PathSegment};
+use super::check::{check_spec, render_path, PathSegment};
 use super::diagnostic::{Diagnostic, SpecError};
 use crate::spec::{FieldSpec, FormatSpec};
 
@@ -138,26 +138,10 @@ fn first_line(message: &str) -> String {
 }
 
 /// A path segment with an owned key (shape errors may name keys the spec lacks).
-#[derive(Debug, Clone, PartialEq, Eq)]
-enum Seg {
-    Key(String),
-    Index(usize),
-}
+type Seg = PathSegment<String>;
 
 fn render(path: &[Seg]) -> String {
-    let mut out = String::new();
-    for segment in path {
-        match segment {
-            Seg::Key(key) => {
-                if !out.is_empty() {
-                    out.push('.');
-                }
-                out.push_str(key);
-            }
-            Seg::Index(index) => out.push_str(&format!("[{index}]")),
-        }
-    }
-    out
+    render_path(&path.iter().map(Seg::as_deref).collect::<Vec<_>>())
 }
 
 /// A value of the document with its path and, for table entries, its key's span.

@@ -27,9 +27,14 @@ pub enum Side {
 
 impl Side {
     pub fn name(self) -> &'static str {
+        self.pick("key", "value")
+    }
+
+    /// Of a pair held per side (codecs, streams, offsets), this side's one.
+    pub fn pick<T>(self, key: T, value: T) -> T {
         match self {
-            Side::Key => "key",
-            Side::Value => "value",
+            Side::Key => key,
+            Side::Value => value,
         }
     }
 }
@@ -265,17 +270,11 @@ impl TierLayout {
     }
 
     pub fn codec(&self, side: Side) -> &CodecLayout {
-        match side {
-            Side::Key => &self.key,
-            Side::Value => &self.value,
-        }
+        side.pick(&self.key, &self.value)
     }
 
     pub fn stream_offset(&self, side: Side) -> u32 {
-        match side {
-            Side::Key => self.key_stream_offset,
-            Side::Value => self.value_stream_offset,
-        }
+        side.pick(self.key_stream_offset, self.value_stream_offset)
     }
 
     /// Stored table bytes per (layer, kv head).

@@ -10,8 +10,8 @@ mod range;
 use std::collections::HashSet;
 
 use crate::ir::{
-    ArrayDecl, BinaryOp, Expr, Function, Handle, Input, Kernel, Literal, Module, Scalar, Stage,
-    UnaryOp,
+    Arena, ArrayDecl, BinaryOp, Expr, Function, Handle, Input, Kernel, Literal, Module, Scalar,
+    Stage, UnaryOp,
 };
 use crate::layout::Side;
 pub use range::Range;
@@ -315,6 +315,17 @@ fn check_exprs(
     Ok(info)
 }
 
+/// The table or array `handle` names; `what` says which kind is missing.
+fn declared<'a, T>(
+    arena: &'a Arena<T>,
+    handle: Handle<T>,
+    what: &'static str,
+) -> Result<&'a T, ErrorKind> {
+    arena
+        .try_get(handle)
+        .ok_or(ErrorKind::MemoryNotAllowed(what))
+}
+
 fn check_expr(
     context: &Context,
     info: &FunctionInfo,
@@ -337,7 +348,9 @@ fn check_expr(
         }
         Ok(range.map_or(u64::from(u32::MAX), |r| r.hi))
     };
-    let bounded = |what: String, max: u64, len: u32| {
+    // Every indexed read (header slot, table, array) checks the index's range the same way.
+    let bounded = |what: String, index: Handle<Expr>, len: u32| {
+        let max = index_max(index)?;
         if max < u64::from(len) {
             Ok(())
         } else {
@@ -395,38 +408,20 @@ fn check_expr(
             if context.stream.is_none() {
                 return Err(ErrorKind::MemoryNotAllowed("the page header"));
             }
-            bounded(
-                "header scale".into(),
-                index_max(slot)?,
-                module.layout.header_slots,
-            )?;
+            bounded("header scale".into(), slot, module.layout.header_slots)?;
             (Scalar::F32, None)
         }
         Expr::Table { table, index } => {
-            let decl = module
-                .tables
-                .try_get(table)
-                .ok_or(ErrorKind::MemoryNotAllowed("an undeclared table"))?;
-            bounded(
-                format!("table `{}`", decl.name),
-                index_max(index)?,
-                decl.len,
-            )?;
+            let decl = declared(&module.tables, table, "an undeclared table")?;
+            bounded(format!("table `{}`", decl.name), index, decl.len)?;
             (Scalar::F32, None)
         }
         Expr::Shared { array, index } => {
-            let decl = module
-                .arrays
-                .try_get(array)
-                .ok_or(ErrorKind::MemoryNotAllowed("an undeclared array"))?;
+            let decl = declared(&module.arrays, array, "an undeclared array")?;
             if !context.readable.contains(&array) {
                 return Err(ErrorKind::ReadBeforeWrite(decl.name.clone()));
             }
-            bounded(
-                format!("array `{}`", decl.name),
-                index_max(index)?,
-                decl.len,
-            )?;
+            bounded(format!("array `{}`", decl.name), index, decl.len)?;
             (Scalar::F32, None)
         }
         Expr::Unary { op, arg } => {

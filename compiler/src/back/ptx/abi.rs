@@ -325,10 +325,7 @@ pub const SWIZZLE_LINE: u32 = 128;
 
 /// The slot of a stream's tensor map in the `tensor_maps` buffer.
 pub fn tensor_map_slot(side: Side) -> u32 {
-    match side {
-        Side::Key => 0,
-        Side::Value => 1,
-    }
+    side.pick(0, 1)
 }
 
 impl DecodeKernel {

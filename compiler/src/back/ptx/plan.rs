@@ -323,13 +323,13 @@ impl Plan {
             };
             // Bitmap sides (gathered or staged rows) are read otherwise.
             let keys = tensor_rows(&key)
-                && m.key_gather.is_none()
+                && m.key_rows.gather.is_none()
                 && (m.score.as_ref()).is_some_and(|s| s.key == Element::Half && s.spread_chunks());
             let values = tensor_rows(&value)
-                && m.value_gather.is_none()
-                && m.value == Element::Half
+                && m.value_rows.gather.is_none()
+                && m.channel.element == Element::Half
                 && m.value_aligned
-                && m.item_scale.is_none();
+                && m.channel.scale.is_none();
             keys && values
         });
         if swizzled {
@@ -530,10 +530,7 @@ impl Plan {
     }
 
     pub fn stream(&self, side: Side) -> &Stream {
-        match side {
-            Side::Key => &self.key,
-            Side::Value => &self.value,
-        }
+        side.pick(&self.key, &self.value)
     }
 }
 

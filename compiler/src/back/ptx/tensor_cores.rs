@@ -176,6 +176,9 @@ pub struct Rows {
     pub staged: bool,
     /// The rows' 16-byte chunks are swizzled ([`Stream::swizzled`]).
     pub swizzled: bool,
+    /// The side's bitmap field: expanded into the staged rows each tile, or
+    /// (rows not staged) gathered into the fragments.
+    pub gather: Option<Gather>,
 }
 
 impl Rows {
@@ -185,18 +188,41 @@ impl Rows {
             stride: stream.shared_stride,
             staged: false,
             swizzled: stream.swizzled,
+            gather: None,
         }
     }
 
-    /// Dense f16 rows of `bytes`, 16-byte aligned (zeroed and read 16 bytes
-    /// at a time) and padded like a stream's rows; placed by the plan.
-    fn staged(bytes: u32) -> Rows {
+    /// The stream's rows, whose groups the fragments gather in place: a
+    /// group at a time, so unswizzled.
+    fn gathered(stream: &Stream, gather: Gather) -> Rows {
+        Rows {
+            swizzled: false,
+            gather: Some(gather),
+            ..Rows::of(stream)
+        }
+    }
+
+    /// The dense f16 rows `gather` expands into, 16-byte aligned (zeroed
+    /// and read 16 bytes at a time) and padded like a stream's rows; placed
+    /// by the plan.
+    fn staged(gather: Gather) -> Rows {
         Rows {
             offset: 0,
-            stride: shared_stride(round_up(bytes, CHUNK)),
+            stride: shared_stride(round_up(gather.dense_bytes(), CHUNK)),
             staged: true,
             swizzled: false,
+            gather: Some(gather),
         }
+    }
+
+    /// The bitmap whose groups the fragments gather.
+    pub fn fragments(&self) -> Option<Gather> {
+        self.gather.filter(|_| !self.staged)
+    }
+
+    /// The bitmap expanded into the staged rows.
+    pub fn expanded(&self) -> Option<Gather> {
+        self.gather.filter(|_| self.staged)
     }
 
     fn align(&self) -> u32 {
@@ -209,16 +235,9 @@ impl Rows {
 #[derive(Debug, Clone)]
 pub struct MmaPlan {
     pub score: Option<MmaScore>,
-    pub value: Element,
-    /// Bit offset of the value item's f16 scale.
-    pub item_scale: Option<u32>,
+    /// How a value row holds its channels.
+    pub channel: Channel,
     pub value_dims: u32,
-    /// Byte offset of value channel 0 in a value row.
-    pub value_offset: u32,
-    /// Bitmap fields, per side: expanded into staged rows each tile, or
-    /// (rows not staged) gathered into the fragments.
-    pub key_gather: Option<Gather>,
-    pub value_gather: Option<Gather>,
     /// The rows the fragments read, per side.
     pub key_rows: Rows,
     pub value_rows: Rows,
@@ -246,16 +265,6 @@ pub struct MmaScore {
 }
 
 impl MmaPlan {
-    /// The key bitmap whose groups the score gathers into its fragments.
-    pub fn key_fragments(&self) -> Option<Gather> {
-        self.key_gather.filter(|_| !self.key_rows.staged)
-    }
-
-    /// The value bitmap whose groups the accumulate gathers into its fragments.
-    pub fn value_fragments(&self) -> Option<Gather> {
-        self.value_gather.filter(|_| !self.value_rows.staged)
-    }
-
     /// Bytes of the staged rows of a tile of `items` items (0 without gathers).
     pub fn staging_bytes(&self, items: u32) -> u32 {
         let side = |rows: &Rows| if rows.staged { items * rows.stride } else { 0 };
@@ -278,6 +287,11 @@ impl MmaPlan {
     pub fn held_registers(&self) -> u32 {
         let queries = (self.score.as_ref()).map_or(0, |s| s.query_tiles() * s.key_registers());
         self.column_tiles * (4 * self.channel_tiles() + queries)
+    }
+
+    /// Byte offset of value channel 0 in a value row.
+    pub fn value_offset(&self) -> u32 {
+        self.channel.base / 8
     }
 
     /// Channel tiles of the accumulate (16 channels each).
@@ -303,7 +317,7 @@ impl MmaPlan {
 
     /// 32-bit words of one token's channels of a lane group.
     pub fn group_words(&self) -> u32 {
-        self.group_channels() * self.value.bits() / 32
+        self.group_channels() * self.channel.element.bits() / 32
     }
 }
 
@@ -395,8 +409,7 @@ pub fn plan(
     value: &Stream,
 ) -> Option<MmaPlan> {
     let value_dims = module.value.dims;
-    let value_gather = gather(&module.layout.value, value_dims, value);
-    let (channel, value_rows) = match value_gather {
+    let (channel, value_rows) = match gather(&module.layout.value, value_dims, value) {
         Some(g) => (
             Channel {
                 element: Element::Half,
@@ -404,11 +417,8 @@ pub fn plan(
                 scale: None,
             },
             match g.gathers_rows(value_dims / TILE, value.shared_stride) {
-                true => Rows {
-                    swizzled: false,
-                    ..Rows::of(value)
-                },
-                false => Rows::staged(g.dense_bytes()),
+                true => Rows::gathered(value, g),
+                false => Rows::staged(g),
             },
         ),
         None => (scaled_channel(&module.value.accumulate)?, Rows::of(value)),
@@ -445,31 +455,23 @@ pub fn plan(
                         gathered_runs: Some(g.lane_runs(score.lane_pairs()).0),
                         ..score
                     },
-                    g,
-                    Rows {
-                        swizzled: false,
-                        ..Rows::of(key)
-                    },
+                    Rows::gathered(key, g),
                 ),
-                false => (score, g, Rows::staged(g.dense_bytes())),
+                false => (score, Rows::staged(g)),
             },
         )
-        .filter(|(score, _, rows)| fits_rows(score, rows, rows.staged));
-    let (score, key_gather, key_rows) = match gathered {
-        Some((score, g, rows)) => (Some(score), Some(g), rows),
+        .filter(|(score, rows)| fits_rows(score, rows, rows.staged));
+    let (score, key_rows) = match gathered {
+        Some((score, rows)) => (Some(score), rows),
         None => {
             let rows = Rows::of(key);
             let score = dot_product(&module.key.score).filter(|s| fits_rows(s, &rows, true));
-            (score, None, rows)
+            (score, rows)
         }
     };
     let plan = fits.then(|| MmaPlan {
-        value: channel.element,
-        item_scale: channel.scale,
+        channel,
         value_dims,
-        value_offset,
-        key_gather,
-        value_gather,
         key_rows,
         value_rows,
         score,
@@ -671,10 +673,13 @@ fn literal(f: &Function, h: Handle<Expr>) -> Option<u32> {
 
 /// A value channel `element(base + bits · channel)`, alone or times the
 /// item's f16 scale.
-struct Channel {
-    element: Element,
-    base: u32,
-    scale: Option<u32>,
+#[derive(Debug, Clone, Copy)]
+pub struct Channel {
+    pub element: Element,
+    /// Bit offset of channel 0 in a value row.
+    pub base: u32,
+    /// Bit offset of the value item's f16 scale.
+    pub scale: Option<u32>,
 }
 
 fn scaled_channel(f: &Function) -> Option<Channel> {

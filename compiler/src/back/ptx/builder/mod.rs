@@ -29,8 +29,9 @@ mod arith;
 mod memory;
 mod warp;
 
-/// A PTX register type: how its registers are declared and named.
-pub trait Type: Copy + 'static {
+/// A PTX register type: how its registers are declared and named. A type
+/// is a marker, so registers of it copy and compare by their number alone.
+pub trait Type: Copy + Eq + 'static {
     /// Declared type, e.g. `.u32`.
     const DECL: &'static str;
     /// Register name prefix, unique per type so the declarations never overlap.
@@ -123,23 +124,12 @@ bits32_types! {
 }
 
 /// A virtual register of type `T`.
+#[derive(Clone, Copy, PartialEq, Eq)]
 pub struct Reg<T> {
     id: u32,
     marker: PhantomData<T>,
 }
 
-impl<T> Clone for Reg<T> {
-    fn clone(&self) -> Self {
-        *self
-    }
-}
-impl<T> Copy for Reg<T> {}
-impl<T> PartialEq for Reg<T> {
-    fn eq(&self, other: &Self) -> bool {
-        self.id == other.id
-    }
-}
-impl<T> Eq for Reg<T> {}
 impl<T: Type> std::fmt::Display for Reg<T> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "{}{}", T::PREFIX, self.id)

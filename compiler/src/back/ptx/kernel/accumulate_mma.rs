@@ -80,7 +80,7 @@ impl AccumulateMma<'_> {
             "tensor-core accumulate: {} step(s) per warp, {} column tile(s), {:?} values",
             self.frag.slots(m),
             m.column_tiles,
-            m.value
+            m.channel.element
         ));
         let lanes = self.frag.lanes(k);
         let steps = StepTokens::of(m);
@@ -89,7 +89,7 @@ impl AccumulateMma<'_> {
         let zero = k.mov(0.0f32);
         // Gathered values: columns (head, channel parity), one C tile per two
         // channel tiles ([`channel_pair_products`]).
-        let acc_tiles = match m.value_fragments() {
+        let acc_tiles = match m.value_rows.fragments() {
             Some(_) => m.channel_tiles() / 2,
             None => m.channel_tiles(),
         };
@@ -103,7 +103,7 @@ impl AccumulateMma<'_> {
                     .collect(),
             );
         }
-        let parity_selectors = m.value_fragments().map(|_| {
+        let parity_selectors = m.value_rows.fragments().map(|_| {
             [0u32, 1].map(|half| {
                 // Bytes 4..8 are the zero operand's.
                 let (low, high) = (2 * half, 2 * half + 1);
@@ -117,12 +117,12 @@ impl AccumulateMma<'_> {
             .is_none()
             .then(|| self.shared_weights(k, m, &lanes, token));
         // The largest σ: the first tile sets the real one.
-        let sigma = (m.item_scale).map(|_| k.mov(f32::from_bits(MAX_EXPONENT << 23)));
-        let gather = (m.value_fragments())
+        let sigma = (m.channel.scale).map(|_| k.mov(f32::from_bits(MAX_EXPONENT << 23)));
+        let gather = (m.value_rows.fragments())
             .map(|g| FragmentGather::for_values(k, g, m, &self.cta.plan.value, lanes.row));
         let channels = match gather {
             Some(_) => k.mov(0u32),
-            None => k.mad_lo(lanes.row, m.group_words() * 4, m.value_offset),
+            None => k.mad_lo(lanes.row, m.group_words() * 4, m.value_offset()),
         };
         let value_lane = k.mad_lo(token, m.value_rows.stride, channels);
         MmaValues {
@@ -196,7 +196,7 @@ impl AccumulateMma<'_> {
             })
             .collect();
         // Per slot, the lane's 4 tokens' item scales times σ.
-        let scales: Option<Vec<Reg<F32>>> = m.item_scale.map(|bit| {
+        let scales: Option<Vec<Reg<F32>>> = m.channel.scale.map(|bit| {
             let scales: Vec<Reg<F32>> = (0..slots)
                 .flat_map(|j| t.steps.iter().map(move |&d| (j, d)))
                 .zip(ok.iter().flatten())
@@ -299,7 +299,7 @@ impl AccumulateMma<'_> {
                         let mut token = self.value_words(k, m, lane_base, offset);
                         // Stale f16 rows past the tile's items may hold any
                         // bits (0 · NaN poisons a sum); integers are always finite.
-                        if m.value == Element::Half {
+                        if m.channel.element == Element::Half {
                             let at = k.add(t.token, first + d);
                             let ok = k.setp(Cmp::Lt, at, items);
                             token.words =
@@ -317,10 +317,10 @@ impl AccumulateMma<'_> {
                 for (tile_index, c) in sums.iter().enumerate() {
                     let channel = 2 * tile_index as u32;
                     let a = [
-                        token_pair(k, m.value, &values[0], &values[1], channel),
-                        token_pair(k, m.value, &values[0], &values[1], channel + 1),
-                        token_pair(k, m.value, &values[2], &values[3], channel),
-                        token_pair(k, m.value, &values[2], &values[3], channel + 1),
+                        token_pair(k, m.channel.element, &values[0], &values[1], channel),
+                        token_pair(k, m.channel.element, &values[0], &values[1], channel + 1),
+                        token_pair(k, m.channel.element, &values[2], &values[3], channel),
+                        token_pair(k, m.channel.element, &values[2], &values[3], channel + 1),
                     ];
                     k.mma_f16_f32(*c, a, b[ct][0]);
                 }
@@ -381,11 +381,11 @@ impl AccumulateMma<'_> {
                 .collect();
             return TokenWords { words, skew: 0 };
         }
-        if m.value_rows.stride.is_multiple_of(2) && m.value_offset.is_multiple_of(2) {
+        if m.value_rows.stride.is_multiple_of(2) && m.value_offset().is_multiple_of(2) {
             // Token rows start at even multiples of the stride from the
             // buffer (16-aligned), lane groups at whole words of channels:
             // `lane_base` is `value_offset` past a word boundary.
-            let skew = (m.value_offset + offset) % 4;
+            let skew = (m.value_offset() + offset) % 4;
             let first = i64::from(offset) - i64::from(skew);
             let words = (0..n + u32::from(skew != 0))
                 .map(|w| k.ld_shared::<U32>(Shared::at(lane_base).plus(first + i64::from(4 * w))))

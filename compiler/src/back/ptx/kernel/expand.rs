@@ -77,24 +77,16 @@ pub(super) struct MaskWalk {
 }
 
 impl Expand<'_> {
-    /// The lane's part in expanding bitmap rows (`MmaPlan::key_gather`,
-    /// `value_gather`), set once before the stream; `None` without gathers.
+    /// The lane's part in expanding bitmap rows (each side's
+    /// `Rows::expanded`), set once before the stream; `None` without gathers.
     /// Lane `l` takes token `l % 16` of each of the warp's tiles: of the key
     /// rows for `l < 16` and of the value rows above when both sides gather
     /// with one shape, else the sides take turns on lanes 0–15.
     pub(super) fn setup(&self, k: &mut Kernel, m: &MmaPlan) -> Option<MmaExpand> {
         let plan = self.cta.plan;
         let sides: Vec<ExpandSide> = [
-            (
-                m.key_gather.filter(|_| m.key_rows.staged),
-                &plan.key,
-                m.key_rows,
-            ),
-            (
-                m.value_gather.filter(|_| m.value_rows.staged),
-                &plan.value,
-                m.value_rows,
-            ),
+            (m.key_rows.expanded(), &plan.key, m.key_rows),
+            (m.value_rows.expanded(), &plan.value, m.value_rows),
         ]
         .into_iter()
         .enumerate()

@@ -252,7 +252,7 @@ pub(super) struct StepTokens {
 
 impl StepTokens {
     pub(super) fn of(m: &MmaPlan) -> StepTokens {
-        match m.value_fragments() {
+        match m.value_rows.fragments() {
             // A gathering load's lanes then read four adjacent rows, whose
             // words meet fewer bank conflicts than every other row's.
             Some(_) => StepTokens {

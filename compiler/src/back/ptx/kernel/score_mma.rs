@@ -192,8 +192,8 @@ impl ScoreMma<'_> {
             })
             .collect();
         let key_row = k.mad_lo(lanes.warp, TILE, lanes.row);
-        let gather =
-            (m.key_fragments()).map(|g| FragmentGather::for_keys(k, g, s, &plan.key, lanes.quad));
+        let gather = (m.key_rows.fragments())
+            .map(|g| FragmentGather::for_keys(k, g, s, &plan.key, lanes.quad));
         let key_chunk = match gather {
             Some(_) => k.mov(0u32),
             None => k.shl(chunk, 4u32),
@@ -221,7 +221,8 @@ impl ScoreMma<'_> {
                 sum: k.mov(zero),
             })
             .collect();
-        let scale_lane = (m.item_scale).map(|bit| k.mad_lo(key_row, m.value_rows.stride, bit / 8));
+        let scale_lane =
+            (m.channel.scale).map(|bit| k.mad_lo(key_row, m.value_rows.stride, bit / 8));
         // Lane 4·r + q holds C row r's columns 2q, 2q + 1.
         let steps = StepTokens::of(m);
         let source = k.mul(lanes.quad, 4 * steps.spacing);
