@@ -13,7 +13,7 @@ use kvcc_compiler::Format;
 
 use super::config::with_page_items;
 use super::search::{search, Measured, Space, Strategy};
-use super::store::{Candidate, Confirmation, Entry, Found, TuneCache};
+use super::store::{Candidate, Confirmation, Entry, Found, SweepRecord, TuneCache};
 use super::{KernelConfig, TuneKey};
 use crate::cache::PagedCache;
 use crate::cuda::measure::{
@@ -268,13 +268,11 @@ impl Sweep<'_> {
             winner,
             confirmation,
             candidates,
-            search: report.strategy,
-            space_size: report.space_size,
-            seconds: started.elapsed().as_secs_f64(),
-            created: std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| d.as_secs()),
-            kvcc_version: env!("CARGO_PKG_VERSION").to_string(),
+            sweep: SweepRecord::now(
+                report.strategy,
+                report.space_size,
+                started.elapsed().as_secs_f64(),
+            ),
         })
     }
 
