@@ -57,7 +57,7 @@ fn check_spec(format: &Format, rng: &mut SplitMix64) {
     let mut cache = PagedCache::new(format, kv_heads, tables).expect("cache");
     let items = format.spec().page.items as usize;
     for set in &sets {
-        let plan: Vec<usize> = (0..set.tokens.div_ceil(items))
+        let plan: Vec<usize> = (0..set.options.tokens.div_ceil(items))
             .map(|_| rng.below(tiers))
             .collect();
         cache
@@ -87,7 +87,7 @@ fn check_spec(format: &Format, rng: &mut SplitMix64) {
     }
     let what = format!(
         "tokens {} + {}, kv_heads {kv_heads}, GQA group {group}",
-        sets[0].tokens, sets[1].tokens
+        sets[0].options.tokens, sets[1].options.tokens
     );
     assert_rows_close(&what, &got, &want, d, 1e-4);
 }

@@ -96,33 +96,32 @@ pub struct SynthKv {
     pub values: Vec<f32>,
     /// `[q_head][head_dim]`: one decode query per query head, RoPE applied at position `tokens`.
     pub queries: Vec<f32>,
-    pub kv_heads: usize,
-    pub q_heads: usize,
-    pub tokens: usize,
-    pub head_dim: usize,
+    /// The shape and seed the set was synthesized from.
+    pub options: SynthOptions,
 }
 
 impl SynthKv {
     /// Keys of kv head `g`, `[token][head_dim]`.
     pub fn head_keys(&self, g: usize) -> &[f32] {
-        let n = self.tokens * self.head_dim;
+        let n = self.options.tokens * self.options.head_dim;
         &self.keys[g * n..(g + 1) * n]
     }
 
     /// Values of kv head `g`, `[token][head_dim]`.
     pub fn head_values(&self, g: usize) -> &[f32] {
-        let n = self.tokens * self.head_dim;
+        let n = self.options.tokens * self.options.head_dim;
         &self.values[g * n..(g + 1) * n]
     }
 
     /// The decode query of query head `h`.
     pub fn query(&self, h: usize) -> &[f32] {
-        &self.queries[h * self.head_dim..(h + 1) * self.head_dim]
+        let d = self.options.head_dim;
+        &self.queries[h * d..(h + 1) * d]
     }
 
     /// The kv head that query head `h` reads.
     pub fn kv_head_of(&self, h: usize) -> usize {
-        h / (self.q_heads / self.kv_heads)
+        h / (self.options.q_heads / self.options.kv_heads)
     }
 }
 
@@ -182,10 +181,7 @@ pub fn synthesize(opts: &SynthOptions) -> SynthKv {
         keys,
         values,
         queries,
-        kv_heads,
-        q_heads,
-        tokens,
-        head_dim: d,
+        options: *opts,
     }
 }
 
@@ -389,12 +385,12 @@ mod tests {
     /// Softmax probabilities of query head `h` at scale 1/sqrt(d).
     fn probs(s: &SynthKv, h: usize) -> Vec<f64> {
         let g = s.kv_head_of(h);
-        let scale = 1.0 / (s.head_dim as f32).sqrt();
+        let scale = 1.0 / (s.options.head_dim as f32).sqrt();
         let att = dense_attention(
             s.query(h),
             s.head_keys(g),
             s.head_values(g),
-            s.head_dim,
+            s.options.head_dim,
             scale,
         );
         let max = att.logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
@@ -427,7 +423,12 @@ mod tests {
         assert_eq!(s.values.len(), 2 * 37 * 32);
         assert_eq!(s.queries.len(), 6 * 32);
         assert_eq!(
-            (s.kv_heads, s.q_heads, s.tokens, s.head_dim),
+            (
+                s.options.kv_heads,
+                s.options.q_heads,
+                s.options.tokens,
+                s.options.head_dim
+            ),
             (2, 6, 37, 32)
         );
         assert_eq!(s.kv_head_of(2), 0);
@@ -490,7 +491,9 @@ mod tests {
     fn synth_attention_is_peaked() {
         for seed in 0..4 {
             let s = synthesize(&opts(seed));
-            let masses: Vec<f64> = (0..s.q_heads).map(|h| top8_mass(&probs(&s, h))).collect();
+            let masses: Vec<f64> = (0..s.options.q_heads)
+                .map(|h| top8_mass(&probs(&s, h)))
+                .collect();
             let mean = masses.iter().sum::<f64>() / masses.len() as f64;
             assert!(mean > 0.2, "seed {seed}: top-8 mass {masses:?}");
             // ...but not degenerate: attention is not all on one token.
@@ -501,20 +504,20 @@ mod tests {
     #[test]
     fn synth_sinks_draw_attention() {
         let s = synthesize(&opts(2));
-        let d = s.head_dim;
+        let d = s.options.head_dim;
         let mut sink_mass = 0.0;
-        for h in 0..s.q_heads {
+        for h in 0..s.options.q_heads {
             sink_mass += probs(&s, h)[..SINK_TOKENS].iter().sum::<f64>();
         }
-        sink_mass /= s.q_heads as f64;
+        sink_mass /= s.options.q_heads as f64;
         // 4 of 512 tokens would get 0.8% under uniform attention.
         assert!(sink_mass > 0.05, "sink mass {sink_mass}");
         assert!(sink_mass < 0.9, "sink mass {sink_mass}");
         // Sink keys have several times the norm of ordinary keys.
         let keys = s.head_keys(0);
         let n = |t: usize| norm(&keys[t * d..(t + 1) * d]);
-        let ordinary =
-            (SINK_TOKENS..s.tokens).map(n).sum::<f64>() / (s.tokens - SINK_TOKENS) as f64;
+        let ordinary = (SINK_TOKENS..s.options.tokens).map(n).sum::<f64>()
+            / (s.options.tokens - SINK_TOKENS) as f64;
         for t in 0..SINK_TOKENS {
             let r = n(t) / ordinary;
             assert!((3.0..5.0).contains(&r), "sink {t} norm ratio {r}");
@@ -524,8 +527,8 @@ mod tests {
     #[test]
     fn synth_outlier_channels_are_visible() {
         let s = synthesize(&opts(9));
-        let d = s.head_dim;
-        for g in 0..s.kv_heads {
+        let d = s.options.head_dim;
+        for g in 0..s.options.kv_heads {
             let keys = s.head_keys(g);
             let mut rms: Vec<f64> = (0..d)
                 .map(|c| {
@@ -534,7 +537,7 @@ mod tests {
                         .skip(SINK_TOKENS)
                         .map(|k| f64::from(k[c]).powi(2))
                         .sum();
-                    (sum / (s.tokens - SINK_TOKENS) as f64).sqrt()
+                    (sum / (s.options.tokens - SINK_TOKENS) as f64).sqrt()
                 })
                 .collect();
             rms.sort_by(f64::total_cmp);

@@ -10,7 +10,9 @@ use kvcc_compiler::Format;
 use kvcc_runtime::tune::lookup::{resolve, Source};
 use kvcc_runtime::tune::search::Strategy;
 use kvcc_runtime::tune::store::Found;
-use kvcc_runtime::tune::{Candidate, Entry, GpuId, KernelConfig, ShapeBucket, TuneCache, TuneKey};
+use kvcc_runtime::tune::{
+    Candidate, Entry, GpuId, KernelConfig, ShapeBucket, SweepRecord, TuneCache, TuneKey,
+};
 
 fn spec(bits: u32, items: u32) -> Format {
     Format::parse(
@@ -89,11 +91,13 @@ fn entry(format: &Format, tier: usize, gpu: &GpuId, winner_pages: u32) -> Entry 
             ),
             candidate(winner, Some(0.30)),
         ],
-        search: Strategy::Descent,
-        space_size: 480,
-        seconds: 1.5,
-        created: 0,
-        kvcc_version: "test".into(),
+        sweep: SweepRecord {
+            search: Strategy::Descent,
+            space_size: 480,
+            seconds: 1.5,
+            created: 0,
+            kvcc_version: "test".into(),
+        },
     }
 }
 

@@ -65,9 +65,15 @@ pub fn trained_cache(format: &Format, data: &SynthKv, seed: u64) -> PagedCache {
         max_samples: 4096,
         iterations: 6,
     };
-    let tables =
-        cache::train(format, &data.keys, &data.values, data.kv_heads, &options).expect("train");
-    PagedCache::new(format, data.kv_heads, tables).expect("cache")
+    let tables = cache::train(
+        format,
+        &data.keys,
+        &data.values,
+        data.options.kv_heads,
+        &options,
+    )
+    .expect("train");
+    PagedCache::new(format, data.options.kv_heads, tables).expect("cache")
 }
 
 /// A cache holding sequences of `lengths` tokens, sequence `s` with its pages
@@ -88,7 +94,7 @@ pub fn cache_and_queries(
         .map(|(i, &t)| data(format, seed.wrapping_add(i as u64), kv_heads, q_heads, t))
         .collect();
     let longest = (0..sets.len())
-        .max_by_key(|&i| sets[i].tokens)
+        .max_by_key(|&i| sets[i].options.tokens)
         .expect("sequences");
     let mut cache = trained_cache(format, &sets[longest], seed);
     for (s, set) in sets.iter().enumerate() {

@@ -8,12 +8,12 @@ use clap::{Args, Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressFinish, ProgressStyle};
 use kvcc_compiler::Format;
 use kvcc_runtime::cli::{self, bench, check, demo, eval, policy};
-use kvcc_runtime::cuda::measure::StepTiming;
+use kvcc_runtime::cuda::measure::{DecodeShape, StepPlan, StepTiming};
 use kvcc_runtime::cuda::Gpu;
 use kvcc_runtime::exec::ExecutorKind;
 use kvcc_runtime::live::CachePolicy;
 use kvcc_runtime::tensor_io::load_qkv;
-use kvcc_runtime::tune::sweep::{self, TuneOptions};
+use kvcc_runtime::tune::sweep::{self, SearchOptions, TuneOptions};
 use kvcc_runtime::tune::TuneCache;
 
 #[derive(Parser)]
@@ -45,17 +45,6 @@ enum CacheAction {
     },
     /// Merge an exported file into the cache.
     Import { file: PathBuf },
-}
-
-/// The decode shape `bench` times and `tune` tunes for.
-#[derive(Args)]
-struct ServingShape {
-    #[arg(long, default_value_t = 8)]
-    batch: usize,
-    #[arg(long, default_value_t = 32)]
-    q_heads: usize,
-    #[arg(long, default_value_t = 8)]
-    kv_heads: usize,
 }
 
 /// How `demo` and `eval` decode and report.
@@ -106,7 +95,7 @@ enum Command {
         #[arg(long, value_delimiter = ',')]
         only: Vec<String>,
         #[command(flatten)]
-        shape: ServingShape,
+        shape: DecodeShape,
         /// Context lengths (tokens per sequence), comma-separated.
         #[arg(long, value_delimiter = ',', default_value = "8192,32768,131072")]
         ctx: Vec<usize>,
@@ -139,7 +128,7 @@ enum Command {
         #[arg(long)]
         tier: Option<String>,
         #[command(flatten)]
-        shape: ServingShape,
+        shape: DecodeShape,
         /// Context lengths, comma-separated; each is tuned for its power-of-two bucket.
         #[arg(long, value_delimiter = ',', default_value = "8192,32768")]
         ctx: Vec<usize>,
@@ -308,13 +297,9 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             }
             let baselines = baseline.map(|p| bench::Baselines::load(&p)).transpose()?;
             let options = bench::BenchOptions {
-                batch: shape.batch,
-                q_heads: shape.q_heads,
-                kv_heads: shape.kv_heads,
+                shape,
                 contexts: ctx,
-                warmup,
-                iters,
-                timing,
+                steps: StepPlan::new(warmup, iters, timing),
                 tuned: !no_tune,
                 ..Default::default()
             };
@@ -348,18 +333,17 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                 .map(|s| cli::tune::load_spec(s))
                 .collect::<Result<Vec<_>, _>>()?;
             let options = TuneOptions {
-                batch: shape.batch,
-                q_heads: shape.q_heads,
-                kv_heads: shape.kv_heads,
+                shape,
                 contexts: ctx,
                 tier,
                 page_items: pages,
-                strategy: search,
-                exhaustive_limit,
-                warmup,
-                iters,
-                timing,
-                min_gain,
+                search: SearchOptions {
+                    strategy: search,
+                    exhaustive_limit,
+                    min_gain,
+                    ..Default::default()
+                },
+                steps: StepPlan::new(warmup, iters, timing),
                 force,
                 ..Default::default()
             };

@@ -19,25 +19,20 @@ use serde::{Deserialize, Serialize};
 use crate::cache::PagedCache;
 
 use crate::cuda::measure::{
-    decode_steps, source_cache, time_steps, upload_copies, Reference, StepTiming, TOLERANCE,
+    decode_steps, source_cache, time_steps, upload_copies, DecodeShape, Reference, StepPlan,
+    StepTiming, TOLERANCE,
 };
 use crate::cuda::{FormatKernels, Gpu};
 use crate::table::Table;
 use crate::tune::config::with_page_items;
 use crate::tune::lookup::{self, Source};
-use crate::tune::{KernelConfig, ShapeBucket};
+use crate::tune::KernelConfig;
 
 #[derive(Debug, Clone)]
 pub struct BenchOptions {
-    pub batch: usize,
-    pub q_heads: usize,
-    pub kv_heads: usize,
+    pub shape: DecodeShape,
     pub contexts: Vec<usize>,
-    pub warmup: usize,
-    pub iters: usize,
-    pub timing: StepTiming,
-    /// L2-defeating rotation: at least this many bytes of distinct caches.
-    pub rotate_bytes: u64,
+    pub steps: StepPlan,
     pub seed: u64,
     /// Look tuned configurations up in the tune cache (else the defaults).
     pub tuned: bool,
@@ -46,14 +41,9 @@ pub struct BenchOptions {
 impl Default for BenchOptions {
     fn default() -> Self {
         BenchOptions {
-            batch: 8,
-            q_heads: 32,
-            kv_heads: 8,
+            shape: DecodeShape::default(),
             contexts: vec![8192, 32768, 131072],
-            warmup: 10,
-            iters: 50,
-            timing: StepTiming::Queued,
-            rotate_bytes: 512 << 20,
+            steps: StepPlan::new(10, 50, StepTiming::Queued),
             seed: 11,
             tuned: true,
         }
@@ -141,8 +131,8 @@ pub fn run(
 ) -> Result<BenchReport, Box<dyn std::error::Error>> {
     if let Some(b) = &baselines {
         // Ratios only compare like with like: launch latency in both or in neither.
-        if b.timing != options.timing {
-            let (theirs, ours) = (b.timing.name(), options.timing.name());
+        if b.timing != options.steps.timing {
+            let (theirs, ours) = (b.timing.name(), options.steps.timing.name());
             return Err(format!(
                 "the baselines were timed {theirs}, this run times {ours}: pass --timing {theirs} or rerun baseline.py --timing {ours}"
             )
@@ -153,7 +143,7 @@ pub fn run(
     let mut rows = Vec::new();
     for format in formats {
         let d = format.head_dim() as usize;
-        let group = (options.q_heads / options.kv_heads.max(1)) as u32;
+        let group = (options.shape.q_heads / options.shape.kv_heads.max(1)) as u32;
         // Kernels per page size and configuration (contexts in one bucket share them).
         let mut loaded: Vec<(u32, Vec<KernelConfig>, FormatKernels)> = Vec::new();
         for tier in 0..format.tiers().len() {
@@ -162,8 +152,7 @@ pub fn run(
             let mut pages: HashMap<u32, (Format, PagedCache, Reference)> = HashMap::new();
             for &context in &options.contexts {
                 progress(&format!("{}/{name} @{context}", format.name()));
-                let shape =
-                    ShapeBucket::of(options.batch, options.q_heads, options.kv_heads, context);
+                let shape = options.shape.bucket(context);
                 // Tuned: pages encoded at the page size the tuner chose, as a
                 // user re-encoding on its advice would have them.
                 let items = options
@@ -175,11 +164,12 @@ pub fn run(
                     Entry::Occupied(e) => e.into_mut(),
                     Entry::Vacant(e) => {
                         let paged = with_page_items(format, items)?;
-                        let source = source_cache(&paged, tier, options.kv_heads, options.seed)?;
+                        let source =
+                            source_cache(&paged, tier, options.shape.kv_heads, options.seed)?;
                         let n = items as usize;
                         let reference = Reference::new(
                             &source,
-                            options.q_heads,
+                            options.shape.q_heads,
                             5 * n + n / 3,
                             options.seed ^ 0x51,
                         )?;
@@ -208,22 +198,23 @@ pub fn run(
                 if error > TOLERANCE {
                     return Err(format!("{}/{name}: GPU output differs from the interpreter (max relative error {error:.2e}); not timing a wrong kernel", format.name()).into());
                 }
-                let host = source.replicate(options.batch, context)?;
-                let caches = upload_copies(&gpu, kernels, &host, options.rotate_bytes)?;
+                let host = source.replicate(options.shape.batch, context)?;
+                let caches = upload_copies(&gpu, kernels, &host, options.steps.rotate_bytes)?;
                 drop(host);
                 let mut steps =
-                    decode_steps(&gpu, kernels, &caches, options.q_heads, options.seed)?;
+                    decode_steps(&gpu, kernels, &caches, options.shape.q_heads, options.seed)?;
                 let timing = time_steps(
                     &gpu,
                     kernels,
                     &caches,
                     &mut steps,
-                    options.warmup,
-                    options.iters,
-                    options.timing,
+                    options.steps.warmup,
+                    options.steps.iters,
+                    options.steps.timing,
                 )?;
                 let bytes = caches[0].bytes_per_step as f64;
-                let bytes_per_token = bytes / (options.batch * options.kv_heads * context) as f64;
+                let bytes_per_token =
+                    bytes / (options.shape.batch * options.shape.kv_heads * context) as f64;
                 let dense = (4 * d) as f64;
                 let sdpa_ms = baselines.as_ref().and_then(|b| b.ms("sdpa", context));
                 rows.push(BenchRow {
@@ -253,9 +244,9 @@ pub fn run(
         driver_version: gpu.driver_version,
         shape: format!(
             "batch {}, {} query heads, {} kv heads, contexts {:?}",
-            options.batch, options.q_heads, options.kv_heads, options.contexts
+            options.shape.batch, options.shape.q_heads, options.shape.kv_heads, options.contexts
         ),
-        timing: options.timing,
+        timing: options.steps.timing,
         rows,
         baselines,
     })
@@ -321,10 +312,8 @@ mod tests {
         let queued = BenchOptions::default();
         let err = run(&[], Some(old.clone()), &queued, |_| {}).unwrap_err();
         assert!(err.to_string().contains("timed synced"), "{err}");
-        let synced = BenchOptions {
-            timing: StepTiming::Synced,
-            ..BenchOptions::default()
-        };
+        let mut synced = BenchOptions::default();
+        synced.steps.timing = StepTiming::Synced;
         // Same timing: the check passes and the run goes on to open the GPU
         // (which a machine without one refuses with its own error).
         if let Err(e) = run(&[], Some(old), &synced, |_| {}) {

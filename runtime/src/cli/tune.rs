@@ -117,10 +117,10 @@ pub fn render_candidates(entry: &Entry) -> String {
         entry.key.tier,
         entry.key.gpu.name,
         entry.key.shape,
-        format!("{:?}", entry.search).to_lowercase(),
+        format!("{:?}", entry.sweep.search).to_lowercase(),
         entry.candidates.len(),
-        entry.space_size,
-        entry.seconds,
+        entry.sweep.space_size,
+        entry.sweep.seconds,
         table
     )
 }
@@ -156,7 +156,7 @@ pub fn render_summary<'a>(
             format!("{}..{}", shape.batch.0, shape.batch.1 - 1),
             format!("{}/{}", shape.q_heads, shape.kv_heads),
             e.candidates.len().to_string(),
-            format!("{:.1}", e.seconds),
+            format!("{:.1}", e.sweep.seconds),
             ms(e.default_ms()),
             ms(e.winner_ms()),
             speedup(e).map_or("-".into(), |s| format!("{s:.2}x")),

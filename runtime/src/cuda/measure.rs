@@ -16,6 +16,7 @@ use crate::cache::{self, PagedCache};
 use crate::encode::TrainOptions;
 use crate::math::rng::{normal, seeded};
 use crate::synth::{synthesize, SynthOptions};
+use crate::tune::ShapeBucket;
 
 /// Relative error above which a kernel's output is wrong (fp32 accumulation).
 pub const TOLERANCE: f64 = 1e-4;
@@ -250,6 +251,57 @@ impl StepTiming {
         use clap::ValueEnum;
         let value = self.to_possible_value().expect("no variant is skipped");
         value.get_name().to_string()
+    }
+}
+
+/// The serving shape a GPU run decodes: `batch` sequences whose `q_heads`
+/// query heads share `kv_heads` kv heads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::Args)]
+pub struct DecodeShape {
+    #[arg(long, default_value_t = 8)]
+    pub batch: usize,
+    #[arg(long, default_value_t = 32)]
+    pub q_heads: usize,
+    #[arg(long, default_value_t = 8)]
+    pub kv_heads: usize,
+}
+
+impl Default for DecodeShape {
+    fn default() -> Self {
+        DecodeShape {
+            batch: 8,
+            q_heads: 32,
+            kv_heads: 8,
+        }
+    }
+}
+
+impl DecodeShape {
+    /// The tune cache's bucket for this shape at `context` tokens.
+    pub fn bucket(&self, context: usize) -> ShapeBucket {
+        ShapeBucket::of(self.batch, self.q_heads, self.kv_heads, context)
+    }
+}
+
+/// How a timing run steps: what [`upload_copies`] and [`time_steps`] take.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepPlan {
+    pub warmup: usize,
+    pub iters: usize,
+    pub timing: StepTiming,
+    /// L2-defeating rotation: at least this many bytes of distinct cache copies.
+    pub rotate_bytes: u64,
+}
+
+impl StepPlan {
+    /// Rotating over 512 MiB of copies: several times any GPU's L2.
+    pub fn new(warmup: usize, iters: usize, timing: StepTiming) -> StepPlan {
+        StepPlan {
+            warmup,
+            iters,
+            timing,
+            rotate_bytes: 512 << 20,
+        }
     }
 }
 

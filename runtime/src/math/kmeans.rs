@@ -248,10 +248,11 @@ fn train(
         transpose(&centroids, dim, k, &mut transposed);
         let centroids_t = Centroids {
             transposed: &transposed,
+            dim,
             k,
             spherical,
         };
-        let changed = assign(points, dim, centroids_t, &mut labels, &mut score);
+        let changed = centroids_t.assign(points, &mut labels, &mut score);
         if changed == 0 {
             break;
         }
@@ -408,96 +409,88 @@ fn init_plus_plus(
 struct Centroids<'a> {
     /// The `dim × k` transpose of the centroids.
     transposed: &'a [f32],
+    dim: usize,
     k: usize,
     /// Best-aligned (cosine) rather than nearest (Euclidean).
     spherical: bool,
 }
 
-/// Assign every point to its nearest (or best-aligned) centroid; returns how many labels changed.
-fn assign(
-    points: &[f32],
-    dim: usize,
-    centroids: Centroids<'_>,
-    labels: &mut [usize],
-    score: &mut [f32],
-) -> usize {
-    let k = centroids.k;
-    let n = labels.len();
-    let threads = if n.saturating_mul(k).saturating_mul(dim) < PARALLEL_WORK {
-        1
-    } else {
-        std::thread::available_parallelism()
-            .map_or(1, |t| t.get())
-            .min(MAX_THREADS)
-            .min(n)
-    };
-    if threads <= 1 {
-        return assign_block(points, dim, centroids, labels, score);
-    }
-    let chunk = n.div_ceil(threads);
-    std::thread::scope(|s| {
-        let mut blocks = points
-            .chunks(chunk * dim)
-            .zip(labels.chunks_mut(chunk))
-            .zip(score.chunks_mut(chunk));
-        // The calling thread takes the first block itself.
-        let Some(((p0, l0), s0)) = blocks.next() else {
-            return 0;
+impl Centroids<'_> {
+    /// Assign every point to its nearest (or best-aligned) centroid; returns how many labels changed.
+    fn assign(self, points: &[f32], labels: &mut [usize], score: &mut [f32]) -> usize {
+        let Centroids { dim, k, .. } = self;
+        let n = labels.len();
+        let threads = if n.saturating_mul(k).saturating_mul(dim) < PARALLEL_WORK {
+            1
+        } else {
+            std::thread::available_parallelism()
+                .map_or(1, |t| t.get())
+                .min(MAX_THREADS)
+                .min(n)
         };
-        let handles: Vec<_> = blocks
-            .map(|((p, l), sc)| s.spawn(move || assign_block(p, dim, centroids, l, sc)))
-            .collect();
-        let mut changed = assign_block(p0, dim, centroids, l0, s0);
-        for h in handles {
-            changed += h.join().unwrap_or_else(|e| std::panic::resume_unwind(e));
+        if threads <= 1 {
+            return self.assign_block(points, labels, score);
+        }
+        let chunk = n.div_ceil(threads);
+        std::thread::scope(|s| {
+            let mut blocks = points
+                .chunks(chunk * dim)
+                .zip(labels.chunks_mut(chunk))
+                .zip(score.chunks_mut(chunk));
+            // The calling thread takes the first block itself.
+            let Some(((p0, l0), s0)) = blocks.next() else {
+                return 0;
+            };
+            let handles: Vec<_> = blocks
+                .map(|((p, l), sc)| s.spawn(move || self.assign_block(p, l, sc)))
+                .collect();
+            let mut changed = self.assign_block(p0, l0, s0);
+            for h in handles {
+                changed += h.join().unwrap_or_else(|e| std::panic::resume_unwind(e));
+            }
+            changed
+        })
+    }
+
+    /// Serial assignment kernel: for each point, accumulates distances (or dot products) to all `k`
+    /// centroids at once, so the inner loop runs over contiguous centroid entries and vectorizes.
+    /// Per centroid the terms are added in coordinate order starting from 0.0, exactly as in
+    /// [`nearest`] / [`best_direction`], so training and lookup agree bit for bit.
+    fn assign_block(self, points: &[f32], labels: &mut [usize], score: &mut [f32]) -> usize {
+        let Centroids {
+            transposed,
+            dim,
+            k,
+            spherical,
+        } = self;
+        let mut acc = vec![0.0f32; k];
+        let mut changed = 0;
+        for ((p, label), sc) in points
+            .chunks_exact(dim)
+            .zip(labels.iter_mut())
+            .zip(score.iter_mut())
+        {
+            acc.fill(0.0);
+            let (best, s) = if spherical {
+                accumulate(&mut acc, p, transposed, k, |x, c| x * c);
+                let best = arg_extreme(&acc, false);
+                (best, 1.0 - acc[best])
+            } else {
+                accumulate(&mut acc, p, transposed, k, |x, c| {
+                    let d = x - c;
+                    d * d
+                });
+                let best = arg_extreme(&acc, true);
+                (best, acc[best])
+            };
+            if *label != best {
+                *label = best;
+                changed += 1;
+            }
+            *sc = s;
         }
         changed
-    })
-}
-
-/// Serial assignment kernel: for each point, accumulates distances (or dot products) to all `k`
-/// centroids at once, so the inner loop runs over contiguous centroid entries and vectorizes.
-/// Per centroid the terms are added in coordinate order starting from 0.0, exactly as in
-/// [`nearest`] / [`best_direction`], so training and lookup agree bit for bit.
-fn assign_block(
-    points: &[f32],
-    dim: usize,
-    centroids: Centroids<'_>,
-    labels: &mut [usize],
-    score: &mut [f32],
-) -> usize {
-    let Centroids {
-        transposed,
-        k,
-        spherical,
-    } = centroids;
-    let mut acc = vec![0.0f32; k];
-    let mut changed = 0;
-    for ((p, label), sc) in points
-        .chunks_exact(dim)
-        .zip(labels.iter_mut())
-        .zip(score.iter_mut())
-    {
-        acc.fill(0.0);
-        let (best, s) = if spherical {
-            accumulate(&mut acc, p, transposed, k, |x, c| x * c);
-            let best = arg_extreme(&acc, false);
-            (best, 1.0 - acc[best])
-        } else {
-            accumulate(&mut acc, p, transposed, k, |x, c| {
-                let d = x - c;
-                d * d
-            });
-            let best = arg_extreme(&acc, true);
-            (best, acc[best])
-        };
-        if *label != best {
-            *label = best;
-            changed += 1;
-        }
-        *sc = s;
     }
-    changed
 }
 
 /// `acc[c] += term(p[0], C[c][0]); acc[c] += term(p[1], C[c][1]); ...` in coordinate order, four
@@ -745,11 +738,12 @@ mod tests {
             let (mut l2, mut s2) = (vec![usize::MAX; n], vec![0.0; n]);
             let c = Centroids {
                 transposed: &t,
+                dim,
                 k,
                 spherical,
             };
-            assert_eq!(assign(&points, dim, c, &mut l1, &mut s1), n);
-            assert_eq!(assign_block(&points, dim, c, &mut l2, &mut s2), n);
+            assert_eq!(c.assign(&points, &mut l1, &mut s1), n);
+            assert_eq!(c.assign_block(&points, &mut l2, &mut s2), n);
             assert_eq!(l1, l2);
             assert_eq!(s1, s2);
             for (i, p) in points.chunks_exact(dim).enumerate() {

@@ -24,7 +24,7 @@ pub use config::KernelConfig;
 pub use key::{codegen_hash, GpuId, ShapeBucket, TuneKey};
 pub use lookup::{resolve, Resolution, Source};
 pub use search::{Measured, SearchReport, Space, Strategy};
-pub use store::{Candidate, Entry, TuneCache};
+pub use store::{Candidate, Entry, SweepRecord, TuneCache};
 
 #[derive(Debug, thiserror::Error)]
 pub enum TuneError {

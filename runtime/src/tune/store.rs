@@ -51,12 +51,36 @@ pub struct Entry {
     pub winner: KernelConfig,
     pub confirmation: Option<Confirmation>,
     pub candidates: Vec<Candidate>,
+    /// Flattened: the file keeps one object per entry.
+    #[serde(flatten)]
+    pub sweep: SweepRecord,
+}
+
+/// How and when the sweep behind an entry ran.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SweepRecord {
+    /// The strategy that ran (`Auto` resolved).
     pub search: Strategy,
     pub space_size: usize,
     pub seconds: f64,
     /// Unix time of the sweep.
     pub created: u64,
     pub kvcc_version: String,
+}
+
+impl SweepRecord {
+    /// A sweep finishing now, by this build of kvcc.
+    pub fn now(search: Strategy, space_size: usize, seconds: f64) -> SweepRecord {
+        SweepRecord {
+            search,
+            space_size,
+            seconds,
+            created: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs()),
+            kvcc_version: env!("CARGO_PKG_VERSION").to_string(),
+        }
+    }
 }
 
 impl Entry {

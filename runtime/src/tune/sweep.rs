@@ -13,37 +13,25 @@ use kvcc_compiler::Format;
 
 use super::config::with_page_items;
 use super::search::{search, Measured, Space, Strategy};
-use super::store::{Candidate, Confirmation, Entry, Found, TuneCache};
-use super::{KernelConfig, ShapeBucket, TuneKey};
+use super::store::{Candidate, Confirmation, Entry, Found, SweepRecord, TuneCache};
+use super::{KernelConfig, TuneKey};
 use crate::cache::PagedCache;
 use crate::cuda::measure::{
-    decode_steps, source_cache, time_steps, upload_copies, Reference, StepTiming, Timing, TOLERANCE,
+    decode_steps, source_cache, time_steps, upload_copies, DecodeShape, Reference, StepPlan,
+    StepTiming, Timing, TOLERANCE,
 };
 use crate::cuda::{DeviceCache, FormatKernels, Gpu};
 
 #[derive(Debug, Clone)]
 pub struct TuneOptions {
-    pub batch: usize,
-    pub q_heads: usize,
-    pub kv_heads: usize,
+    pub shape: DecodeShape,
     pub contexts: Vec<usize>,
     /// Only this tier (by name); `None`: every tier.
     pub tier: Option<String>,
     /// Page sizes to try besides the spec's.
     pub page_items: Vec<u32>,
-    pub strategy: Strategy,
-    /// Largest space searched exhaustively under `Strategy::Auto`.
-    pub exhaustive_limit: usize,
-    pub warmup: usize,
-    pub iters: usize,
-    pub timing: StepTiming,
-    /// Alternating default/winner timings after the search.
-    pub confirm_rounds: usize,
-    /// Fraction of the default's time a winner must save in the confirmation to
-    /// replace it: smaller differences are run-to-run noise.
-    pub min_gain: f64,
-    /// L2-defeating rotation: at least this many bytes of distinct cache copies.
-    pub rotate_bytes: u64,
+    pub search: SearchOptions,
+    pub steps: StepPlan,
     pub seed: u64,
     /// Sweep even when the cache already has a result.
     pub force: bool,
@@ -52,22 +40,38 @@ pub struct TuneOptions {
 impl Default for TuneOptions {
     fn default() -> Self {
         TuneOptions {
-            batch: 8,
-            q_heads: 32,
-            kv_heads: 8,
+            shape: DecodeShape::default(),
             contexts: vec![8192, 32768],
             tier: None,
             page_items: vec![32, 64, 128, 256, 512],
-            strategy: Strategy::Auto,
-            exhaustive_limit: 48,
-            warmup: 5,
-            iters: 30,
-            timing: StepTiming::Queued,
-            confirm_rounds: 3,
-            min_gain: 0.01,
-            rotate_bytes: 512 << 20,
+            search: SearchOptions::default(),
+            steps: StepPlan::new(5, 30, StepTiming::Queued),
             seed: 11,
             force: false,
+        }
+    }
+}
+
+/// How the sweep searches a tier's space and confirms its winner.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SearchOptions {
+    pub strategy: Strategy,
+    /// Largest space searched exhaustively under `Strategy::Auto`.
+    pub exhaustive_limit: usize,
+    /// Alternating default/winner timings after the search.
+    pub confirm_rounds: usize,
+    /// Fraction of the default's time a winner must save in the confirmation to
+    /// replace it: smaller differences are run-to-run noise.
+    pub min_gain: f64,
+}
+
+impl Default for SearchOptions {
+    fn default() -> Self {
+        SearchOptions {
+            strategy: Strategy::Auto,
+            exhaustive_limit: 48,
+            confirm_rounds: 3,
+            min_gain: 0.01,
         }
     }
 }
@@ -115,19 +119,22 @@ pub fn tune(
     cache: &mut TuneCache,
     progress: &mut dyn FnMut(Progress),
 ) -> Result<Vec<Tuned>, Box<dyn std::error::Error>> {
-    let kv_heads = options.kv_heads;
-    if kv_heads == 0 || options.q_heads == 0 || !options.q_heads.is_multiple_of(kv_heads) {
+    let kv_heads = options.shape.kv_heads;
+    if kv_heads == 0
+        || options.shape.q_heads == 0
+        || !options.shape.q_heads.is_multiple_of(kv_heads)
+    {
         return Err(format!(
             "{} query heads is not a positive multiple of {kv_heads} kv heads",
-            options.q_heads
+            options.shape.q_heads
         )
         .into());
     }
-    if options.batch == 0 || options.contexts.contains(&0) || options.contexts.is_empty() {
+    if options.shape.batch == 0 || options.contexts.contains(&0) || options.contexts.is_empty() {
         return Err("batch and every context must be at least 1".into());
     }
-    if !(0.0..1.0).contains(&options.min_gain) {
-        return Err(format!("min_gain {} is outside [0, 1)", options.min_gain).into());
+    if !(0.0..1.0).contains(&options.search.min_gain) {
+        return Err(format!("min_gain {} is outside [0, 1)", options.search.min_gain).into());
     }
     let tiers: Vec<usize> = match &options.tier {
         Some(name) => vec![format.tier_index(name).ok_or_else(|| {
@@ -150,7 +157,7 @@ pub fn tune(
     for tier in tiers {
         let mut pages: HashMap<u32, Result<PageSetup, String>> = HashMap::new();
         for &context in &options.contexts {
-            let shape = ShapeBucket::of(options.batch, options.q_heads, kv_heads, context);
+            let shape = options.shape.bucket(context);
             let key = TuneKey::new(&id, format, tier, shape);
             let origin = match cache.find(&key) {
                 Found::Hit(entry) if !options.force => {
@@ -206,7 +213,7 @@ impl Sweep<'_> {
         let started = Instant::now();
         let default = KernelConfig::default_for(self.format);
         let target = self.gpu.target();
-        let group = (self.options.q_heads / self.options.kv_heads) as u32;
+        let group = (self.options.shape.q_heads / self.options.shape.kv_heads) as u32;
         let module = &self.format.tiers()[self.tier];
         let kernel = |config: &KernelConfig| {
             ptx::write_tier(module, group, &config.options(target, group)).map(|k| k.ptx)
@@ -218,16 +225,16 @@ impl Sweep<'_> {
         let estimate = space.expected_trials(
             default,
             seeds.len(),
-            self.options.strategy,
-            self.options.exhaustive_limit,
+            self.options.search.strategy,
+            self.options.search.exhaustive_limit,
         );
         let mut candidates: Vec<Candidate> = Vec::new();
         let report = search(
             &space,
             default,
             seeds,
-            self.options.strategy,
-            self.options.exhaustive_limit,
+            self.options.search.strategy,
+            self.options.search.exhaustive_limit,
             |config| {
                 progress(Progress {
                     what: &what,
@@ -249,9 +256,9 @@ impl Sweep<'_> {
             confirmation = Some(Confirmation {
                 default_ms,
                 winner_ms,
-                rounds: self.options.confirm_rounds.max(1),
+                rounds: self.options.search.confirm_rounds.max(1),
             });
-            if winner_ms > default_ms * (1.0 - self.options.min_gain) {
+            if winner_ms > default_ms * (1.0 - self.options.search.min_gain) {
                 winner = default;
             }
         }
@@ -261,13 +268,11 @@ impl Sweep<'_> {
             winner,
             confirmation,
             candidates,
-            search: report.strategy,
-            space_size: report.space_size,
-            seconds: started.elapsed().as_secs_f64(),
-            created: std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| d.as_secs()),
-            kvcc_version: env!("CARGO_PKG_VERSION").to_string(),
+            sweep: SweepRecord::now(
+                report.strategy,
+                report.space_size,
+                started.elapsed().as_secs_f64(),
+            ),
         })
     }
 
@@ -307,9 +312,9 @@ impl Sweep<'_> {
             let kernels = self.kernels[&generated].as_ref().map_err(String::clone)?;
             let host = setup
                 .source
-                .replicate(self.options.batch, self.context)
+                .replicate(self.options.shape.batch, self.context)
                 .map_err(|e| e.to_string())?;
-            let copies = upload_copies(self.gpu, kernels, &host, self.options.rotate_bytes)
+            let copies = upload_copies(self.gpu, kernels, &host, self.options.steps.rotate_bytes)
                 .map_err(|e| format!("uploading pages: {e}"))?;
             self.copies.insert(config.page_items, copies);
         }
@@ -322,7 +327,7 @@ impl Sweep<'_> {
             self.gpu,
             kernels,
             caches,
-            self.options.q_heads,
+            self.options.shape.q_heads,
             self.options.seed,
         )
         .map_err(|e| e.to_string())?;
@@ -344,9 +349,9 @@ impl Sweep<'_> {
             kernels,
             caches,
             &mut steps,
-            self.options.warmup,
-            self.options.iters,
-            self.options.timing,
+            self.options.steps.warmup,
+            self.options.steps.iters,
+            self.options.steps.timing,
         )
         .map_err(|e| format!("launch: {e}"))
     }
@@ -356,12 +361,16 @@ impl Sweep<'_> {
         if !self.pages.contains_key(&items) {
             let setup = (|| -> Result<PageSetup, Box<dyn std::error::Error>> {
                 let format = with_page_items(self.format, items)?;
-                let source =
-                    source_cache(&format, self.tier, self.options.kv_heads, self.options.seed)?;
+                let source = source_cache(
+                    &format,
+                    self.tier,
+                    self.options.shape.kv_heads,
+                    self.options.seed,
+                )?;
                 let tokens = (CHECKED_SPLITS * items as usize + items as usize / 3).max(1);
                 let reference = Reference::new(
                     &source,
-                    self.options.q_heads,
+                    self.options.shape.q_heads,
                     tokens,
                     self.options.seed ^ 0x51,
                 )?;
@@ -393,7 +402,7 @@ impl Sweep<'_> {
                 .as_ref()
                 .map_err(String::clone)?;
             let configs = vec![generated; setup.format.tiers().len()];
-            let group = (self.options.q_heads / self.options.kv_heads) as u32;
+            let group = (self.options.shape.q_heads / self.options.shape.kv_heads) as u32;
             let kernels = FormatKernels::load_configs(self.gpu, &setup.format, &configs, group)
                 .map_err(|e| format!("codegen/load: {e}"));
             self.kernels.insert(generated, kernels);
@@ -414,7 +423,7 @@ impl Sweep<'_> {
         default: KernelConfig,
         winner: KernelConfig,
     ) -> Result<(f64, f64), Box<dyn std::error::Error>> {
-        let rounds = self.options.confirm_rounds.max(1);
+        let rounds = self.options.search.confirm_rounds.max(1);
         let mut times = [Vec::new(), Vec::new()];
         for _ in 0..rounds {
             for (slot, config) in [default, winner].iter().enumerate() {
