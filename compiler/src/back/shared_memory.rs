@@ -207,7 +207,7 @@ impl TierModel {
     }
 
     /// How `target`'s kernel reads the key codebooks: through lookup tables
-    /// where they leave room for [`MIN_RESIDENT_BLOCKS`] blocks per
+    /// where they leave room for `MIN_RESIDENT_BLOCKS` blocks per
     /// multiprocessor and their prologue pays over the reference decode,
     /// else directly.
     pub fn reads(&self, target: Target) -> CodebookReads {

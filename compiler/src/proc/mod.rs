@@ -2,7 +2,7 @@
 //! here on the IR (as naga's `proc/` and Cranelift's `ir/dfg.rs`) rather than
 //! in each backend.
 //!
-//! - [`operands`]: the operands of an expression, what a program reads, and
+//! - [`operands`](mod@operands): the operands of an expression, what a program reads, and
 //!   which expressions depend on a given kind of input.
 //! - [`known_bits`]: bits of a value known from its expression alone
 //!   (trailing zeros, significant bits).

@@ -70,7 +70,7 @@ pub(super) struct ItemReader {
     align: u32,
     words: HashMap<u32, Reg<U32>>,
     chunks: HashMap<u32, [Reg<U32>; 4]>,
-    /// Item words split into their low and high halves ([`half_reads`]).
+    /// Item words split into their low and high halves ([`super::half_reads`]).
     halves: HashMap<u32, (Reg<B16>, Reg<B16>)>,
     raw: HashMap<u32, Reg<U32>>,
     /// For unaligned items: the aligned address below the item and the bit

@@ -262,7 +262,7 @@ impl AccumulateMma<'_> {
     }
 
     /// The values of `tile` times the weights' B fragments `b` (per slot and
-    /// column tile, [`mma_exchange`]'s) into the lane's accumulators.
+    /// column tile, [`super::warp_tile::mma_exchange`]'s) into the lane's accumulators.
     pub(super) fn products(
         &self,
         k: &mut Kernel,

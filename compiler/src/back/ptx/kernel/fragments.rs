@@ -75,12 +75,12 @@ impl Fragments<'_> {
         (clamped, k.mad_lo(clamped, 4u32, self.cta.smem))
     }
 
-    /// Whether the key rows' chunks are spread over the lanes ([`lane_chunk`]).
+    /// Whether the key rows' chunks are spread over the lanes ([`crate::back::ptx::tensor_cores::lane_chunk`]).
     pub(super) fn spread_chunks(&self) -> bool {
         (self.cta.plan.mma.as_ref()).is_some_and(|m| m.key_rows.swizzled)
     }
 
-    /// The lane part of the key row chunks the lane loads ([`lane_chunk`]).
+    /// The lane part of the key row chunks the lane loads ([`crate::back::ptx::tensor_cores::lane_chunk`]).
     pub(super) fn lane_chunk_part(&self, k: &mut Kernel, lanes: &Lanes) -> Reg<U32> {
         if !self.spread_chunks() {
             return lanes.quad;

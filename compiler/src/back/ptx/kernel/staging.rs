@@ -117,7 +117,7 @@ impl Staging<'_> {
     /// the stream's wait counts stay uniform); with bulk copies, each on its
     /// buffer's mbarriers instead.
     ///
-    /// Pipelined ([`Plan::pipelined`]): group `s` holds tile `s`'s header and
+    /// Pipelined ([`crate::back::ptx::plan::Plan::pipelined`]): group `s` holds tile `s`'s header and
     /// keys and tile `s − 1`'s values, which are read one tile later.
     pub(super) fn issue_first_tiles(&self, k: &mut Kernel) {
         let pipelined = self.cta.plan.pipelined;
