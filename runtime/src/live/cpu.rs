@@ -10,7 +10,7 @@ use super::pool::PagePool;
 use super::{Append, Attention, CachePolicy, LiveError, LiveKv, SequenceKv};
 use crate::cache::{self, PagedCache, Tables};
 use crate::encode::{encode_page, EncodeError, TrainOptions};
-use crate::exec::ExecutorKind;
+use crate::exec::{Executor, ExecutorKind};
 
 /// How a [`LiveCache`] is shaped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -42,13 +42,26 @@ pub struct LiveState {
     pub policy: CachePolicy,
 }
 
-#[derive(Debug, Clone)]
 pub struct LiveCache {
     pages: PagedCache,
     sequences: Vec<SequenceState>,
     pool: PagePool,
     policy: CachePolicy,
-    executor: ExecutorKind,
+    /// Opened once: every decode step reuses it (a GPU executor holds its
+    /// context and modules).
+    executor: Box<dyn Executor>,
+}
+
+impl std::fmt::Debug for LiveCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LiveCache")
+            .field("pages", &self.pages)
+            .field("sequences", &self.sequences)
+            .field("pool", &self.pool)
+            .field("policy", &self.policy)
+            .field("executor", &self.executor.name())
+            .finish()
+    }
 }
 
 /// One sequence's change, computed before anything is touched.
@@ -80,7 +93,7 @@ impl LiveCache {
             sequences: Vec::new(),
             pool: PagePool::new(tiers, options.pages_per_tier),
             policy: options.policy,
-            executor: options.executor,
+            executor: options.executor.executor()?,
         })
     }
 
@@ -410,7 +423,6 @@ impl LiveCache {
         let compressed = if any_pages {
             Some(
                 self.executor
-                    .executor()?
                     .decode_with_logits(&self.pages, queries, q_heads)?,
             )
         } else {
