@@ -3,13 +3,16 @@
 //! decode step launched against the PTX backend's ABI.
 
 mod device;
+mod encode;
 mod kernels;
+mod live;
 pub mod measure;
 mod resident;
 mod tensor_map;
 
 pub use device::Gpu;
 pub use kernels::FormatKernels;
+pub use live::{DeviceAppend, DeviceLiveCache, DeviceLiveOptions};
 pub use resident::{DeviceCache, DeviceDecode};
 
 use cudarc::driver::DriverError;

@@ -12,23 +12,32 @@ use kvcc_compiler::back::ptx::abi;
 
 use super::{CudaError, During, FormatKernels, Gpu};
 use crate::cache::PagedCache;
+use kvcc_compiler::page::PageRef;
 
-/// Pools, page lists and tables of every tier, uploaded once.
+/// Pools, page lists and tables of every tier on the device. A live cache
+/// keeps one with pools at capacity and rewrites its page lists as pages
+/// fill; every rewrite makes a new generation, and decode steps planned for
+/// an older one are refused until re-planned ([`DeviceDecode::replan`]).
 pub struct DeviceCache {
     /// This upload among the process's: a decode step serves only the cache
     /// it was prepared for (its buffers' sizes and tensor maps are that
     /// cache's).
     id: u64,
+    /// Bumped by every change of the page lists.
+    generation: u64,
     pub sequences: usize,
     pub kv_heads: usize,
     pools: Vec<CudaSlice<u8>>,
     page_offsets: Vec<CudaSlice<u32>>,
     page_ids: Vec<CudaSlice<u32>>,
     tables: Vec<CudaSlice<f32>>,
-    /// Per tier: pages in its pool.
+    /// Per tier: pages in its pool, and bytes per page.
     pool_pages: Vec<usize>,
+    page_bytes: Vec<u32>,
     /// Per tier: the most pages any (sequence, kv head) row has in it.
     row_pages_max: Vec<u32>,
+    /// Per tier: bytes of its tables (read once per step).
+    table_bytes: Vec<u64>,
     /// Bytes a decode step must read: every referenced page and every table once.
     pub bytes_per_step: u64,
 }
@@ -41,7 +50,6 @@ impl DeviceCache {
         cache: &PagedCache,
     ) -> Result<DeviceCache, CudaError> {
         let (format, pages) = (cache.format(), cache.format().spec().page.items);
-        let kernel_pages = kernels.format.spec().page.items;
         if format.name() != kernels.format.name() {
             return Err(CudaError::Shape(format!(
                 "the cache holds {} pages but the kernels are for {}",
@@ -49,58 +57,196 @@ impl DeviceCache {
                 kernels.format.name()
             )));
         }
-        if pages != kernel_pages {
-            return Err(crate::tune::TuneError::PageSize {
-                tuned: kernel_pages,
-                pages,
-            }
-            .into());
-        }
+        check_page_items(kernels, pages)?;
         let view = cache.view();
         Interpreter::new(kernels.format.tiers(), InterpOptions::default()).check_cache(&view)?;
         let stream = &gpu.stream;
         let mut pools = Vec::new();
-        let mut page_offsets = Vec::new();
-        let mut page_ids = Vec::new();
-        let mut tables = Vec::new();
         let mut pool_pages = Vec::new();
-        let mut row_pages_max = Vec::new();
-        let mut bytes_per_step = 0u64;
         for (t, (tier, (_, kernel))) in view.tiers.iter().zip(&kernels.decode).enumerate() {
-            let upload = |what: &'static str| move || format!("uploading tier {t} {what}");
             // Never allocate zero bytes: an empty tier still needs a valid pointer.
             let mut pool_bytes = tier.pool.to_vec();
             pool_bytes.resize(pool_bytes.len().max(abi_alignment()), 0);
-            pools.push(stream.clone_htod(&pool_bytes).during(upload("pages"))?);
+            let pool = stream.clone_htod(&pool_bytes);
+            pools.push(pool.during(|| format!("uploading tier {t} pages"))?);
             pool_pages.push(tier.pool.len() / kernel.page_bytes as usize);
-            let (offsets, ids) = abi::page_lists(view.page_tables, t as u32);
-            row_pages_max.push(offsets.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(0));
-            bytes_per_step += ids.len() as u64 * u64::from(kernel.page_bytes);
-            page_offsets.push(stream.clone_htod(&offsets).during(upload("page offsets"))?);
-            let mut ids = ids;
+        }
+        let tables: Vec<&[Vec<Vec<f32>>]> = view.tiers.iter().map(|t| t.tables).collect();
+        let mut cache = DeviceCache::with_pools(gpu, kernels, view.kv_heads, pools, pool_pages, &tables)?;
+        cache.set_page_lists(gpu, view.page_tables)?;
+        Ok(cache)
+    }
+
+    /// An empty cache (no sequence) whose tier `t` pool holds `pool_pages[t]`
+    /// pages (zeroed), with `tables` (`[tier][kv_head][table]`).
+    pub fn with_capacity(
+        gpu: &Gpu,
+        kernels: &FormatKernels,
+        kv_heads: usize,
+        pool_pages: &[usize],
+        tables: &[&[Vec<Vec<f32>>]],
+    ) -> Result<DeviceCache, CudaError> {
+        if pool_pages.len() != kernels.decode.len() {
+            return Err(CudaError::Shape(format!(
+                "{} pool sizes for {} tiers",
+                pool_pages.len(),
+                kernels.decode.len()
+            )));
+        }
+        let mut pools = Vec::new();
+        for (t, (&pages, (_, kernel))) in pool_pages.iter().zip(&kernels.decode).enumerate() {
+            let bytes = (pages * kernel.page_bytes as usize).max(abi_alignment());
+            let pool = gpu.stream.alloc_zeros::<u8>(bytes);
+            pools.push(pool.during(|| format!("allocating tier {t}'s pool of {pages} pages"))?);
+        }
+        let mut cache =
+            DeviceCache::with_pools(gpu, kernels, kv_heads, pools, pool_pages.to_vec(), tables)?;
+        cache.set_page_lists(gpu, &[])?;
+        Ok(cache)
+    }
+
+    fn with_pools(
+        gpu: &Gpu,
+        kernels: &FormatKernels,
+        kv_heads: usize,
+        pools: Vec<CudaSlice<u8>>,
+        pool_pages: Vec<usize>,
+        tables: &[&[Vec<Vec<f32>>]],
+    ) -> Result<DeviceCache, CudaError> {
+        let mut buffers = Vec::new();
+        let mut table_bytes = Vec::new();
+        for (t, (tier_tables, (_, kernel))) in tables.iter().zip(&kernels.decode).enumerate() {
+            if tier_tables.len() != kv_heads {
+                return Err(CudaError::Shape(format!(
+                    "tier {t} has tables for {} kv heads, not {kv_heads}",
+                    tier_tables.len()
+                )));
+            }
+            let mut buffer = kernel.tables.fill(tier_tables);
+            table_bytes.push(buffer.len() as u64 * 4);
+            buffer.resize(buffer.len().max(4), 0.0);
+            let uploaded = gpu.stream.clone_htod(&buffer);
+            buffers.push(uploaded.during(|| format!("uploading tier {t} tables"))?);
+        }
+        static UPLOADS: AtomicU64 = AtomicU64::new(0);
+        let tiers = kernels.decode.len();
+        Ok(DeviceCache {
+            id: UPLOADS.fetch_add(1, Ordering::Relaxed),
+            generation: 0,
+            sequences: 0,
+            kv_heads,
+            pools,
+            page_offsets: Vec::with_capacity(tiers),
+            page_ids: Vec::with_capacity(tiers),
+            tables: buffers,
+            pool_pages,
+            page_bytes: kernels.decode.iter().map(|(_, k)| k.page_bytes).collect(),
+            row_pages_max: vec![0; tiers],
+            bytes_per_step: 0,
+            table_bytes,
+        })
+    }
+
+    /// Replaces every tier's page lists with those of `page_tables`
+    /// (`[sequence][kv_head]`), whose pages must lie inside the pools.
+    pub fn set_page_lists(
+        &mut self,
+        gpu: &Gpu,
+        page_tables: &[Vec<Vec<PageRef>>],
+    ) -> Result<(), CudaError> {
+        for (sequence, heads) in page_tables.iter().enumerate() {
+            if heads.len() != self.kv_heads {
+                return Err(CudaError::Shape(format!(
+                    "sequence {sequence} has page tables for {} kv heads, not {}",
+                    heads.len(),
+                    self.kv_heads
+                )));
+            }
+            for page in heads.iter().flatten() {
+                let inside = (self.pool_pages.get(page.tier as usize))
+                    .is_some_and(|&pages| (page.page as usize) < pages);
+                if !inside {
+                    return Err(CudaError::Shape(format!(
+                        "sequence {sequence} refers to page {} of tier {}, outside its pool",
+                        page.page, page.tier
+                    )));
+                }
+            }
+        }
+        let stream = &gpu.stream;
+        let mut bytes_per_step = 0u64;
+        for t in 0..self.pools.len() {
+            let upload = |what: &'static str| move || format!("uploading tier {t} {what}");
+            let (offsets, mut ids) = abi::page_lists(page_tables, t as u32);
+            self.row_pages_max[t] = offsets.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(0);
+            bytes_per_step += ids.len() as u64 * u64::from(self.page_bytes[t]) + self.table_bytes[t];
             if ids.is_empty() {
                 ids.push(0);
             }
-            page_ids.push(stream.clone_htod(&ids).during(upload("page ids"))?);
-            let mut table_buffer = kernel.tables.fill(tier.tables);
-            bytes_per_step += table_buffer.len() as u64 * 4;
-            table_buffer.resize(table_buffer.len().max(4), 0.0);
-            tables.push(stream.clone_htod(&table_buffer).during(upload("tables"))?);
+            for (lists, host) in [(&mut self.page_offsets, offsets), (&mut self.page_ids, ids)] {
+                match lists.get_mut(t) {
+                    Some(buffer) if buffer.len() >= host.len() => {
+                        let mut part = buffer.slice_mut(0..host.len());
+                        stream.memcpy_htod(&host, &mut part).during(upload("page lists"))?;
+                    }
+                    _ => {
+                        // Room to grow: a live cache's lists lengthen a page at a time.
+                        let mut room = host.clone();
+                        room.resize(host.len() + host.len() / 2 + 64, 0);
+                        let buffer = stream.clone_htod(&room).during(upload("page lists"))?;
+                        if t < lists.len() {
+                            lists[t] = buffer;
+                        } else {
+                            lists.push(buffer);
+                        }
+                    }
+                }
+            }
         }
-        static UPLOADS: AtomicU64 = AtomicU64::new(0);
-        Ok(DeviceCache {
-            id: UPLOADS.fetch_add(1, Ordering::Relaxed),
-            sequences: view.page_tables.len(),
-            kv_heads: view.kv_heads,
-            pools,
-            page_offsets,
-            page_ids,
-            tables,
-            pool_pages,
-            row_pages_max,
-            bytes_per_step,
-        })
+        self.sequences = page_tables.len();
+        self.bytes_per_step = bytes_per_step;
+        self.generation += 1;
+        Ok(())
     }
+
+    /// Tier `tier`'s pool.
+    pub(crate) fn pool(&self, tier: usize) -> &CudaSlice<u8> {
+        &self.pools[tier]
+    }
+
+    pub(crate) fn pool_mut(&mut self, tier: usize) -> &mut CudaSlice<u8> {
+        &mut self.pools[tier]
+    }
+
+    /// What a page encoder reads and writes: the `source` tier's pool, the
+    /// `target` tier's pool and the target's tables (`abi::TableBuffer`).
+    pub(crate) fn encode_buffers(
+        &mut self,
+        source: usize,
+        target: usize,
+    ) -> (&CudaSlice<u8>, &mut CudaSlice<u8>, &CudaSlice<f32>) {
+        assert_ne!(source, target, "a tier is not encoded into itself");
+        let (low, high) = self.pools.split_at_mut(source.max(target));
+        let (source_pool, target_pool) = if source < target {
+            (&low[source], &mut high[0])
+        } else {
+            (&high[0], &mut low[target])
+        };
+        (source_pool, target_pool, &self.tables[target])
+    }
+}
+
+/// Refuses pages of another size than the kernels were generated for.
+fn check_page_items(kernels: &FormatKernels, pages: u32) -> Result<(), CudaError> {
+    let kernel_pages = kernels.format.spec().page.items;
+    if pages != kernel_pages {
+        return Err(crate::tune::TuneError::PageSize {
+            tuned: kernel_pages,
+            pages,
+        }
+        .into());
+    }
+    Ok(())
 }
 
 fn abi_alignment() -> usize {
@@ -109,9 +255,13 @@ fn abi_alignment() -> usize {
 
 /// Query, partial and output buffers of decode steps over one `DeviceCache`.
 pub struct DeviceDecode {
-    /// The cache this step was prepared for (`DeviceCache::id`).
+    /// The cache this step was prepared for (`DeviceCache::id`), and the
+    /// generation of its page lists the splits were planned for.
     cache: u64,
+    generation: u64,
     pub q_heads: usize,
+    /// Splits asked for per tier (`None`: the kernels' own, else one wave).
+    requested: Option<Vec<u32>>,
     /// Splits per tier (0: tier not launched).
     pub splits: Vec<u32>,
     slot_bases: Vec<u32>,
@@ -119,6 +269,7 @@ pub struct DeviceDecode {
     queries: CudaSlice<f32>,
     partials: CudaSlice<f32>,
     output: CudaSlice<f32>,
+    lse: CudaSlice<f32>,
     /// Per tier: the tensor maps of its kernel's tensor-copied streams over
     /// the cache's pool (`abi::TensorMap`: they hold the kernel's tile), and
     /// what they were encoded for, which a launch's kernels must match.
@@ -154,20 +305,67 @@ impl DeviceDecode {
                 k.max_query_group
             )));
         }
-        let rows = (cache.sequences * kv_heads).max(1) as u32;
-        let splits: Vec<u32> = match splits {
-            Some(s) if s.len() == kernels.decode.len() => s
+        if let Some(s) = splits.as_ref().filter(|s| s.len() != kernels.decode.len()) {
+            return Err(CudaError::Shape(format!(
+                "{} split counts for {} tiers",
+                s.len(),
+                kernels.decode.len()
+            )));
+        }
+        let mut tensor_maps = Vec::new();
+        for (t, (_, kernel)) in kernels.decode.iter().enumerate() {
+            let encoded = super::tensor_map::encode(
+                &gpu.stream,
+                &cache.pools[t],
+                cache.pool_pages[t].max(1),
+                &kernel.tensor_maps,
+            )
+            .during(|| format!("encoding the tensor maps of {}", kernel.name))?;
+            let buffer = gpu.stream.clone_htod(&encoded);
+            tensor_maps.push(buffer.during(|| "uploading tensor maps".into())?);
+        }
+        let mapped = (kernels.decode.iter())
+            .map(|(_, k)| k.tensor_maps.clone())
+            .collect();
+        let alloc = |what: &'static str| {
+            (gpu.stream.alloc_zeros::<f32>(4)).during(|| format!("allocating {what}"))
+        };
+        let mut decode = DeviceDecode {
+            cache: cache.id,
+            generation: u64::MAX,
+            q_heads,
+            requested: splits,
+            splits: Vec::new(),
+            slot_bases: Vec::new(),
+            slot_count: 0,
+            queries: alloc("queries")?,
+            partials: alloc("partials")?,
+            output: alloc("the output")?,
+            lse: alloc("the log-sum-exp")?,
+            tensor_maps,
+            mapped,
+        };
+        decode.replan(gpu, kernels, cache)?;
+        Ok(decode)
+    }
+
+    /// Plans the splits for the cache's current page lists and grows the
+    /// buffers to its sequences; a step launches only once planned for the
+    /// cache's generation.
+    pub fn replan(
+        &mut self,
+        gpu: &Gpu,
+        kernels: &FormatKernels,
+        cache: &DeviceCache,
+    ) -> Result<(), CudaError> {
+        self.check_cache(cache)?;
+        let rows = (cache.sequences * cache.kv_heads).max(1) as u32;
+        let splits: Vec<u32> = match &self.requested {
+            Some(s) => s
                 .iter()
                 .zip(&cache.row_pages_max)
                 .map(|(&s, &max)| if max == 0 { 0 } else { s.clamp(1, max) })
                 .collect(),
-            Some(s) => {
-                return Err(CudaError::Shape(format!(
-                    "{} split counts for {} tiers",
-                    s.len(),
-                    kernels.decode.len()
-                )))
-            }
             // One full wave: as many CTAs as the GPU holds at once (occupancy
             // from the kernel's registers and shared memory). A partial second
             // wave (e.g. 576 CTAs on 396 slots) leaves SMs idle for its whole
@@ -202,45 +400,27 @@ impl DeviceDecode {
             }
         };
         let (slot_bases, slot_count) = abi::slot_bases(&splits);
-        let mut tensor_maps = Vec::new();
-        for (t, (_, kernel)) in kernels.decode.iter().enumerate() {
-            let encoded = super::tensor_map::encode(
-                &gpu.stream,
-                &cache.pools[t],
-                cache.pool_pages[t].max(1),
-                &kernel.tensor_maps,
-            )
-            .during(|| format!("encoding the tensor maps of {}", kernel.name))?;
-            let buffer = gpu.stream.clone_htod(&encoded);
-            tensor_maps.push(buffer.during(|| "uploading tensor maps".into())?);
-        }
-        let mapped = (kernels.decode.iter())
-            .map(|(_, k)| k.tensor_maps.clone())
-            .collect();
         let layout = kernels.merge.1.partials;
-        let rows_out = cache.sequences * q_heads;
+        let rows_out = cache.sequences * self.q_heads;
         let d = kernels.format.head_dim() as usize;
         let stream = &gpu.stream;
-        let alloc = |len: usize, what: &'static str| {
-            stream
-                .alloc_zeros::<f32>(len.max(4))
-                .during(|| format!("allocating {what}"))
+        let grow = |buffer: &mut CudaSlice<f32>, len: usize, what: &'static str| {
+            if buffer.len() < len {
+                *buffer = (stream.alloc_zeros::<f32>(len))
+                    .during(|| format!("allocating {what}"))?;
+            }
+            Ok::<(), CudaError>(())
         };
-        Ok(DeviceDecode {
-            cache: cache.id,
-            q_heads,
-            splits,
-            slot_bases,
-            slot_count,
-            queries: alloc(rows_out * d, "queries")?,
-            partials: alloc(
-                layout.len(cache.sequences, q_heads, slot_count as usize),
-                "partials",
-            )?,
-            output: alloc(rows_out * d, "the output")?,
-            tensor_maps,
-            mapped,
-        })
+        grow(&mut self.queries, rows_out * d, "queries")?;
+        let records = layout.len(cache.sequences, self.q_heads, slot_count as usize);
+        grow(&mut self.partials, records, "partials")?;
+        grow(&mut self.output, rows_out * d, "the output")?;
+        grow(&mut self.lse, rows_out, "the log-sum-exp")?;
+        self.splits = splits;
+        self.slot_bases = slot_bases;
+        self.slot_count = slot_count;
+        self.generation = cache.generation;
+        Ok(())
     }
 
     /// Refuses a cache other than the one the step was prepared for: its
@@ -250,6 +430,22 @@ impl DeviceDecode {
             true => Ok(()),
             false => Err(CudaError::Shape(
                 "the decode step was prepared for another device cache".into(),
+            )),
+        }
+    }
+
+    /// Whether the splits were planned for the cache's current page lists.
+    pub fn planned_for(&self, cache: &DeviceCache) -> bool {
+        self.cache == cache.id && self.generation == cache.generation
+    }
+
+    /// [`check_cache`](Self::check_cache), and planned for its page lists.
+    fn check_planned(&self, cache: &DeviceCache) -> Result<(), CudaError> {
+        self.check_cache(cache)?;
+        match cache.generation == self.generation {
+            true => Ok(()),
+            false => Err(CudaError::Shape(
+                "the device cache's page lists changed since the decode step was planned".into(),
             )),
         }
     }
@@ -269,14 +465,15 @@ impl DeviceDecode {
             self.q_heads,
             cache.kv_heads,
         )?;
+        let mut part = self.queries.slice_mut(0..queries.len());
         gpu.stream
-            .memcpy_htod(queries, &mut self.queries)
+            .memcpy_htod(queries, &mut part)
             .during(|| "uploading queries".into())
     }
 
     /// Fills output and partials with NaN, so an element no kernel writes shows.
     pub fn poison(&mut self, gpu: &Gpu) -> Result<(), CudaError> {
-        for buffer in [&mut self.output, &mut self.partials] {
+        for buffer in [&mut self.output, &mut self.partials, &mut self.lse] {
             let nan = vec![f32::NAN; buffer.len()];
             gpu.stream
                 .memcpy_htod(&nan, buffer)
@@ -292,7 +489,7 @@ impl DeviceDecode {
         kernels: &FormatKernels,
         cache: &DeviceCache,
     ) -> Result<(), CudaError> {
-        self.check_cache(cache)?;
+        self.check_planned(cache)?;
         let scale = 1.0 / (kernels.format.head_dim() as f32).sqrt();
         let (q_heads, kv_heads, sequences) = (
             self.q_heads as u32,
@@ -357,11 +554,13 @@ impl DeviceDecode {
         stream.context().bind_to_thread()?;
         let (partials, _reading) = self.partials.device_ptr(stream);
         let (output, _writing) = self.output.device_ptr_mut(stream);
+        let (lse, _writing_lse) = self.lse.device_ptr_mut(stream);
         let (q_heads, slot_count) = (self.q_heads as u32, self.slot_count);
-        // abi::MERGE_PARAMS in order: two pointers, two u32.
-        let mut params: [*mut c_void; 4] = [
+        // abi::MERGE_PARAMS in order: three pointers, two u32.
+        let mut params: [*mut c_void; 5] = [
             (&partials as *const sys::CUdeviceptr).cast_mut().cast(),
             (&output as *const sys::CUdeviceptr).cast_mut().cast(),
+            (&lse as *const sys::CUdeviceptr).cast_mut().cast(),
             (&q_heads as *const u32).cast_mut().cast(),
             (&slot_count as *const u32).cast_mut().cast(),
         ];
@@ -407,16 +606,35 @@ impl DeviceDecode {
         head_dim: usize,
     ) -> Result<Vec<f32>, CudaError> {
         self.check_cache(cache)?;
-        let mut out = gpu
-            .stream
-            .clone_dtoh(&self.output)
-            .during(|| "downloading the output".into())?;
-        out.truncate(cache.sequences * self.q_heads * head_dim);
-        Ok(out)
+        let len = cache.sequences * self.q_heads * head_dim;
+        download(gpu, &self.output, len, "the output")
+    }
+
+    /// Waits for the step and downloads the `[sequence][q_head]` log-sum-exp
+    /// of every row's scaled logits.
+    pub fn lse(&self, gpu: &Gpu, cache: &DeviceCache) -> Result<Vec<f32>, CudaError> {
+        self.check_cache(cache)?;
+        download(gpu, &self.lse, cache.sequences * self.q_heads, "the log-sum-exp")
     }
 }
 
-fn config(launch: abi::Launch) -> LaunchConfig {
+/// The first `len` values of `buffer`, after the stream's work so far.
+fn download(
+    gpu: &Gpu,
+    buffer: &CudaSlice<f32>,
+    len: usize,
+    what: &'static str,
+) -> Result<Vec<f32>, CudaError> {
+    let mut out = vec![0.0f32; len];
+    if len > 0 {
+        let part = buffer.slice(0..len);
+        (gpu.stream.memcpy_dtoh(&part, &mut out)).during(|| format!("downloading {what}"))?;
+        gpu.stream.synchronize().during(|| format!("downloading {what}"))?;
+    }
+    Ok(out)
+}
+
+pub(crate) fn config(launch: abi::Launch) -> LaunchConfig {
     LaunchConfig {
         grid_dim: (launch.grid[0], launch.grid[1], launch.grid[2]),
         block_dim: (launch.block[0], launch.block[1], launch.block[2]),

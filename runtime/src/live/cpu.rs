@@ -3,6 +3,7 @@
 
 use kvcc_compiler::back::interp::{merge, Interpreter, Options, Softmax};
 use kvcc_compiler::page::PageRef;
+use kvcc_compiler::spec::ExactDtype;
 use kvcc_compiler::Format;
 
 use super::exact::{round, ExactPartial, ExactRows};
@@ -105,34 +106,7 @@ impl LiveCache {
         prompts: &[SequenceKv],
         train: &TrainOptions,
     ) -> Result<(LiveCache, Vec<usize>), LiveError> {
-        let d = format.head_dim() as usize;
-        let kv_heads = options.kv_heads;
-        let mut blocks = Vec::with_capacity(prompts.len());
-        for prompt in prompts {
-            blocks.push(check_kv(format, kv_heads, prompt.keys, prompt.values)?);
-        }
-        if blocks.iter().sum::<usize>() == 0 {
-            return Err(LiveError::NoTrainingData);
-        }
-        // [kv_head][every prompt's tokens][head_dim], what `cache::train` takes.
-        let joined = |pick: for<'s> fn(&SequenceKv<'s>) -> &'s [f32]| -> Vec<f32> {
-            (0..kv_heads)
-                .flat_map(|h| {
-                    prompts.iter().zip(&blocks).flat_map(move |(p, &tokens)| {
-                        pick(p)[h * tokens * d..(h + 1) * tokens * d]
-                            .iter()
-                            .copied()
-                    })
-                })
-                .collect()
-        };
-        let tables = cache::train(
-            format,
-            &joined(|p| p.keys),
-            &joined(|p| p.values),
-            kv_heads,
-            train,
-        )?;
+        let tables = train_tables(format, options.kv_heads, prompts, train)?;
         let mut live = LiveCache::new(format, options, tables)?;
         let indices = live.prefill(prompts)?;
         Ok((live, indices))
@@ -196,7 +170,7 @@ impl LiveCache {
         let d = format.head_dim() as usize;
         let kv_heads = self.pages.kv_heads();
         let new = check_kv(format, kv_heads, keys, values)?;
-        self.check_exact(keys, values)?;
+        check_exact(self.policy.exact, keys, values)?;
         let exact = self.policy.exact;
         let empty = || vec![ExactRows::default(); kv_heads];
         let (tokens, mut sinks, mut tail) = match base {
@@ -252,7 +226,7 @@ impl LiveCache {
                 tier: self.pages.format().layout(tier).name.clone(),
                 needed,
                 available,
-                capacity: self.pool.capacity(),
+                capacity: self.pool.capacity(tier),
             });
         }
         let kv_heads = self.pages.kv_heads();
@@ -284,9 +258,45 @@ impl LiveCache {
     }
 }
 
+/// Trains every tier's tables on the prompts' keys and values together.
+pub(crate) fn train_tables(
+    format: &Format,
+    kv_heads: usize,
+    prompts: &[SequenceKv],
+    train: &TrainOptions,
+) -> Result<Tables, LiveError> {
+    let d = format.head_dim() as usize;
+    let mut blocks = Vec::with_capacity(prompts.len());
+    for prompt in prompts {
+        blocks.push(check_kv(format, kv_heads, prompt.keys, prompt.values)?);
+    }
+    if blocks.iter().sum::<usize>() == 0 {
+        return Err(LiveError::NoTrainingData);
+    }
+    // [kv_head][every prompt's tokens][head_dim], what `cache::train` takes.
+    let joined = |pick: for<'s> fn(&SequenceKv<'s>) -> &'s [f32]| -> Vec<f32> {
+        (0..kv_heads)
+            .flat_map(|h| {
+                prompts.iter().zip(&blocks).flat_map(move |(p, &tokens)| {
+                    pick(p)[h * tokens * d..(h + 1) * tokens * d]
+                        .iter()
+                        .copied()
+                })
+            })
+            .collect()
+    };
+    Ok(cache::train(
+        format,
+        &joined(|p| p.keys),
+        &joined(|p| p.values),
+        kv_heads,
+        train,
+    )?)
+}
+
 /// Checks a `[kv_head][token][head_dim]` pair of blocks (same token count,
-/// finite, representable as exact rows); returns its token count.
-fn check_kv(
+/// finite); returns its token count.
+pub(crate) fn check_kv(
     format: &Format,
     kv_heads: usize,
     keys: &[f32],
@@ -462,20 +472,20 @@ impl LiveCache {
         Ok((out, logits))
     }
 
-    /// Rejects finite inputs the exact dtype cannot hold (f16 overflows past 65504).
-    fn check_exact(&self, keys: &[f32], values: &[f32]) -> Result<(), LiveError> {
-        let exact = self.policy.exact;
-        for (what, data) in [("keys", keys), ("values", values)] {
-            if let Some(&value) = data.iter().find(|&&x| !round(exact, x).is_finite()) {
-                return Err(LiveError::ExactRange {
-                    what,
-                    value,
-                    dtype: exact.name(),
-                });
-            }
+}
+
+/// Rejects finite inputs the exact dtype cannot hold (f16 overflows past 65504).
+pub(crate) fn check_exact(exact: ExactDtype, keys: &[f32], values: &[f32]) -> Result<(), LiveError> {
+    for (what, data) in [("keys", keys), ("values", values)] {
+        if let Some(&value) = data.iter().find(|&&x| !round(exact, x).is_finite()) {
+            return Err(LiveError::ExactRange {
+                what,
+                value,
+                dtype: exact.name(),
+            });
         }
-        Ok(())
     }
+    Ok(())
 }
 
 /// `ln Σ exp(x)`, computed in f64; `None` for no values.

@@ -10,6 +10,7 @@
 
 mod cpu;
 pub mod exact;
+pub mod exact_tier;
 pub mod policy;
 mod pool;
 
@@ -19,7 +20,9 @@ use kvcc_compiler::Format;
 use crate::encode::EncodeError;
 use crate::exec::ExecError;
 
+pub(crate) use cpu::{check_exact, check_kv, train_tables};
 pub use cpu::{LiveCache, LiveOptions, LiveState, SequenceState};
+pub use exact_tier::{serving_format, ServingFormat};
 pub use policy::{CachePolicy, Split};
 pub use pool::PagePool;
 
@@ -74,6 +77,8 @@ pub enum LiveError {
     },
     #[error("no prompt token to train the tables on")]
     NoTrainingData,
+    #[error("{0}")]
+    Device(String),
     #[error("the policy's tier {tier} does not exist; the format has {tiers} tiers")]
     PolicyTier { tier: usize, tiers: usize },
 }

@@ -6,8 +6,8 @@ use kvcc_compiler::page::PageRef;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PagePool {
-    /// Slots each tier may hold.
-    capacity: usize,
+    /// Per tier: slots it may hold.
+    capacity: Vec<usize>,
     /// Per tier: slots handed out so far (the pool's extent).
     extent: Vec<usize>,
     /// Per tier: released slots below the extent, reused last-in first-out.
@@ -15,21 +15,28 @@ pub struct PagePool {
 }
 
 impl PagePool {
+    /// `capacity` slots for each of `tiers` tiers.
     pub fn new(tiers: usize, capacity: usize) -> PagePool {
+        PagePool::with_capacities(vec![capacity; tiers])
+    }
+
+    /// `capacities[t]` slots for tier `t`.
+    pub fn with_capacities(capacities: Vec<usize>) -> PagePool {
+        let tiers = capacities.len();
         PagePool {
-            capacity,
+            capacity: capacities,
             extent: vec![0; tiers],
             free: vec![Vec::new(); tiers],
         }
     }
 
-    pub fn capacity(&self) -> usize {
-        self.capacity
+    pub fn capacity(&self, tier: usize) -> usize {
+        self.capacity[tier]
     }
 
     /// Slots of `tier` that can still be handed out.
     pub fn available(&self, tier: usize) -> usize {
-        self.free[tier].len() + self.capacity - self.extent[tier]
+        self.free[tier].len() + self.capacity[tier] - self.extent[tier]
     }
 
     /// Pages of `tier` in use.
@@ -40,7 +47,7 @@ impl PagePool {
     /// A slot of `tier`; the caller has checked [`available`](Self::available).
     pub fn allocate(&mut self, tier: usize) -> PageRef {
         let page = self.free[tier].pop().unwrap_or_else(|| {
-            assert!(self.extent[tier] < self.capacity, "page pool overcommitted");
+            assert!(self.extent[tier] < self.capacity[tier], "page pool overcommitted");
             self.extent[tier] += 1;
             (self.extent[tier] - 1) as u32
         });

@@ -123,7 +123,7 @@ pub const DECODE_PARAMS: [Param; 13] = [
 ];
 
 /// Parameters of the merge kernel, in order; [`MergeArgs`] holds values for them.
-pub const MERGE_PARAMS: [Param; 4] = [
+pub const MERGE_PARAMS: [Param; 5] = [
     param(
         "partials",
         ParamType::Pointer,
@@ -134,6 +134,11 @@ pub const MERGE_PARAMS: [Param; 4] = [
         ParamType::Pointer,
         "f32[sequences][q_heads][head_dim]: the attention output",
     ),
+    param(
+        "lse",
+        ParamType::Pointer,
+        "f32[sequences][q_heads]: ln of the sum of exp of every scaled logit of the row (-inf when the row saw no item)",
+    ),
     param("q_heads", ParamType::U32, "query heads per sequence"),
     param(
         "slot_count",
@@ -141,6 +146,55 @@ pub const MERGE_PARAMS: [Param; 4] = [
         "partial slots per (sequence, query head)",
     ),
 ];
+
+/// Parameters of a live cache's append kernel (`append`), in order.
+pub const APPEND_PARAMS: [Param; 7] = [
+    param(
+        "pool",
+        ParamType::Pointer,
+        "the exact tier's page pool: pages of `page_bytes` bytes back to back",
+    ),
+    param(
+        "keys",
+        ParamType::Pointer,
+        "f32[source rows][head_dim]: new keys, one row per (token, kv head)",
+    ),
+    param("values", ParamType::Pointer, "f32[source rows][head_dim]: the new values"),
+    param(
+        "rows",
+        ParamType::Pointer,
+        "u32[row_count][2]: (source row, page * items_per_page + item) - row r copies that key and value row into that item of the exact pool",
+    ),
+    param("row_count", ParamType::U32, "rows to write (CTAs 0..row_count)"),
+    param(
+        "headers",
+        ParamType::Pointer,
+        "u32[header_count][2]: (page, count) pairs; each page's header is rewritten with the exact tier, count and zero flags",
+    ),
+    param(
+        "header_count",
+        ParamType::U32,
+        "header updates (CTAs 0..header_count); a page appears once",
+    ),
+];
+
+/// A live cache's append kernel: grid `max(rows, header_count)` CTAs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AppendKernel {
+    pub name: String,
+    pub threads: u32,
+}
+
+impl AppendKernel {
+    /// The grid for `rows` rows and `header_count` header updates.
+    pub fn launch(&self, rows: u32, header_count: u32) -> Launch {
+        Launch {
+            grid: [rows.max(header_count).max(1), 1, 1],
+            block: [self.threads, 1, 1],
+            shared_bytes: 0,
+        }
+    }
+}
 
 /// Argument values of a decode launch, field order = [`DECODE_PARAMS`] order.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -165,6 +219,7 @@ pub struct DecodeArgs {
 pub struct MergeArgs {
     pub partials: u64,
     pub output: u64,
+    pub lse: u64,
     pub q_heads: u32,
     pub slot_count: u32,
 }

@@ -77,6 +77,7 @@ pub fn merge(head_dim: u32, threads: u32, name: &str, dependent: bool) -> String
     };
     let partials = k.param::<U64>(take(ParamType::Pointer));
     let output = k.param::<U64>(take(ParamType::Pointer));
+    let lse = k.param::<U64>(take(ParamType::Pointer));
     let q_heads = k.param::<U32>(take(ParamType::U32));
     let slot_count = k.param::<U32>(take(ParamType::U32));
 
@@ -86,6 +87,7 @@ pub fn merge(head_dim: u32, threads: u32, name: &str, dependent: bool) -> String
     let sequence = k.ctaid(Axis::Y);
     let partials = k.ld_pointer(&partials);
     let output = k.ld_pointer(&output);
+    let lse = k.ld_pointer(&lse);
     let q_heads = k.ld_param(&q_heads);
     let slots = k.ld_param(&slot_count);
     let row = k.mad_lo(sequence, q_heads, q_head);
@@ -147,6 +149,13 @@ pub fn merge(head_dim: u32, threads: u32, name: &str, dependent: bool) -> String
     k.add_to(s, s, SLOTS_IN_FLIGHT);
     k.bra(top);
     k.place(end);
+    k.comment("lse = M + ln(total): -inf when no partial saw an item (ln 0 = -inf)");
+    let first_thread = k.setp(Cmp::Eq, tid, 0u32);
+    let log2_total = k.lg2(total);
+    let ln_total = k.mul(log2_total, std::f32::consts::LN_2);
+    let row_lse = k.add(best, ln_total);
+    let lse_at = Global::at(k.global_index(lse, row, 4));
+    k.guarded(first_thread, true, |k| k.st_global(lse_at, row_lse));
     k.comment("out = acc / total; zeros when no partial saw an item");
     let any = k.setp(Cmp::Gt, total, 0.0f32);
     for &o in &acc {

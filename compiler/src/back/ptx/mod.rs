@@ -16,6 +16,7 @@
 //! - `merge`: the log-sum-exp merge kernel.
 
 pub mod abi;
+mod append;
 pub mod builder;
 mod expr;
 mod kernel;
@@ -24,6 +25,8 @@ mod merge;
 mod plan;
 mod streams;
 mod tensor_cores;
+
+pub use append::{ExactRows, NotExact};
 
 use crate::valid::ValidModule;
 use crate::Format;
@@ -285,6 +288,20 @@ pub fn write_tier(
         ptx,
         kernel: plan.decode_kernel(name, m),
     })
+}
+
+/// The append module of a live cache whose exact rows are `layout`'s pages
+/// (a dense f16 or bf16 tier, see [`ExactRows::of`]).
+pub fn write_append(
+    format_name: &str,
+    layout: &crate::layout::TierLayout,
+    target: Target,
+) -> Result<(String, abi::AppendKernel), NotExact> {
+    let rows = ExactRows::of(layout)?;
+    let name = format!("kvcc_{}_append", identifier(format_name));
+    let (entry, kernel) = append::append(&rows, &name);
+    let ptx = builder::module(PTX_VERSION, target.name(), abi::SHARED_SYMBOL, &[entry]);
+    Ok((ptx, kernel))
 }
 
 /// A spec name as a PTX identifier (`-` is not allowed there).

@@ -1,7 +1,7 @@
 //! Loads and stores in shared and global memory, `cp.async` copies, and the
 //! bulk copies and mbarriers of sm_90.
 
-use super::{Bits32, Evict, Global, Kernel, Op, Pred, Reg, Shared, Type, U32, U64};
+use super::{Bits32, Evict, Global, Kernel, Op, Pred, Reg, Shared, Type, B16, U32, U64};
 
 impl Kernel {
     // ---- memory -------------------------------------------------------------
@@ -94,6 +94,10 @@ impl Kernel {
     pub fn st_global<T: Bits32>(&mut self, at: Global, value: impl Into<Op<T>>) {
         let value = value.into();
         self.line(format_args!("st.global.{} {at}, {value}", T::SUFFIX));
+    }
+    /// A 16-bit store (2-byte aligned).
+    pub fn st_global_b16(&mut self, at: Global, value: Reg<B16>) {
+        self.line(format_args!("st.global.b16 {at}, {value}"));
     }
     /// Asynchronous 16-byte copy global -> shared (sm_80+), bypassing L1; both
     /// addresses 16-byte aligned. Completes with [`cp_async_wait`](Self::cp_async_wait).

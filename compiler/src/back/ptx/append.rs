@@ -1,0 +1,176 @@
+//! The append kernel of a live cache: new K/V rows (f32) rounded into the
+//! item slots of exact pages (a dense f16 or bf16 tier), and the headers of the
+//! pages they fill rewritten. The runtime picks every row's slot and every
+//! header's count; the kernel only moves and rounds (`cvt.rn`, ties to even,
+//! as the CPU's exact rows round).
+
+use super::abi::{AppendKernel, ParamType, APPEND_PARAMS, SHARED_SYMBOL};
+use super::builder::{Axis, Cmp, Global, Kernel, U32, U64};
+use crate::layout::{FieldLayout, Side, SlotRole, TierLayout};
+use crate::spec::DenseDtype;
+
+/// Why a tier cannot hold a live cache's exact rows.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("tier `{tier}` cannot hold exact rows: {why}")]
+pub struct NotExact {
+    pub tier: String,
+    pub why: &'static str,
+}
+
+/// Where the exact rows of a dense tier sit in its pages, from its layout.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ExactRows {
+    pub head_dim: u32,
+    pub items_per_page: u32,
+    pub page_bytes: u32,
+    pub tier: u32,
+    /// Per side (key, value): the stream's byte offset in a page.
+    pub stream_offset: [u32; 2],
+    /// Per side: bytes per item.
+    pub stride: [u32; 2],
+    pub dtype: DenseDtype,
+}
+
+impl ExactRows {
+    /// The rows of `layout`: both sides a single untransformed dense field of
+    /// one 16-bit dtype whose elements lie back to back from bit 0.
+    pub fn of(layout: &TierLayout) -> Result<ExactRows, NotExact> {
+        let not = |why| NotExact {
+            tier: layout.name.clone(),
+            why,
+        };
+        let mut dtype = None;
+        for side in [Side::Key, Side::Value] {
+            let codec = layout.codec(side);
+            if codec.dims != layout.head_dim {
+                return Err(not("a side is transformed"));
+            }
+            let [FieldLayout::Dense { dtype: d, .. }] = codec.fields[..] else {
+                return Err(not("a side is not one dense field"));
+            };
+            if d == DenseDtype::F32 || dtype.is_some_and(|o| o != d) {
+                return Err(not("exact rows are f16 or bf16, the same on both sides"));
+            }
+            dtype = Some(d);
+            let slot = codec.slots.iter().find(|s| s.role == SlotRole::DenseValue);
+            let packed = slot.is_some_and(|s| {
+                s.elements()
+                    .enumerate()
+                    .all(|(c, (at, width))| width == 16 && at == 16 * c as u32)
+            });
+            if !packed {
+                return Err(not("its elements are not packed 16-bit values"));
+            }
+        }
+        Ok(ExactRows {
+            head_dim: layout.head_dim,
+            items_per_page: layout.items_per_page,
+            page_bytes: layout.page_bytes,
+            tier: layout.index,
+            stream_offset: [
+                layout.stream_offset(Side::Key),
+                layout.stream_offset(Side::Value),
+            ],
+            stride: [
+                layout.codec(Side::Key).stride,
+                layout.codec(Side::Value).stride,
+            ],
+            dtype: dtype.expect("two sides checked"),
+        })
+    }
+}
+
+/// Threads per CTA: one warp per 32 channels, at most four warps.
+fn threads(head_dim: u32) -> u32 {
+    head_dim.div_ceil(32).clamp(1, 4) * 32
+}
+
+/// The append kernel (one CTA per row, and per header update) and its launch facts.
+pub fn append(rows: &ExactRows, name: &str) -> (String, AppendKernel) {
+    let threads = threads(rows.head_dim);
+    let mut k = Kernel::new(name, threads, SHARED_SYMBOL);
+    let mut params = APPEND_PARAMS.iter();
+    let mut take = |ty: ParamType| {
+        let p = params.next().expect("APPEND_PARAMS lists every parameter");
+        assert_eq!(p.ty, ty, "parameter {}", p.name);
+        p.name
+    };
+    let pool = k.param::<U64>(take(ParamType::Pointer));
+    let keys = k.param::<U64>(take(ParamType::Pointer));
+    let values = k.param::<U64>(take(ParamType::Pointer));
+    let row_list = k.param::<U64>(take(ParamType::Pointer));
+    let row_count = k.param::<U32>(take(ParamType::U32));
+    let headers = k.param::<U64>(take(ParamType::Pointer));
+    let header_count = k.param::<U32>(take(ParamType::U32));
+
+    let d = rows.head_dim;
+    let tid = k.tid_x();
+    let cta = k.ctaid(Axis::X);
+    let pool = k.ld_pointer(&pool);
+    let row_count = k.ld_param(&row_count);
+    let header_count = k.ld_param(&header_count);
+
+    let (skip_rows, headers_part) = (k.label(), k.label());
+    let past = k.setp(Cmp::Ge, cta, row_count);
+    k.bra_if(past, true, skip_rows);
+    k.comment("row cta: source row -> item (page * items + item) of the exact pool");
+    let row_list = k.ld_pointer(&row_list);
+    let pair = k.mul(cta, 2u32);
+    let pair_at = Global::at(k.global_index(row_list, pair, 4));
+    let source_index = k.ld_global_nc::<U32>(pair_at);
+    let slot = k.ld_global_nc::<U32>(pair_at.plus(4));
+    let page = k.div_u32(slot, rows.items_per_page);
+    let item = k.rem_u32(slot, rows.items_per_page);
+    let page_base = k.global_index(pool, page, rows.page_bytes);
+    for (side, source) in [keys, values].iter().enumerate() {
+        let source = k.ld_pointer(source);
+        let first = k.mul(source_index, d);
+        let source_row = k.global_index(source, first, 4);
+        let stream = Global::at(page_base).plus(i64::from(rows.stream_offset[side]));
+        let item_base = k.global_index(stream.base, item, rows.stride[side]);
+        let item_at = Global::at(item_base).plus(stream.offset);
+        for c0 in (0..d).step_by(threads as usize) {
+            let c = k.add(tid, c0);
+            let inside = k.setp(Cmp::Lt, c, d);
+            let from = Global::at(k.global_index(source_row, c, 4));
+            let to = k.global_index(item_at.base, c, 2);
+            let to = Global::at(to).plus(item_at.offset);
+            let dtype = rows.dtype;
+            k.guarded(inside, true, |k| {
+                let x = k.ld_global_nc(from);
+                let bits = match dtype {
+                    DenseDtype::Bf16 => k.f32_to_bf16(x),
+                    _ => k.f32_to_f16(x),
+                };
+                k.st_global_b16(to, bits);
+            });
+        }
+    }
+    k.place(skip_rows);
+    let past = k.setp(Cmp::Ge, cta, header_count);
+    k.bra_if(past, true, headers_part);
+    k.comment("header cta -> (page, count) pairs: tier, count, flags, 0");
+    let first_thread = k.setp(Cmp::Eq, tid, 0u32);
+    let headers = k.ld_pointer(&headers);
+    let pair = k.mul(cta, 2u32);
+    let entry = Global::at(k.global_index(headers, pair, 4));
+    let tier = rows.tier;
+    k.guarded(first_thread, true, |k| {
+        let page = k.ld_global_nc::<U32>(entry);
+        let count = k.ld_global_nc::<U32>(entry.plus(4));
+        let at = Global::at(k.global_index(pool, page, rows.page_bytes));
+        k.st_global(at, tier);
+        k.st_global(at.plus(4), count);
+        k.st_global(at.plus(8), 0u32);
+        k.st_global(at.plus(12), 0u32);
+    });
+    k.place(headers_part);
+    k.ret();
+    (
+        k.finish(),
+        AppendKernel {
+            name: name.to_string(),
+            threads,
+        },
+    )
+}

@@ -1,0 +1,670 @@
+//! The live cache on the GPU: exact sinks and tail in pages of the serving
+//! format's exact tier (`live::serving_format`), whole pages compressed by
+//! the generated page encoders as they leave the window, and one decode step
+//! over every tier merged by log-sum-exp. The host keeps the bookkeeping
+//! (which page holds which tokens), the device every byte of K/V: pages are
+//! compressed from the exact pages in the same stream, with no round trip.
+//!
+//! An append is planned on a copy of the bookkeeping first (slots, header
+//! counts, compress jobs, capacity), so a call that fails changes nothing.
+
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::{CudaFunction, CudaModule, CudaSlice, CudaView, PushKernelArg};
+use cudarc::nvrtc::Ptx;
+use kvcc_compiler::back::ptx::{self, abi};
+use kvcc_compiler::page::PageRef;
+use kvcc_compiler::Format;
+
+use super::encode::PageEncoders;
+use super::{CudaError, DeviceCache, DeviceDecode, During, FormatKernels, Gpu};
+use crate::cache::Tables;
+use crate::encode::TrainOptions;
+use crate::live::{
+    check_exact, check_kv, serving_format, train_tables, Append, Attention, CachePolicy,
+    LiveError, LiveKv, PagePool, SequenceKv, ServingFormat,
+};
+use crate::tune::{lookup, ShapeBucket};
+
+/// How a [`DeviceLiveCache`] is shaped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceLiveOptions {
+    pub policy: CachePolicy,
+    pub kv_heads: usize,
+    /// Most sequences held at once: sizes the exact tier's pool.
+    pub max_sequences: usize,
+    /// Page slots of every compressed tier's pool (each kv head's page takes one).
+    pub pages_per_tier: usize,
+    /// The context the kernels' configurations are looked up for (tune cache).
+    pub context: usize,
+    /// Query heads the decode kernels are generated for (a multiple of kv_heads).
+    pub q_heads: usize,
+}
+
+/// One sequence's pages, per kv head.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Sequence {
+    tokens: usize,
+    /// Exact pages of the first `sinks` tokens.
+    sinks: Vec<Vec<u32>>,
+    /// Exact pages of the tail: tail token `j` is item `j % items` of page
+    /// `tail[j / items]`.
+    tail: Vec<Vec<u32>>,
+    tail_tokens: usize,
+    /// Compressed pages, in token order.
+    pages: Vec<Vec<PageRef>>,
+}
+
+impl Sequence {
+    fn new(kv_heads: usize) -> Sequence {
+        Sequence {
+            tokens: 0,
+            sinks: vec![Vec::new(); kv_heads],
+            tail: vec![Vec::new(); kv_heads],
+            tail_tokens: 0,
+            pages: vec![Vec::new(); kv_heads],
+        }
+    }
+}
+
+/// The bookkeeping an append changes, copied to plan on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Books {
+    sequences: Vec<Sequence>,
+    pool: PagePool,
+}
+
+/// One batch of device work: append kernel rows and headers, then compress jobs.
+#[derive(Debug, Default)]
+struct Round {
+    /// (source row, exact item) pairs.
+    rows: Vec<[u32; 2]>,
+    /// (exact page, count) pairs.
+    headers: Vec<[u32; 2]>,
+    /// (exact page, compressed page, kv head) triples, into the policy's tier.
+    jobs: Vec<[u32; 3]>,
+}
+
+/// New tokens of one sequence whose K/V already lie on the device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceAppend {
+    pub sequence: usize,
+    pub tokens: usize,
+}
+
+pub struct DeviceLiveCache {
+    gpu: Arc<Gpu>,
+    format: Format,
+    serving: ServingFormat,
+    kernels: FormatKernels,
+    append_kernel: (CudaFunction, abi::AppendKernel),
+    encoders: PageEncoders,
+    device: DeviceCache,
+    decode: Mutex<Option<DeviceDecode>>,
+    tables: Tables,
+    policy: CachePolicy,
+    kv_heads: usize,
+    max_sequences: usize,
+    books: Books,
+    /// Staged host K/V (`[row][head_dim]` f32 keys, values; taken while
+    /// an append reads them) and the rounds' u32 lists.
+    staged: Option<[CudaSlice<f32>; 2]>,
+    lists: CudaSlice<u32>,
+    _modules: Vec<Arc<CudaModule>>,
+}
+
+impl std::fmt::Debug for DeviceLiveCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceLiveCache")
+            .field("format", &self.format.name())
+            .field("policy", &self.policy)
+            .field("kv_heads", &self.kv_heads)
+            .field("books", &self.books)
+            .finish()
+    }
+}
+
+impl DeviceLiveCache {
+    /// An empty cache on `gpu` with given `tables` (`[tier][kv_head][table]`).
+    pub fn new(
+        gpu: Arc<Gpu>,
+        format: &Format,
+        options: &DeviceLiveOptions,
+        tables: Tables,
+    ) -> Result<DeviceLiveCache, LiveError> {
+        let tiers = format.tiers().len();
+        let policy = options.policy;
+        if policy.tier >= tiers {
+            return Err(LiveError::PolicyTier {
+                tier: policy.tier,
+                tiers,
+            });
+        }
+        let kv_heads = options.kv_heads;
+        crate::cache::PagedCache::new(format, kv_heads, tables.clone())?;
+        let cuda = |e: CudaError| LiveError::Device(e.to_string());
+        let serving = serving_format(format, policy.exact).map_err(|e| {
+            LiveError::Device(format!("the serving format of {}: {e}", format.name()))
+        })?;
+        if options.q_heads == 0 || !options.q_heads.is_multiple_of(kv_heads.max(1)) {
+            return Err(LiveError::Device(format!(
+                "{} query heads is not a positive multiple of {kv_heads} kv heads",
+                options.q_heads
+            )));
+        }
+        let group = (options.q_heads / kv_heads) as u32;
+        let shape = ShapeBucket::of(options.max_sequences, options.q_heads, kv_heads, options.context);
+        let mut configs = lookup::resolve_default(&gpu.id(), &serving.format, shape).configs;
+        let items = format.spec().page.items;
+        for config in &mut configs {
+            if config.page_items != items {
+                *config = crate::tune::KernelConfig::default_for(&serving.format);
+            }
+        }
+        let kernels =
+            FormatKernels::load_configs(&gpu, &serving.format, &configs, group).map_err(cuda)?;
+        let exact_layout = serving.format.layout(serving.exact_tier);
+        let (append_ptx, append) = ptx::write_append(format.name(), exact_layout, gpu.target())
+            .map_err(|e| LiveError::Device(e.to_string()))?;
+        let module = (gpu.context.load_module(Ptx::from_src(append_ptx)))
+            .during(|| format!("loading the append kernel of {}", format.name()))
+            .map_err(cuda)?;
+        let function = (module.load_function(&append.name))
+            .during(|| format!("finding kernel {}", append.name))
+            .map_err(cuda)?;
+        let encoders = PageEncoders::load(&gpu, format, exact_layout).map_err(cuda)?;
+        let items = items as usize;
+        let exact_pages_per_row = policy.sinks.div_ceil(items) + policy.window.div_ceil(items) + 2;
+        let mut capacities = vec![options.pages_per_tier; tiers];
+        capacities.push(options.max_sequences * kv_heads * exact_pages_per_row);
+        let mut all_tables: Vec<&[Vec<Vec<f32>>]> = tables.iter().map(Vec::as_slice).collect();
+        let exact_tables = vec![Vec::new(); kv_heads];
+        all_tables.push(&exact_tables);
+        let device = DeviceCache::with_capacity(&gpu, &kernels, kv_heads, &capacities, &all_tables)
+            .map_err(cuda)?;
+        let lists = (gpu.stream.alloc_zeros::<u32>(4))
+            .during(|| "allocating append lists".into())
+            .map_err(cuda)?;
+        Ok(DeviceLiveCache {
+            format: format.clone(),
+            serving,
+            kernels,
+            append_kernel: (function, append),
+            encoders,
+            device,
+            decode: Mutex::new(None),
+            tables,
+            policy,
+            kv_heads,
+            max_sequences: options.max_sequences,
+            books: Books {
+                sequences: Vec::new(),
+                pool: PagePool::with_capacities(capacities),
+            },
+            staged: None,
+            lists,
+            _modules: vec![module],
+            gpu,
+        })
+    }
+
+    /// Trains every tier's tables on the prompts, then prefills them.
+    pub fn train(
+        gpu: Arc<Gpu>,
+        format: &Format,
+        options: &DeviceLiveOptions,
+        prompts: &[SequenceKv],
+        train: &TrainOptions,
+    ) -> Result<(DeviceLiveCache, Vec<usize>), LiveError> {
+        let tables = train_tables(format, options.kv_heads, prompts, train)?;
+        let mut live = DeviceLiveCache::new(gpu, format, options, tables)?;
+        let indices = live.prefill(prompts)?;
+        Ok((live, indices))
+    }
+
+    pub fn gpu(&self) -> &Gpu {
+        &self.gpu
+    }
+
+    pub fn tables(&self) -> &Tables {
+        &self.tables
+    }
+
+    /// The format the kernels run: the spec's tiers and the exact tier.
+    pub fn serving(&self) -> &ServingFormat {
+        &self.serving
+    }
+
+    /// Pages of every tier in use (the exact tier last).
+    pub fn pages_in_use(&self) -> Vec<usize> {
+        (0..=self.format.tiers().len())
+            .map(|t| self.books.pool.used(t))
+            .collect()
+    }
+
+    /// Bytes a decode step reads now: every referenced page and every table.
+    pub fn bytes_per_step(&self) -> u64 {
+        self.device.bytes_per_step
+    }
+
+    /// Page `page` of tier `tier` as the device holds it (tests compare it
+    /// with the CPU encoder).
+    pub fn page_bytes(&self, tier: usize, page: u32) -> Result<Vec<u8>, LiveError> {
+        let size = self.kernels.decode[tier].1.page_bytes as usize;
+        let at = page as usize * size;
+        let pool = self.device.pool(tier);
+        if at + size > pool.len() {
+            return Err(LiveError::Device(format!(
+                "page {page} is outside tier {tier}'s pool"
+            )));
+        }
+        let mut out = vec![0u8; size];
+        let stream = &self.gpu.stream;
+        (stream.memcpy_dtoh(&pool.slice(at..at + size), &mut out))
+            .and_then(|()| stream.synchronize())
+            .during(|| "downloading a page".into())
+            .map_err(|e| LiveError::Device(e.to_string()))?;
+        Ok(out)
+    }
+
+    /// Per kv head of `sequence`: its compressed pages in token order, then
+    /// its exact pages (sinks, then tail) as references into the exact tier.
+    pub fn page_table(&self, sequence: usize) -> Option<Vec<Vec<PageRef>>> {
+        let s = self.books.sequences.get(sequence)?;
+        Some(self.row_pages(s))
+    }
+
+    fn row_pages(&self, s: &Sequence) -> Vec<Vec<PageRef>> {
+        let exact = self.serving.exact_tier as u32;
+        (0..self.kv_heads)
+            .map(|h| {
+                let exact_pages = s.sinks[h].iter().chain(&s.tail[h]);
+                (s.pages[h].iter().copied())
+                    .chain(exact_pages.map(|&page| PageRef { tier: exact, page }))
+                    .collect()
+            })
+            .collect()
+    }
+
+    fn check_batch(&self, sequences: impl Iterator<Item = usize>) -> Result<(), LiveError> {
+        let mut seen = vec![false; self.books.sequences.len()];
+        for sequence in sequences {
+            let slot = seen.get_mut(sequence).ok_or(LiveError::UnknownSequence {
+                sequence,
+                sequences: self.books.sequences.len(),
+            })?;
+            if std::mem::replace(slot, true) {
+                return Err(LiveError::DuplicateSequence { sequence });
+            }
+        }
+        Ok(())
+    }
+
+    /// Appends tokens whose K/V are on the device: `keys` and `values` hold,
+    /// for each entry of `batch` in order, `[kv_head][token][head_dim]` f32.
+    pub fn append_device(
+        &mut self,
+        keys: &CudaView<f32>,
+        values: &CudaView<f32>,
+        batch: &[DeviceAppend],
+    ) -> Result<(), LiveError> {
+        self.check_batch(batch.iter().map(|a| a.sequence))?;
+        let rows: usize = batch.iter().map(|a| a.tokens * self.kv_heads).sum();
+        let d = self.format.head_dim() as usize;
+        for (what, data) in [("keys", keys), ("values", values)] {
+            if data.len() != rows * d {
+                return Err(LiveError::Device(format!(
+                    "{what} hold {} values; the batch's {rows} rows need {}",
+                    data.len(),
+                    rows * d
+                )));
+            }
+        }
+        let new: Vec<(usize, usize)> = batch.iter().map(|a| (a.sequence, a.tokens)).collect();
+        self.run_append(keys, values, &new)
+    }
+
+    /// Plans `new` (sequence, tokens) in batch order, then runs the rounds
+    /// over source rows `[entry][kv_head][token]` of `keys`/`values`.
+    fn run_append(
+        &mut self,
+        keys: &CudaView<f32>,
+        values: &CudaView<f32>,
+        new: &[(usize, usize)],
+    ) -> Result<(), LiveError> {
+        let (books, rounds) = self.plan(new)?;
+        let cuda = |e: CudaError| LiveError::Device(e.to_string());
+        let lists_len: usize = rounds
+            .iter()
+            .map(|r| 2 * r.rows.len() + 2 * r.headers.len() + 3 * r.jobs.len())
+            .sum();
+        let mut host = Vec::with_capacity(lists_len);
+        for r in &rounds {
+            host.extend(r.rows.iter().flatten());
+            host.extend(r.headers.iter().flatten());
+            host.extend(r.jobs.iter().flatten());
+        }
+        let stream = self.gpu.stream.clone();
+        if self.lists.len() < host.len() {
+            self.lists = (stream.alloc_zeros::<u32>(host.len() + host.len() / 2))
+                .during(|| "allocating append lists".into())
+                .map_err(cuda)?;
+        }
+        if !host.is_empty() {
+            let mut part = self.lists.slice_mut(0..host.len());
+            (stream.memcpy_htod(&host, &mut part))
+                .during(|| "uploading append lists".into())
+                .map_err(cuda)?;
+        }
+        let exact = self.serving.exact_tier;
+        let tier = self.policy.tier;
+        let mut at = 0usize;
+        for r in &rounds {
+            let rows = self.lists.slice(at..at + 2 * r.rows.len().max(1));
+            at += 2 * r.rows.len();
+            let headers = self.lists.slice(at..at + 2 * r.headers.len().max(1));
+            at += 2 * r.headers.len();
+            let jobs_at = at;
+            at += 3 * r.jobs.len();
+            let (function, kernel) = &self.append_kernel;
+            let launch = kernel.launch(r.rows.len() as u32, r.headers.len() as u32);
+            let (row_count, header_count) = (r.rows.len() as u32, r.headers.len() as u32);
+            if row_count + header_count > 0 {
+                let mut args = stream.launch_builder(function);
+                args.arg(self.device.pool_mut(exact))
+                    .arg(keys)
+                    .arg(values)
+                    .arg(&rows)
+                    .arg(&row_count)
+                    .arg(&headers)
+                    .arg(&header_count);
+                // SAFETY: arguments follow abi::APPEND_PARAMS in order and
+                // type; every source row and exact item was planned inside
+                // its buffer.
+                unsafe { args.launch(super::resident::config(launch)) }
+                    .during(|| format!("launching {}", kernel.name))
+                    .map_err(cuda)?;
+            }
+            if !r.jobs.is_empty() {
+                let jobs = self.lists.slice(jobs_at..jobs_at + 3 * r.jobs.len());
+                let (source, target, tables) = self.device.encode_buffers(exact, tier);
+                self.encoders
+                    .launch(&self.gpu, tier, source, target, tables, &jobs, r.jobs.len() as u32)
+                    .map_err(cuda)?;
+            }
+        }
+        let changed = books.sequences.len() != self.books.sequences.len()
+            || books
+                .sequences
+                .iter()
+                .zip(&self.books.sequences)
+                .any(|(a, b)| a.sinks != b.sinks || a.tail != b.tail || a.pages != b.pages);
+        self.books = books;
+        if changed {
+            let tables: Vec<Vec<Vec<PageRef>>> = (self.books.sequences.iter())
+                .map(|s| self.row_pages(s))
+                .collect();
+            self.device
+                .set_page_lists(&self.gpu, &tables)
+                .map_err(cuda)?;
+        }
+        Ok(())
+    }
+
+    /// Where every new row goes, on a copy of the books: the copy and the
+    /// device rounds, or the first error (nothing changed).
+    fn plan(&self, new: &[(usize, usize)]) -> Result<(Books, Vec<Round>), LiveError> {
+        let mut books = self.books.clone();
+        let items = self.format.spec().page.items as usize;
+        let (exact, tier) = (self.serving.exact_tier, self.policy.tier);
+        let kv_heads = self.kv_heads;
+        let most = new.iter().map(|&(_, n)| n).max().unwrap_or(0);
+        let mut rounds = Vec::new();
+        // Source rows: entry e's rows start after the earlier entries'.
+        let mut first_row = Vec::with_capacity(new.len());
+        let mut next = 0usize;
+        for &(sequence, tokens) in new {
+            first_row.push(next);
+            next += tokens * kv_heads;
+            while books.sequences.len() <= sequence {
+                books.sequences.push(Sequence::new(kv_heads));
+            }
+        }
+        // Rounds of at most a page of tokens per sequence: before a round
+        // the tail holds fewer than window + items tokens, so each round
+        // compresses at most one page per kv head, and exact pages freed in
+        // one round are free for the next (the stream orders them).
+        for start in (0..most).step_by(items) {
+            let mut round = Round::default();
+            let mut freed = Vec::new();
+            for (e, &(sequence, tokens)) in new.iter().enumerate() {
+                let end = tokens.min(start + items);
+                if start >= end {
+                    continue;
+                }
+                let s = &mut books.sequences[sequence];
+                let mut touched: Vec<(usize, bool)> = Vec::new();
+                for i in start..end {
+                    let t = s.tokens;
+                    let sink = t < self.policy.sinks;
+                    let (list, at) = if sink {
+                        (&mut s.sinks, t)
+                    } else {
+                        (&mut s.tail, s.tail_tokens)
+                    };
+                    let index = at / items;
+                    for (h, pages) in list.iter_mut().enumerate() {
+                        if pages.len() == index {
+                            let page = allocate(&mut books.pool, exact, &self.serving.format)?;
+                            pages.push(page);
+                        }
+                        let row = first_row[e] + h * tokens + i;
+                        let slot = pages[index] as usize * items + at % items;
+                        round.rows.push([row as u32, slot as u32]);
+                    }
+                    if touched.last() != Some(&(index, sink)) {
+                        touched.push((index, sink));
+                    }
+                    s.tokens += 1;
+                    if !sink {
+                        s.tail_tokens += 1;
+                    }
+                }
+                let sink_tokens = s.tokens.min(self.policy.sinks);
+                for (index, sink) in touched {
+                    let (list, held) = if sink {
+                        (&s.sinks, sink_tokens)
+                    } else {
+                        (&s.tail, s.tail_tokens)
+                    };
+                    let count = (held - index * items).min(items) as u32;
+                    for pages in list {
+                        round.headers.push([pages[index], count]);
+                    }
+                }
+                if s.tail_tokens >= self.policy.window + items {
+                    for h in 0..kv_heads {
+                        let source = s.tail[h].remove(0);
+                        let target = allocate(&mut books.pool, tier, &self.format)?;
+                        round.jobs.push([source, target, h as u32]);
+                        s.pages[h].push(PageRef {
+                            tier: tier as u32,
+                            page: target,
+                        });
+                        freed.push(source);
+                    }
+                    s.tail_tokens -= items;
+                }
+            }
+            for page in freed {
+                books.pool.release(PageRef {
+                    tier: exact as u32,
+                    page,
+                });
+            }
+            rounds.push(round);
+        }
+        Ok((books, rounds))
+    }
+
+    /// Checks host K/V entries (`[kv_head][token][head_dim]` each), uploads
+    /// them to the staging buffers and appends them.
+    fn append_host(&mut self, entries: &[(usize, &[f32], &[f32])]) -> Result<(), LiveError> {
+        let cuda = |e: CudaError| LiveError::Device(e.to_string());
+        let mut new = Vec::with_capacity(entries.len());
+        let mut host = [Vec::new(), Vec::new()];
+        for &(sequence, k, v) in entries {
+            let tokens = check_kv(&self.format, self.kv_heads, k, v)?;
+            check_exact(self.policy.exact, k, v)?;
+            host[0].extend_from_slice(k);
+            host[1].extend_from_slice(v);
+            new.push((sequence, tokens));
+        }
+        let len = host[0].len().max(1);
+        let stream = self.gpu.stream.clone();
+        let mut staged = match self.staged.take() {
+            Some(buffers) if buffers[0].len() >= len => buffers,
+            _ => {
+                let alloc = || {
+                    (stream.alloc_zeros::<f32>(len)).during(|| "allocating staged K/V".into())
+                };
+                [alloc().map_err(cuda)?, alloc().map_err(cuda)?]
+            }
+        };
+        for (buffer, data) in staged.iter_mut().zip(&host) {
+            if !data.is_empty() {
+                let mut part = buffer.slice_mut(0..data.len());
+                (stream.memcpy_htod(data, &mut part))
+                    .during(|| "uploading K/V".into())
+                    .map_err(cuda)?;
+            }
+        }
+        let result = self.run_append(&staged[0].slice(0..len), &staged[1].slice(0..len), &new);
+        self.staged = Some(staged);
+        result
+    }
+
+    /// One decode step, every sequence; the output and log-sum-exp stay on
+    /// the device until [`attend`](LiveKv::attend) downloads them.
+    pub fn launch_step(&self, queries: &[f32], q_heads: usize) -> Result<(), LiveError> {
+        let cuda = |e: CudaError| LiveError::Device(e.to_string());
+        let mut slot = self.decode.lock().expect("decode lock");
+        let fresh = !matches!(&*slot, Some(step) if step.q_heads == q_heads);
+        if fresh {
+            *slot = Some(
+                DeviceDecode::new(&self.gpu, &self.kernels, &self.device, q_heads, None)
+                    .map_err(cuda)?,
+            );
+        }
+        let step = slot.as_mut().expect("a step was just made");
+        if !step.planned_for(&self.device) {
+            step.replan(&self.gpu, &self.kernels, &self.device).map_err(cuda)?;
+        }
+        step.set_queries(&self.gpu, &self.kernels, &self.device, queries)
+            .map_err(cuda)?;
+        step.launch(&self.gpu, &self.kernels, &self.device).map_err(cuda)
+    }
+
+    /// The last step's output and log-sum-exp (waits for it).
+    fn results(&self) -> Result<Attention, LiveError> {
+        let cuda = |e: CudaError| LiveError::Device(e.to_string());
+        let slot = self.decode.lock().expect("decode lock");
+        let step = slot.as_ref().ok_or_else(|| LiveError::Device("no step was launched".into()))?;
+        let d = self.format.head_dim() as usize;
+        Ok(Attention {
+            outputs: step.output(&self.gpu, &self.device, d).map_err(cuda)?,
+            lse: step.lse(&self.gpu, &self.device).map_err(cuda)?,
+        })
+    }
+}
+
+/// A page of `tier`, or the capacity error.
+fn allocate(pool: &mut PagePool, tier: usize, format: &Format) -> Result<u32, LiveError> {
+    if pool.available(tier) == 0 {
+        let name = (format.spec().tiers.get(tier)).map_or("exact", |t| t.name.as_str());
+        return Err(LiveError::Capacity {
+            tier: name.to_string(),
+            needed: 1,
+            available: 0,
+            capacity: pool.capacity(tier),
+        });
+    }
+    Ok(pool.allocate(tier).page)
+}
+
+impl LiveKv for DeviceLiveCache {
+    fn format(&self) -> &Format {
+        &self.format
+    }
+
+    fn policy(&self) -> &CachePolicy {
+        &self.policy
+    }
+
+    fn kv_heads(&self) -> usize {
+        self.kv_heads
+    }
+
+    fn lengths(&self) -> Vec<usize> {
+        self.books.sequences.iter().map(|s| s.tokens).collect()
+    }
+
+    fn prefill(&mut self, sequences: &[SequenceKv]) -> Result<Vec<usize>, LiveError> {
+        let first = self.books.sequences.len();
+        if first + sequences.len() > self.max_sequences {
+            return Err(LiveError::Device(format!(
+                "{} sequences would exceed the cache's {} (max_sequences)",
+                first + sequences.len(),
+                self.max_sequences
+            )));
+        }
+        let entries: Vec<(usize, &[f32], &[f32])> = (sequences.iter().enumerate())
+            .map(|(i, s)| (first + i, s.keys, s.values))
+            .collect();
+        self.append_host(&entries)?;
+        Ok((first..first + sequences.len()).collect())
+    }
+
+    fn append(&mut self, batch: &[Append]) -> Result<(), LiveError> {
+        self.check_batch(batch.iter().map(|a| a.sequence))?;
+        let entries: Vec<(usize, &[f32], &[f32])> =
+            batch.iter().map(|a| (a.sequence, a.keys, a.values)).collect();
+        self.append_host(&entries)
+    }
+
+    fn attend(&self, queries: &[f32], q_heads: usize) -> Result<Attention, LiveError> {
+        self.launch_step(queries, q_heads)?;
+        self.results()
+    }
+
+    fn release(&mut self, sequence: usize) -> Result<(), LiveError> {
+        if sequence >= self.books.sequences.len() {
+            return Err(LiveError::UnknownSequence {
+                sequence,
+                sequences: self.books.sequences.len(),
+            });
+        }
+        let s = self.books.sequences.remove(sequence);
+        let exact = self.serving.exact_tier as u32;
+        for page in s.pages.into_iter().flatten() {
+            self.books.pool.release(page);
+        }
+        for page in s.sinks.into_iter().chain(s.tail).flatten() {
+            self.books.pool.release(PageRef { tier: exact, page });
+        }
+        let tables: Vec<Vec<Vec<PageRef>>> =
+            (self.books.sequences.iter()).map(|s| self.row_pages(s)).collect();
+        self.device
+            .set_page_lists(&self.gpu, &tables)
+            .map_err(|e| LiveError::Device(e.to_string()))
+    }
+
+    fn set_tier(&mut self, tier: usize) -> Result<(), LiveError> {
+        let tiers = self.format.tiers().len();
+        if tier >= tiers {
+            return Err(crate::encode::EncodeError::UnknownTier { tier, tiers }.into());
+        }
+        self.policy.tier = tier;
+        Ok(())
+    }
+}

@@ -1,0 +1,420 @@
+//! The live cache on the GPU against the CPU live cache (itself tested
+//! against exact attention over what it holds, `tests/live_cache.rs`): the
+//! same random append schedules on both, with the same tables; after every
+//! step every output element and every row's log-sum-exp agree, and every
+//! page the GPU compressed is byte-identical to the CPU encoder's page of the
+//! same tokens. Bad calls leave the GPU cache unchanged. Without a GPU these
+//! tests print why and pass, unless `KVCC_REQUIRE_GPU=1`.
+
+mod common;
+
+use std::io::Write;
+use std::sync::Arc;
+
+use common::{assert_rows_close, bundled, data, fresh_seed, SplitMix64};
+use kvcc::compiler::spec::ExactDtype;
+use kvcc::compiler::Format;
+use kvcc::runtime::cache;
+use kvcc::runtime::cuda::{DeviceLiveCache, DeviceLiveOptions, Gpu};
+use kvcc::runtime::encode::TrainOptions;
+use kvcc::runtime::exec::ExecutorKind;
+use kvcc::runtime::live::{
+    Append, CachePolicy, LiveCache, LiveError, LiveKv, LiveOptions, SequenceKv,
+};
+
+fn gpu(test: &str) -> Option<Arc<Gpu>> {
+    match Gpu::open() {
+        Ok(gpu) => Some(Arc::new(gpu)),
+        Err(error) if std::env::var_os("KVCC_REQUIRE_GPU").is_some() => {
+            panic!("{test}: KVCC_REQUIRE_GPU is set but {error}")
+        }
+        Err(error) => {
+            let _ = writeln!(
+                std::io::stderr(),
+                "SKIPPED {test}: {error} (GPU tests run for real on a machine with an NVIDIA GPU)"
+            );
+            None
+        }
+    }
+}
+
+struct Case<'a> {
+    format: &'a Format,
+    sinks: usize,
+    window: usize,
+    exact: ExactDtype,
+    kv_heads: usize,
+    group: usize,
+    /// Tiers new pages go to, switched through during the schedule.
+    tiers: Vec<usize>,
+    sequences: usize,
+    steps: usize,
+}
+
+impl Case<'_> {
+    fn what(&self) -> String {
+        format!(
+            "{} tiers {:?}, sinks {} window {} ({}), kv heads {} x group {}",
+            self.format.name(),
+            self.tiers,
+            self.sinks,
+            self.window,
+            self.exact.name(),
+            self.kv_heads,
+            self.group,
+        )
+    }
+
+    fn policy(&self) -> CachePolicy {
+        CachePolicy {
+            sinks: self.sinks,
+            window: self.window,
+            exact: self.exact,
+            tier: self.tiers[0],
+        }
+    }
+}
+
+/// Both caches hold the same tokens: lengths, pages and one decode step agree.
+fn compare(case: &Case, cpu: &LiveCache, device: &DeviceLiveCache, queries: &[f32], what: &str) {
+    let d = case.format.head_dim() as usize;
+    let q_heads = case.kv_heads * case.group;
+    assert_eq!(device.lengths(), cpu.lengths(), "{what}: lengths");
+    let view = cpu.pages().view();
+    let exact_tier = device.serving().exact_tier as u32;
+    for (s, cpu_heads) in view.page_tables.iter().enumerate() {
+        let device_heads = device.page_table(s).expect("same sequences");
+        for (h, (cpu_refs, device_refs)) in cpu_heads.iter().zip(&device_heads).enumerate() {
+            let compressed: Vec<_> = device_refs
+                .iter()
+                .filter(|r| r.tier != exact_tier)
+                .collect();
+            assert_eq!(compressed.len(), cpu_refs.len(), "{what}: pages of {s}/{h}");
+            for (p, (c, g)) in cpu_refs.iter().zip(compressed).enumerate() {
+                assert_eq!(c.tier, g.tier, "{what}: tier of page {p} of {s}/{h}");
+                let size = case.format.layout(c.tier as usize).page_bytes as usize;
+                let want = &view.tiers[c.tier as usize].pool[c.page as usize * size..][..size];
+                let got = device.page_bytes(g.tier as usize, g.page).unwrap();
+                if let Some(at) = got.iter().zip(want).position(|(a, b)| a != b) {
+                    panic!(
+                        "{what}: page {p} of {s}/{h} (tier {}) differs from the CPU encoder's at byte {at}: {:#04x} vs {:#04x}",
+                        c.tier, got[at], want[at]
+                    );
+                }
+            }
+        }
+    }
+    let want = cpu.attend(queries, q_heads).unwrap();
+    let got = device
+        .attend(queries, q_heads)
+        .unwrap_or_else(|e| panic!("{what}: {e}"));
+    assert_rows_close(what, &got.outputs, &want.outputs, d, 2e-4);
+    for (row, (g, w)) in got.lse.iter().zip(&want.lse).enumerate() {
+        let close = if w.is_finite() {
+            (g - w).abs() <= 1e-4 * w.abs().max(1.0)
+        } else {
+            g == w
+        };
+        assert!(close, "{what}: lse of row {row}: got {g}, want {w}");
+    }
+}
+
+/// A random schedule on both caches: prefill, appends of 0..2 pages of
+/// tokens per sequence (single tokens most often), the tier switched now and
+/// then, a sequence released once; compared after every step.
+fn run(gpu: &Arc<Gpu>, case: &Case, seed: u64) {
+    let format = case.format;
+    let d = format.head_dim() as usize;
+    let items = format.spec().page.items as usize;
+    let q_heads = case.kv_heads * case.group;
+    let what = case.what();
+    let mut rng = SplitMix64(seed);
+    let lengths: Vec<usize> = (0..case.sequences)
+        .map(|_| case.sinks + case.window + 3 * items + rng.below(3 * items))
+        .collect();
+    let sets: Vec<_> = (lengths.iter().enumerate())
+        .map(|(i, &tokens)| {
+            data(
+                format,
+                seed.wrapping_add(i as u64),
+                case.kv_heads,
+                q_heads,
+                tokens,
+            )
+        })
+        .collect();
+    let train = TrainOptions {
+        seed,
+        max_samples: 2048,
+        iterations: 4,
+    };
+    let tables = cache::train(
+        format,
+        &sets[0].keys,
+        &sets[0].values,
+        case.kv_heads,
+        &train,
+    )
+    .unwrap();
+    let cpu_options = LiveOptions {
+        policy: case.policy(),
+        kv_heads: case.kv_heads,
+        pages_per_tier: 100_000,
+        executor: ExecutorKind::Jit,
+    };
+    let device_options = DeviceLiveOptions {
+        policy: case.policy(),
+        kv_heads: case.kv_heads,
+        max_sequences: case.sequences,
+        pages_per_tier: 4096,
+        context: 4096,
+        q_heads,
+    };
+    let mut cpu = LiveCache::new(format, &cpu_options, tables.clone()).unwrap();
+    let mut device = DeviceLiveCache::new(gpu.clone(), format, &device_options, tables)
+        .unwrap_or_else(|e| panic!("{what}: {e}"));
+    // Tokens `from..to` of sequence `i`, `[kv_head][token][head_dim]`.
+    let chunk = |i: usize, from: usize, to: usize| -> (Vec<f32>, Vec<f32>) {
+        let pick = |data: &[f32]| -> Vec<f32> {
+            (0..case.kv_heads)
+                .flat_map(|h| data[(h * lengths[i] + from) * d..(h * lengths[i] + to) * d].to_vec())
+                .collect()
+        };
+        (pick(&sets[i].keys), pick(&sets[i].values))
+    };
+    let queries = |rng: &mut SplitMix64, sequences: usize| -> Vec<f32> {
+        (0..sequences * q_heads * d)
+            .map(|_| (rng.below(2001) as f32 - 1000.0) / 400.0)
+            .collect()
+    };
+    // Sequence ids in the caches, and how much of its source each has taken.
+    let mut alive: Vec<(usize, usize)> = Vec::new();
+    let mut prompts = Vec::new();
+    for i in 0..case.sequences {
+        let take = rng.pick(&[
+            0,
+            1,
+            items - 1,
+            items + 1,
+            case.sinks + case.window + 2 * items,
+        ]);
+        prompts.push(chunk(i, 0, take));
+        alive.push((i, take));
+    }
+    let kvs: Vec<SequenceKv> = (prompts.iter())
+        .map(|(k, v)| SequenceKv { keys: k, values: v })
+        .collect();
+    cpu.prefill(&kvs).unwrap();
+    device
+        .prefill(&kvs)
+        .unwrap_or_else(|e| panic!("{what}, prefill: {e}"));
+    let q = queries(&mut rng, alive.len());
+    compare(case, &cpu, &device, &q, &format!("{what}, prefill"));
+    let mut tier = 0;
+    for step in 0..case.steps {
+        if case.tiers.len() > 1 && rng.below(4) == 0 {
+            tier = (tier + 1) % case.tiers.len();
+            cpu.set_tier(case.tiers[tier]).unwrap();
+            device.set_tier(case.tiers[tier]).unwrap();
+        }
+        if step == case.steps / 2 && alive.len() > 1 {
+            let gone = rng.below(alive.len());
+            cpu.release(gone).unwrap();
+            device.release(gone).unwrap();
+            alive.remove(gone);
+        }
+        let mut chunks = Vec::new();
+        for (s, (source, taken)) in alive.iter_mut().enumerate() {
+            if rng.below(5) == 0 {
+                continue;
+            }
+            let count = rng.pick(&[1, 1, 1, 2, 3, items - 1, items, items + 5, 2 * items]);
+            let to = (*taken + count).min(lengths[*source]);
+            chunks.push((s, chunk(*source, *taken, to)));
+            *taken = to;
+        }
+        let batch: Vec<Append> = (chunks.iter())
+            .map(|(s, (k, v))| Append {
+                sequence: *s,
+                keys: k,
+                values: v,
+            })
+            .collect();
+        cpu.append(&batch).unwrap();
+        device
+            .append(&batch)
+            .unwrap_or_else(|e| panic!("{what}, step {step}: {e}"));
+        let q = queries(&mut rng, alive.len());
+        compare(case, &cpu, &device, &q, &format!("{what}, step {step}"));
+    }
+}
+
+fn format(name: &str) -> Format {
+    bundled()
+        .into_iter()
+        .find(|f| f.name() == name)
+        .expect("bundled format")
+}
+
+#[test]
+fn gpu_live_cache_matches_the_cpu_live_cache_on_every_bundled_format() {
+    let test = "gpu_live_cache_matches_the_cpu_live_cache_on_every_bundled_format";
+    let Some(gpu) = gpu(test) else { return };
+    let seed = fresh_seed(test);
+    for (i, format) in bundled().iter().enumerate() {
+        let case = Case {
+            format,
+            sinks: 4,
+            window: 64,
+            exact: ExactDtype::F16,
+            kv_heads: 2,
+            group: 4,
+            tiers: (0..format.tiers().len()).collect(),
+            sequences: 3,
+            steps: 10,
+        };
+        run(&gpu, &case, seed.wrapping_add(i as u64 * 1000));
+    }
+}
+
+#[test]
+fn gpu_live_cache_sinks_windows_groups_and_exact_dtypes() {
+    let test = "gpu_live_cache_sinks_windows_groups_and_exact_dtypes";
+    let Some(gpu) = gpu(test) else { return };
+    let seed = fresh_seed(test);
+    let kivi = format("kivi");
+    let spherical = format("spherical");
+    let shard = format("shard");
+    let mosaic = format("mosaic");
+    let cases = [
+        (&kivi, 0, 0, ExactDtype::F16, 2, 1, vec![1]),
+        (&kivi, 4, 100, ExactDtype::Bf16, 1, 8, vec![0, 1]),
+        (&spherical, 0, 64, ExactDtype::F16, 2, 4, vec![2, 0, 1]),
+        (&spherical, 4, 0, ExactDtype::Bf16, 1, 1, vec![1]),
+        (&shard, 4, 100, ExactDtype::F16, 2, 8, vec![0]),
+        (&shard, 0, 0, ExactDtype::F16, 1, 4, vec![0]),
+        (&mosaic, 70, 0, ExactDtype::F16, 1, 4, vec![0]),
+    ];
+    for (i, (format, sinks, window, exact, kv_heads, group, tiers)) in cases.into_iter().enumerate()
+    {
+        let case = Case {
+            format,
+            sinks,
+            window,
+            exact,
+            kv_heads,
+            group,
+            tiers,
+            sequences: 3,
+            steps: 8,
+        };
+        run(&gpu, &case, seed.wrapping_add(i as u64 * 1000));
+    }
+}
+
+#[test]
+fn gpu_live_cache_bad_calls_change_nothing() {
+    let test = "gpu_live_cache_bad_calls_change_nothing";
+    let Some(gpu) = gpu(test) else { return };
+    let seed = fresh_seed(test);
+    let format = format("kivi");
+    let (kv_heads, q_heads) = (2, 4);
+    let d = format.head_dim() as usize;
+    let set = data(&format, seed, kv_heads, q_heads, 300);
+    let options = DeviceLiveOptions {
+        policy: CachePolicy {
+            sinks: 4,
+            window: 64,
+            exact: ExactDtype::F16,
+            tier: 1,
+        },
+        kv_heads,
+        max_sequences: 2,
+        // (300 - 4 - 64) / 64 = 3 pages per kv head and sequence: 12 in all.
+        pages_per_tier: 13,
+        context: 1024,
+        q_heads,
+    };
+    let prompt = SequenceKv {
+        keys: &set.keys,
+        values: &set.values,
+    };
+    let (mut live, _) = DeviceLiveCache::train(
+        gpu,
+        &format,
+        &options,
+        &[prompt, prompt],
+        &TrainOptions::default(),
+    )
+    .unwrap();
+    let queries: Vec<f32> = (0..2 * q_heads * d)
+        .map(|i| ((i * 7 % 13) as f32 - 6.0) / 5.0)
+        .collect();
+    let before = (
+        live.lengths(),
+        live.pages_in_use(),
+        live.attend(&queries, q_heads).unwrap(),
+    );
+    let unchanged = |live: &DeviceLiveCache, what: &str| {
+        let now = (
+            live.lengths(),
+            live.pages_in_use(),
+            live.attend(&queries, q_heads).unwrap(),
+        );
+        assert_eq!(now, before, "{what} changed the cache");
+    };
+    // A page of tokens to both sequences: 4 pages needed, 1 free.
+    let (k, v): (Vec<f32>, Vec<f32>) = (
+        set.keys[..kv_heads * 64 * d].to_vec(),
+        set.values[..kv_heads * 64 * d].to_vec(),
+    );
+    let batch = [0, 1].map(|sequence| Append {
+        sequence,
+        keys: &k,
+        values: &v,
+    });
+    assert!(matches!(
+        live.append(&batch),
+        Err(LiveError::Capacity { .. })
+    ));
+    unchanged(&live, "appending past capacity");
+    let mut nan = k.clone();
+    nan[5] = f32::NAN;
+    let bad = [Append {
+        sequence: 0,
+        keys: &nan,
+        values: &v,
+    }];
+    assert!(live.append(&bad).is_err());
+    unchanged(&live, "a NaN key");
+    let huge = vec![1e6f32; k.len()];
+    let bad = [Append {
+        sequence: 1,
+        keys: &k,
+        values: &huge,
+    }];
+    assert!(matches!(
+        live.append(&bad),
+        Err(LiveError::ExactRange { .. })
+    ));
+    unchanged(&live, "a value f16 cannot hold");
+    let bad = [Append {
+        sequence: 2,
+        keys: &k,
+        values: &v,
+    }];
+    assert!(matches!(
+        live.append(&bad),
+        Err(LiveError::UnknownSequence { .. })
+    ));
+    unchanged(&live, "an unknown sequence");
+    let bad = [Append {
+        sequence: 0,
+        keys: &k[..d],
+        values: &v[..d],
+    }];
+    assert!(live.append(&bad).is_err());
+    unchanged(&live, "a block of the wrong shape");
+    assert!(live.attend(&queries[..d], q_heads).is_err());
+    unchanged(&live, "queries of the wrong shape");
+}
