@@ -167,6 +167,10 @@ instructions! {
     fn u32_to_f32(a: Reg<U32>) -> F32 = "cvt.rn.f32.u32";
     /// The nearest integer (ties to even).
     fn f32_to_s32(a: Reg<F32>) -> S32 = "cvt.rni.s32.f32";
+    /// f32 to IEEE binary16 bits, to nearest (ties to even).
+    fn f32_to_f16(a: Reg<F32>) -> B16 = "cvt.rn.f16.f32";
+    /// f32 to bfloat16 bits, to nearest (ties to even; sm_80+).
+    fn f32_to_bf16(a: Reg<F32>) -> B16 = "cvt.rn.bf16.f32";
     fn s32_to_f32(a: Reg<S32>) -> F32 = "cvt.rn.f32.s32";
     fn u32_to_u64(a: Reg<U32>) -> U64 = "cvt.u64.u32";
     fn and_pred(a: Reg<Pred>, b: Reg<Pred>) -> Pred = "and.pred";
