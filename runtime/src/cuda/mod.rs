@@ -3,12 +3,14 @@
 //! decode step launched against the PTX backend's ABI.
 
 mod device;
+mod encode;
 mod kernels;
 pub mod measure;
 mod resident;
 mod tensor_map;
 
 pub use device::Gpu;
+pub use encode::PageEncoders;
 pub use kernels::FormatKernels;
 pub use resident::{DeviceCache, DeviceDecode};
 

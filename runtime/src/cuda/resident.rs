@@ -416,7 +416,7 @@ impl DeviceDecode {
     }
 }
 
-fn config(launch: abi::Launch) -> LaunchConfig {
+pub(crate) fn config(launch: abi::Launch) -> LaunchConfig {
     LaunchConfig {
         grid_dim: (launch.grid[0], launch.grid[1], launch.grid[2]),
         block_dim: (launch.block[0], launch.block[1], launch.block[2]),
