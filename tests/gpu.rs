@@ -371,3 +371,34 @@ fn gpu_tuning_space_matches_interpreter_and_page_size_is_enforced() {
         );
     }
 }
+
+#[path = "support/encode_check.rs"]
+mod encode_check;
+
+/// The GPU page-compress kernels write, for every bundled tier, pages
+/// byte-identical to the CPU encoder's (`support/encode_check.rs`).
+#[test]
+fn gpu_encoders_match_cpu_encoder_on_every_bundled_tier() {
+    let Some(executor) = gpu("gpu_encoders_match_cpu_encoder_on_every_bundled_tier") else {
+        return;
+    };
+    let seed = fresh_seed("gpu_encoders_bundled");
+    for format in bundled() {
+        encode_check::check_encoder(executor.gpu(), &format, seed, format.name());
+    }
+}
+
+/// The same on random specs: every transform, body and page scale kind.
+#[test]
+fn gpu_encoders_match_cpu_encoder_on_random_specs() {
+    let Some(executor) = gpu("gpu_encoders_match_cpu_encoder_on_random_specs") else {
+        return;
+    };
+    let seed = fresh_seed("gpu_encoders_random_specs");
+    for (i, source) in common::random_specs(seed, 16).iter().enumerate() {
+        let format = Format::parse(source, "random.toml")
+            .unwrap_or_else(|e| panic!("generated spec rejected: {e}\n{source}"));
+        let what = format!("random spec {i} (KVCC_TEST_SEED={seed}):\n{source}");
+        encode_check::check_encoder(executor.gpu(), &format, seed + i as u64, &what);
+    }
+}

@@ -11,6 +11,7 @@ mod resident;
 mod tensor_map;
 
 pub use device::Gpu;
+pub use encode::PageEncoders;
 pub use kernels::FormatKernels;
 pub use live::{DeviceAppend, DeviceLiveCache, DeviceLiveOptions};
 pub use resident::{DeviceCache, DeviceDecode};

@@ -19,8 +19,9 @@
 //! slots out of `slot_count` altogether.
 
 use crate::ir::Module;
-use crate::layout::Side;
+use crate::layout::{FieldLayout, Side, TierLayout, TransformLayout};
 use crate::page::PageRef;
+use crate::spec::DenseDtype;
 
 /// Type of a kernel parameter as the launcher passes it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -249,17 +250,27 @@ pub struct TableBuffer {
 impl TableBuffer {
     /// Tables in module order (`Module::tables`, which is the layout's order).
     pub fn of(module: &Module) -> TableBuffer {
+        TableBuffer::from_lens(module.tables.iter().map(|(_, decl)| decl.len))
+    }
+
+    /// Tables in the layout's order: the same buffer as [`TableBuffer::of`]
+    /// of the tier's module (the module declares the layout's tables).
+    pub fn of_layout(layout: &TierLayout) -> TableBuffer {
+        TableBuffer::from_lens(layout.tables.iter().map(|t| t.len))
+    }
+
+    fn from_lens(lens: impl Iterator<Item = u32>) -> TableBuffer {
         let mut offsets = Vec::new();
-        let mut lens = Vec::new();
+        let mut lengths = Vec::new();
         let mut at = 0;
-        for (_, decl) in module.tables.iter() {
+        for len in lens {
             offsets.push(at);
-            lens.push(decl.len);
-            at += decl.len.div_ceil(4) * 4;
+            lengths.push(len);
+            at += len.div_ceil(4) * 4;
         }
         TableBuffer {
             offsets,
-            lens,
+            lens: lengths,
             stride: at,
         }
     }
@@ -441,6 +452,156 @@ pub fn page_lists(page_tables: &[Vec<Vec<PageRef>>], tier: u32) -> (Vec<u32>, Ve
         offsets.push(ids.len() as u32);
     }
     (offsets, ids)
+}
+
+/// Parameters of every page-compress (encode) kernel, in order; [`EncodeArgs`]
+/// holds values for them.
+pub const ENCODE_PARAMS: [Param; 5] = [
+    param(
+        "dst_pool",
+        ParamType::Pointer,
+        "this tier's page pool: pages of `page_bytes` bytes back to back; each job writes every byte of its destination page",
+    ),
+    param(
+        "src_pool",
+        ParamType::Pointer,
+        "the source pool: full pages of a dense exact tier, laid out as the kernel's `DenseSource`",
+    ),
+    param(
+        "tables",
+        ParamType::Pointer,
+        "f32 tables of this tier, laid out as `TableBuffer` (the values the CPU encoder is given)",
+    ),
+    param(
+        "jobs",
+        ParamType::Pointer,
+        "u32[3 * job_count]: job j is (source page, destination page, kv head) at jobs[3 * j ..]",
+    ),
+    param(
+        "job_count",
+        ParamType::U32,
+        "jobs in the list (gridDim.x: one CTA per job)",
+    ),
+];
+
+/// u32 words of one encode job: source page, destination page, kv head.
+pub const ENCODE_JOB_WORDS: u32 = 3;
+
+/// Argument values of an encode launch, field order = [`ENCODE_PARAMS`] order.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct EncodeArgs {
+    pub dst_pool: u64,
+    pub src_pool: u64,
+    pub tables: u64,
+    pub jobs: u64,
+    pub job_count: u32,
+}
+
+/// Element type of a dense source stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum SourceDtype {
+    F16,
+    Bf16,
+}
+
+/// Where the exact rows of a source page lie: a page of a dense tier (no
+/// transform, one `dense` field of f16 or bf16 per side), `items` rows per
+/// stream of `head_dim` elements each. Derived from that tier's layout by
+/// [`DenseSource::of_layout`], so the runtime's pages and the kernels agree.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct DenseSource {
+    pub head_dim: u32,
+    /// Rows per page (every source page is full).
+    pub items: u32,
+    /// Byte offset of the key stream in a page.
+    pub key_offset: u32,
+    /// Byte offset of the value stream in a page.
+    pub value_offset: u32,
+    /// Bytes from one key row to the next.
+    pub key_stride: u32,
+    /// Bytes from one value row to the next.
+    pub value_stride: u32,
+    /// Bytes per source page (the source pool's page stride).
+    pub page_bytes: u32,
+    pub dtype: SourceDtype,
+}
+
+impl DenseSource {
+    /// The source description of a dense exact tier: both codecs without a
+    /// transform and with one `dense` field of the same f16 or bf16 dtype;
+    /// `None` for any other tier.
+    pub fn of_layout(layout: &TierLayout) -> Option<DenseSource> {
+        let dtype = |side: Side| {
+            let codec = layout.codec(side);
+            match (codec.transform, codec.fields.as_slice()) {
+                (
+                    TransformLayout::Identity,
+                    [FieldLayout::Dense {
+                        offset: 0, dtype, ..
+                    }],
+                ) => match dtype {
+                    DenseDtype::F16 => Some(SourceDtype::F16),
+                    DenseDtype::Bf16 => Some(SourceDtype::Bf16),
+                    DenseDtype::F32 => None,
+                },
+                _ => None,
+            }
+        };
+        let key = dtype(Side::Key)?;
+        (dtype(Side::Value)? == key).then_some(DenseSource {
+            head_dim: layout.head_dim,
+            items: layout.items_per_page,
+            key_offset: layout.key_stream_offset,
+            value_offset: layout.value_stream_offset,
+            key_stride: layout.key.stride,
+            value_stride: layout.value.stride,
+            page_bytes: layout.page_bytes,
+            dtype: key,
+        })
+    }
+
+    /// Byte offset and row stride of a side's stream.
+    pub fn stream(&self, side: Side) -> (u32, u32) {
+        side.pick(
+            (self.key_offset, self.key_stride),
+            (self.value_offset, self.value_stride),
+        )
+    }
+}
+
+/// A tier's page-compress kernel: one CTA per job of the job list turns the
+/// `items` exact key and value rows of one source page (one sequence, one kv
+/// head) and that head's tables into one page of the tier, header included
+/// (`tier`, `count = items_per_page`, `flags = 0`, scales), byte-identical
+/// to the CPU encoder's page of the same rows.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EncodeKernel {
+    /// Entry name in the tier's encode module.
+    pub name: String,
+    pub tier: u32,
+    pub threads: u32,
+    /// Dynamic shared memory (bytes) of every launch.
+    pub shared_bytes: u32,
+    /// Bytes per page of the destination pool.
+    pub page_bytes: u32,
+    pub items_per_page: u32,
+    /// Items transformed and packed at once (all of a page when they fit the
+    /// shared memory; otherwise a multiple of 16, and the transform is done
+    /// twice where the page has header scales).
+    pub chunk_items: u32,
+    pub tables: TableBuffer,
+    pub source: DenseSource,
+}
+
+impl EncodeKernel {
+    /// Grid (jobs): one CTA per job.
+    pub fn launch(&self, jobs: u32) -> Launch {
+        Launch {
+            grid: [jobs, 1, 1],
+            block: [self.threads, 1, 1],
+            shared_bytes: self.shared_bytes,
+        }
+    }
 }
 
 #[cfg(test)]

@@ -14,10 +14,13 @@
 //! - `expr`: IR expressions -> PTX, generic over programs.
 //! - `kernel`: the decode kernel, phase by phase, around a tier's programs.
 //! - `merge`: the log-sum-exp merge kernel.
+//! - [`encode`]: the page-compress kernel of a tier (dense K/V rows in, the
+//!   tier's page out, byte-identical to the CPU encoder).
 
 pub mod abi;
 mod append;
 pub mod builder;
+pub mod encode;
 mod expr;
 mod kernel;
 mod lane_split;
@@ -179,6 +182,12 @@ pub enum Error {
         needed: u32,
         limit: u32,
         target: &'static str,
+    },
+    #[error("format {format}, tier {tier}: no encode kernel: {reason}")]
+    Encoder {
+        format: String,
+        tier: String,
+        reason: String,
     },
 }
 

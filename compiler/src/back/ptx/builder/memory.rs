@@ -190,6 +190,26 @@ impl Kernel {
         self.bra_if(done, false, top);
     }
 
+    // ---- encoders: narrow reads, vector writes, shared ORs -----------------
+
+    /// One byte (`bits` 8) or an aligned halfword (`bits` 16), read-only,
+    /// zero-extended.
+    pub fn ld_global_nc_narrow(&mut self, at: Global, bits: u32) -> Reg<U32> {
+        debug_assert!(bits == 8 || bits == 16);
+        let d = self.reg();
+        let (hint, policy) = at.hint();
+        self.line(format_args!("ld.global.nc{hint}.u{bits} {d}, {at}{policy}"));
+        d
+    }
+    /// 16 bytes; `at` must be 16-byte aligned.
+    pub fn st_global_v4<T: Bits32>(&mut self, at: Global, values: [Reg<T>; 4]) {
+        let list = vector(&values);
+        self.line(format_args!("st.global.v4.{} {at}, {list}", T::SUFFIX));
+    }
+    /// Atomic `*at |= value` in shared memory, no result.
+    pub fn red_shared_or(&mut self, at: Shared, value: Reg<U32>) {
+        self.line(format_args!("red.shared.or.b32 {at}, {value}"));
+    }
     /// Address arithmetic: `base + index * scale` in the global space.
     pub fn global_index(&mut self, base: Reg<U64>, index: Reg<U32>, scale: u32) -> Reg<U64> {
         let offset = if scale == 1 {

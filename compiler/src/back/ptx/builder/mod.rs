@@ -27,6 +27,7 @@ macro_rules! instructions {
 
 mod arith;
 mod memory;
+mod rounding;
 mod warp;
 
 /// A PTX register type: how its registers are declared and named. A type

@@ -1,0 +1,15 @@
+//! Conversions that round toward zero and saturate, as Rust's `f32::trunc`
+//! and `as` casts do (the encoders' integer codes), and 16-bit widening.
+
+use super::{Kernel, Reg, B16, F32, S32, U32};
+
+instructions! {
+    /// `a` rounded toward zero to an integer, kept an f32 (`f32::trunc`).
+    fn trunc_f32(a: Reg<F32>) -> F32 = "cvt.rzi.f32.f32";
+    /// `a` truncated to an integer, saturating, NaN to 0 (Rust's `as i32`).
+    fn f32_to_s32_trunc(a: Reg<F32>) -> S32 = "cvt.rzi.s32.f32";
+    /// `a` truncated to an integer, saturating, NaN to 0 (Rust's `as u32`).
+    fn f32_to_u32_trunc(a: Reg<F32>) -> U32 = "cvt.rzi.u32.f32";
+    /// 16 bits zero-extended.
+    fn widen16(a: Reg<B16>) -> U32 = "cvt.u32.u16";
+}

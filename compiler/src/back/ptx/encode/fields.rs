@@ -1,0 +1,607 @@
+//! A codec's fields over a chunk of transformed items, as
+//! `runtime::encode::codec` encodes them: codeword search (first strictly
+//! better codeword wins, scores summed from 0 in coordinate order), radii,
+//! page-scale maxima, and every slot element ORed into the chunk's image at
+//! the bit the item schema gives it.
+
+use super::super::abi::TableBuffer;
+use super::super::builder::{Cmp, Kernel, Reg, F32, U32};
+use super::emit::{
+    assign_if, coeff_scale, for_each, half_scale, item_bit, magnitude_bits, quantize, radius_code,
+    scale_or_one, serial, split, write_bits, Ctx,
+};
+use super::plan::Plan;
+use crate::layout::{CodecLayout, FieldLayout, SlotRole};
+use crate::spec::{BitmapElem, CodewordKind, CoeffScale, DenseDtype, RadiusScale};
+
+/// Group sizes up to this keep their coordinates in registers and unroll
+/// the codeword loop.
+const UNROLL: u32 = 16;
+
+/// The sum `Σ` starts from: `-0.0` (Rust's `Sum` of floats), so that the
+/// first term passes unchanged.
+const SUM_START: f32 = -0.0;
+
+/// One codebook field's geometry.
+struct Book {
+    groups: u32,
+    g: u32,
+    entries: u32,
+    /// First float of the field's table in the head's block.
+    table: u32,
+    per_group: bool,
+    book_len: u32,
+    codewords: CodewordKind,
+}
+
+fn book(codec: &CodecLayout, tables: &TableBuffer) -> Option<Book> {
+    match *codec.body() {
+        ref body @ FieldLayout::Codebook {
+            groups,
+            group_size,
+            bits,
+            codewords,
+            per_group,
+            table,
+            ..
+        } => Some(Book {
+            groups,
+            g: group_size,
+            entries: 1 << bits,
+            table: tables.offsets[table],
+            per_group,
+            book_len: body.book_len(),
+            codewords,
+        }),
+        _ => None,
+    }
+}
+
+impl Book {
+    /// Float index (in the head's tables) of codeword 0 of group `j`.
+    fn start(&self, k: &mut Kernel, j: Reg<U32>) -> Reg<U32> {
+        if self.per_group {
+            k.mad_lo(j, self.book_len, self.table)
+        } else {
+            k.mov(self.table)
+        }
+    }
+}
+
+/// Shared address of coordinate `t` of group `j` of item `item` of `x`.
+fn coordinate(
+    k: &mut Kernel,
+    ctx: &Ctx,
+    plan: &Plan,
+    dims: u32,
+    item: Reg<U32>,
+    first: Reg<U32>,
+) -> super::super::builder::Shared {
+    let at = k.mad_lo(item, dims, first);
+    ctx.shared_word(k, plan.x, at)
+}
+
+/// Codeword indices (and, with a radius field, radii) of every group of the
+/// chunk's items; ends with a barrier. Nothing for other bodies.
+pub fn choose_codewords(
+    k: &mut Kernel,
+    ctx: &Ctx,
+    plan: &Plan,
+    codec: &CodecLayout,
+    tables: &TableBuffer,
+    count: Reg<U32>,
+) {
+    let Some(book) = book(codec, tables) else {
+        return;
+    };
+    let (groups, g, dims) = (book.groups, book.g, codec.dims);
+    let radius = codec.radius().is_some();
+    k.comment(&format!(
+        "{}: codeword search, {} groups of {g}, {} codewords",
+        codec.side.name(),
+        groups,
+        book.entries
+    ));
+    let tasks = k.mul(count, groups);
+    for_each(k, ctx, tasks, |k, w| {
+        let (item, j) = split(k, w, groups);
+        let first = k.mul(j, g);
+        let x0 = coordinate(k, ctx, plan, dims, item, first);
+        let xs: Vec<Reg<F32>> = if g <= UNROLL {
+            (0..g)
+                .map(|t| k.ld_shared(x0.plus(4 * i64::from(t))))
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let start = book.start(k, j);
+        let (worst, better) = match book.codewords {
+            CodewordKind::Direction => (f32::NEG_INFINITY, Cmp::Gt),
+            CodewordKind::Vector => (f32::INFINITY, Cmp::Lt),
+        };
+        let best = k.mov(worst);
+        let index = k.mov(0u32);
+        let codewords = book.codewords;
+        serial(k, book.entries, |k, e| {
+            let cw = k.mad_lo(e, g, start);
+            let c0 = ctx.table(k, 0, cw);
+            let score = k.mov(0.0f32);
+            let step = |k: &mut Kernel, x: Reg<F32>, c: Reg<F32>| {
+                let term = match codewords {
+                    CodewordKind::Direction => k.mul(x, c),
+                    CodewordKind::Vector => {
+                        let d = k.sub(x, c);
+                        k.mul(d, d)
+                    }
+                };
+                k.add_to(score, score, term);
+            };
+            if g <= UNROLL {
+                for (t, &x) in xs.iter().enumerate() {
+                    let c = k.ld_global_nc(c0.plus(4 * t as i64));
+                    step(k, x, c);
+                }
+            } else {
+                let cw = k.mov(cw);
+                let xa = k.mov(x0.base);
+                serial(k, g, |k, _| {
+                    let x = k.ld_shared(super::super::builder::Shared::at(xa).plus(x0.offset));
+                    let c = ctx.table_value(k, 0, cw);
+                    step(k, x, c);
+                    k.add_to(xa, xa, 4u32);
+                    k.add_to(cw, cw, 1u32);
+                });
+            }
+            let wins = k.setp(better, score, best);
+            assign_if(k, best, score, wins);
+            assign_if(k, index, e, wins);
+        });
+        let at = ctx.shared_word(k, plan.codes, w);
+        k.st_shared(at, index);
+        if radius {
+            // radius_of: the least-squares length along the chosen codeword.
+            let cw = k.mad_lo(index, g, start);
+            let dot = k.mov(SUM_START);
+            let norm = k.mov(SUM_START);
+            let (cw, xa) = (k.mov(cw), k.mov(x0.base));
+            serial(k, g, |k, _| {
+                let x: Reg<F32> =
+                    k.ld_shared(super::super::builder::Shared::at(xa).plus(x0.offset));
+                let c = ctx.table_value(k, 0, cw);
+                let xc = k.mul(x, c);
+                k.add_to(dot, dot, xc);
+                let cc = k.mul(c, c);
+                k.add_to(norm, norm, cc);
+                k.add_to(xa, xa, 4u32);
+                k.add_to(cw, cw, 1u32);
+            });
+            let r = k.div_f32(dot, norm);
+            let r = k.max(r, 0.0f32);
+            let positive = k.setp(Cmp::Gt, norm, 0.0f32);
+            let r = k.selp(r, 0.0f32, positive);
+            let at = ctx.shared_word(k, plan.aux, w);
+            k.st_shared(at, r);
+        }
+    });
+    k.bar_sync();
+}
+
+/// Folds the chunk into this codec's page maxima (shared `scales`, as
+/// unsigned bits of non-negative floats). The caller synchronizes.
+pub fn page_maxima(k: &mut Kernel, ctx: &Ctx, plan: &Plan, codec: &CodecLayout, count: Reg<U32>) {
+    for field in &codec.fields {
+        match *field {
+            FieldLayout::Radius {
+                groups,
+                scale,
+                slot,
+                ..
+            } => {
+                k.comment(&format!("{}: radius page maxima", codec.side.name()));
+                let tasks = k.mul(count, groups);
+                for_each(k, ctx, tasks, |k, w| {
+                    let at = ctx.shared_word(k, plan.aux, w);
+                    let r = k.ld_shared(at);
+                    let m = magnitude_bits(k, r);
+                    let target = match scale {
+                        RadiusScale::Page => k.mov(slot),
+                        RadiusScale::PageGroup => {
+                            let j = k.rem_u32(w, groups);
+                            k.add(j, slot)
+                        }
+                    };
+                    let at = ctx.shared_word(k, plan.scales, target);
+                    k.red_shared_max(at, m);
+                });
+            }
+            FieldLayout::Coeff {
+                count: dims,
+                scale,
+                slot,
+                ..
+            } if matches!(scale, CoeffScale::Page | CoeffScale::PageComponent) => {
+                k.comment(&format!("{}: coefficient page maxima", codec.side.name()));
+                let tasks = k.mul(count, dims);
+                let local = k.mov(0u32);
+                for_each(k, ctx, tasks, |k, w| {
+                    let at = ctx.shared_word(k, plan.x, w);
+                    let v = k.ld_shared(at);
+                    let m = magnitude_bits(k, v);
+                    match scale {
+                        CoeffScale::PageComponent => {
+                            let c = k.rem_u32(w, dims);
+                            let target = k.add(c, slot);
+                            let at = ctx.shared_word(k, plan.scales, target);
+                            k.red_shared_max(at, m);
+                        }
+                        _ => {
+                            let larger = k.max(local, m);
+                            k.assign(local, larger);
+                        }
+                    }
+                });
+                if scale == CoeffScale::Page {
+                    let target = k.mov(slot);
+                    let at = ctx.shared_word(k, plan.scales, target);
+                    k.red_shared_max(at, local);
+                }
+            }
+            _ => {}
+        }
+    }
+}
+
+/// Turns this codec's page maxima into its header scales (`scale_or_one`,
+/// `coeff_scale`). The caller synchronizes.
+pub fn finish_scales(k: &mut Kernel, ctx: &Ctx, plan: &Plan, codec: &CodecLayout) {
+    for field in &codec.fields {
+        let (slot, slots, bits) = match *field {
+            FieldLayout::Radius {
+                groups,
+                scale,
+                slot,
+                ..
+            } => {
+                let slots = match scale {
+                    RadiusScale::Page => 1,
+                    RadiusScale::PageGroup => groups,
+                };
+                (slot, slots, None)
+            }
+            FieldLayout::Coeff {
+                count,
+                bits,
+                scale,
+                slot,
+                ..
+            } => match scale {
+                CoeffScale::Page => (slot, 1, Some(bits)),
+                CoeffScale::PageComponent => (slot, count, Some(bits)),
+                CoeffScale::Item | CoeffScale::Component => continue,
+            },
+            _ => continue,
+        };
+        for_each(k, ctx, slots, |k, w| {
+            let target = k.add(w, slot);
+            let at = ctx.shared_word(k, plan.scales, target);
+            let m: Reg<F32> = k.ld_shared(at);
+            let s = match bits {
+                None => scale_or_one(k, m),
+                Some(bits) => coeff_scale(k, m, bits),
+            };
+            k.st_shared(at, s);
+        });
+    }
+}
+
+/// ORs every slot of the chunk's items into the (zeroed) image; ends with a
+/// barrier.
+pub fn pack_items(
+    k: &mut Kernel,
+    ctx: &Ctx,
+    plan: &Plan,
+    codec: &CodecLayout,
+    tables: &TableBuffer,
+    count: Reg<U32>,
+) {
+    let (dims, stride, side) = (codec.dims, codec.stride, codec.side.name());
+    for field in &codec.fields {
+        match *field {
+            FieldLayout::Radius {
+                groups,
+                bits,
+                scale,
+                slot,
+                ..
+            } => {
+                k.comment(&format!("{side}: radius codes"));
+                let range = codec.slot(SlotRole::RadiusCode);
+                let tasks = k.mul(count, groups);
+                for_each(k, ctx, tasks, |k, w| {
+                    let (item, j) = split(k, w, groups);
+                    let at = ctx.shared_word(k, plan.aux, w);
+                    let r = k.ld_shared(at);
+                    let target = match scale {
+                        RadiusScale::Page => k.mov(slot),
+                        RadiusScale::PageGroup => k.add(j, slot),
+                    };
+                    let at = ctx.shared_word(k, plan.scales, target);
+                    let s = k.ld_shared(at);
+                    let code = radius_code(k, r, s, bits);
+                    let bit = k.mad_lo(j, range.width, range.offset);
+                    let bit = item_bit(k, item, stride, bit);
+                    write_bits(k, ctx, plan.image, bit, range.width, code);
+                });
+            }
+            FieldLayout::Codebook { groups, .. } => {
+                k.comment(&format!("{side}: codeword indices"));
+                let range = codec.slot(SlotRole::CodebookIndex);
+                let tasks = k.mul(count, groups);
+                for_each(k, ctx, tasks, |k, w| {
+                    let (item, j) = split(k, w, groups);
+                    let at = ctx.shared_word(k, plan.codes, w);
+                    let code = k.ld_shared(at);
+                    let bit = k.mad_lo(j, range.width, range.offset);
+                    let bit = item_bit(k, item, stride, bit);
+                    write_bits(k, ctx, plan.image, bit, range.width, code);
+                });
+            }
+            FieldLayout::Coeff {
+                item_scale,
+                bits,
+                scale,
+                slot,
+                table,
+                ..
+            } => {
+                if let Some(offset) = item_scale {
+                    k.comment(&format!("{side}: f16 item scales"));
+                    for_each(k, ctx, count, |k, item| {
+                        let m = k.mov(0.0f32);
+                        let row = k.mul(item, dims);
+                        serial(k, dims, |k, c| {
+                            let i = k.add(row, c);
+                            let at = ctx.shared_word(k, plan.x, i);
+                            let v: Reg<F32> = k.ld_shared(at);
+                            let a = k.abs_f32(v);
+                            let larger = k.max(m, a);
+                            k.assign(m, larger);
+                        });
+                        let q = super::emit::coeff_max(bits) as f32;
+                        store_item_scale(k, ctx, plan, stride, item, m, q, offset);
+                    });
+                    k.bar_sync();
+                }
+                k.comment(&format!("{side}: coefficients"));
+                let range = codec.slot(SlotRole::Coefficient);
+                let tasks = k.mul(count, dims);
+                for_each(k, ctx, tasks, |k, w| {
+                    let (item, c) = split(k, w, dims);
+                    let at = ctx.shared_word(k, plan.x, w);
+                    let v = k.ld_shared(at);
+                    let factor: Reg<F32> = match scale {
+                        CoeffScale::Item => {
+                            let at = ctx.shared_word(k, plan.item_scales, item);
+                            k.ld_shared(at)
+                        }
+                        CoeffScale::Page => {
+                            let target = k.mov(slot);
+                            let at = ctx.shared_word(k, plan.scales, target);
+                            k.ld_shared(at)
+                        }
+                        CoeffScale::PageComponent => {
+                            let target = k.add(c, slot);
+                            let at = ctx.shared_word(k, plan.scales, target);
+                            k.ld_shared(at)
+                        }
+                        CoeffScale::Component => {
+                            let t = table.expect("component scales have a table");
+                            ctx.table_value(k, tables.offsets[t], c)
+                        }
+                    };
+                    let code = quantize(k, v, factor, bits);
+                    let bit = k.mad_lo(c, range.width, range.offset);
+                    let bit = item_bit(k, item, stride, bit);
+                    write_bits(k, ctx, plan.image, bit, range.width, code);
+                });
+            }
+            FieldLayout::Bitmap {
+                groups,
+                group_size: g,
+                keep,
+                elem,
+                item_scale,
+                ..
+            } => bitmap(
+                k,
+                ctx,
+                plan,
+                codec,
+                count,
+                Bitmap {
+                    groups,
+                    g,
+                    keep,
+                    elem,
+                    item_scale,
+                },
+            ),
+            FieldLayout::Dense { dtype, .. } => {
+                k.comment(&format!("{side}: dense values"));
+                let range = codec.slot(SlotRole::DenseValue);
+                let tasks = k.mul(count, dims);
+                for_each(k, ctx, tasks, |k, w| {
+                    let (item, c) = split(k, w, dims);
+                    let at = ctx.shared_word(k, plan.x, w);
+                    let v: Reg<F32> = k.ld_shared(at);
+                    let raw = match dtype {
+                        DenseDtype::F16 => {
+                            let h = k.f32_to_f16(v);
+                            k.widen16(h)
+                        }
+                        DenseDtype::Bf16 => {
+                            let h = k.f32_to_bf16(v);
+                            k.widen16(h)
+                        }
+                        DenseDtype::F32 => k.bitcast(v),
+                    };
+                    let bit = k.mad_lo(c, range.width, range.offset);
+                    let bit = item_bit(k, item, stride, bit);
+                    write_bits(k, ctx, plan.image, bit, range.width, raw);
+                });
+            }
+        }
+    }
+    k.bar_sync();
+}
+
+/// `half_scale(m, q)` of item `item`: kept in shared `item_scales`, its f16
+/// bits written at bit `offset` of the item.
+#[allow(clippy::too_many_arguments)]
+fn store_item_scale(
+    k: &mut Kernel,
+    ctx: &Ctx,
+    plan: &Plan,
+    stride: u32,
+    item: Reg<U32>,
+    m: Reg<F32>,
+    q: f32,
+    offset: u32,
+) {
+    let (s, bits) = half_scale(k, m, q);
+    let at = ctx.shared_word(k, plan.item_scales, item);
+    k.st_shared(at, s);
+    let bit = k.mad_lo(item, 8 * stride, offset);
+    write_bits(k, ctx, plan.image, bit, 16, bits);
+}
+
+struct Bitmap {
+    groups: u32,
+    g: u32,
+    keep: u32,
+    elem: BitmapElem,
+    item_scale: Option<u32>,
+}
+
+/// `bitmap_encode`: group energies; the `keep` groups first in (larger
+/// energy, lower index) order as mask bits; the int8 item scale over the
+/// kept elements; the kept elements in group order.
+fn bitmap(k: &mut Kernel, ctx: &Ctx, plan: &Plan, codec: &CodecLayout, count: Reg<U32>, b: Bitmap) {
+    let (dims, stride, side) = (codec.dims, codec.stride, codec.side.name());
+    let Bitmap {
+        groups,
+        g,
+        keep,
+        elem,
+        item_scale,
+    } = b;
+    let tasks = k.mul(count, groups);
+    k.comment(&format!("{side}: bitmap group energies"));
+    for_each(k, ctx, tasks, |k, w| {
+        let (item, j) = split(k, w, groups);
+        let first = k.mul(j, g);
+        let x0 = coordinate(k, ctx, plan, dims, item, first);
+        let mut e = k.mov(SUM_START);
+        for t in 0..g {
+            let v: Reg<F32> = k.ld_shared(x0.plus(4 * i64::from(t)));
+            let sq = k.mul(v, v);
+            e = k.add(e, sq);
+        }
+        let at = ctx.shared_word(k, plan.aux, w);
+        k.st_shared(at, e);
+    });
+    k.bar_sync();
+    k.comment(&format!("{side}: bitmap kept groups (mask bits)"));
+    let mask = codec.slot(SlotRole::MaskBit);
+    for_each(k, ctx, tasks, |k, w| {
+        let (item, j) = split(k, w, groups);
+        let at = ctx.shared_word(k, plan.aux, w);
+        // Energies are never negative: their bits order as total_cmp does.
+        let mine: Reg<U32> = k.ld_shared(at);
+        let row = k.mul(item, groups);
+        let rank = k.mov(0u32);
+        serial(k, groups, |k, i| {
+            let other = k.add(row, i);
+            let at = ctx.shared_word(k, plan.aux, other);
+            let theirs: Reg<U32> = k.ld_shared(at);
+            let before = k.setp(Cmp::Lt, i, j);
+            let ge = k.setp(Cmp::Ge, theirs, mine);
+            let gt = k.setp(Cmp::Gt, theirs, mine);
+            let ahead_if_before = k.and_pred(before, ge);
+            let ahead = k.or_pred(ahead_if_before, gt);
+            let one = k.selp(1u32, 0u32, ahead);
+            k.add_to(rank, rank, one);
+        });
+        let kept = k.setp(Cmp::Lt, rank, keep);
+        let flag = k.selp(1u32, 0u32, kept);
+        let at = ctx.shared_word(k, plan.codes, w);
+        k.st_shared(at, flag);
+        let bit = k.add(j, mask.offset);
+        let bit = item_bit(k, item, stride, bit);
+        write_bits(k, ctx, plan.image, bit, 1, flag);
+    });
+    k.bar_sync();
+    if let Some(offset) = item_scale {
+        k.comment(&format!("{side}: bitmap int8 item scales"));
+        for_each(k, ctx, count, |k, item| {
+            let m = k.mov(0.0f32);
+            let row = k.mul(item, groups);
+            serial(k, groups, |k, j| {
+                let at = k.add(row, j);
+                let at = ctx.shared_word(k, plan.codes, at);
+                let flag: Reg<U32> = k.ld_shared(at);
+                let kept = k.setp(Cmp::Ne, flag, 0u32);
+                let first = k.mul(j, g);
+                let x0 = coordinate(k, ctx, plan, dims, item, first);
+                for t in 0..g {
+                    let v: Reg<F32> = k.ld_shared(x0.plus(4 * i64::from(t)));
+                    let a = k.abs_f32(v);
+                    let larger = k.max(m, a);
+                    assign_if(k, m, larger, kept);
+                }
+            });
+            store_item_scale(k, ctx, plan, stride, item, m, 127.0, offset);
+        });
+        k.bar_sync();
+    }
+    k.comment(&format!("{side}: bitmap kept elements"));
+    let elems = codec.slot(SlotRole::BitmapElement);
+    for_each(k, ctx, tasks, |k, w| {
+        let (item, j) = split(k, w, groups);
+        let at = ctx.shared_word(k, plan.codes, w);
+        let flag: Reg<U32> = k.ld_shared(at);
+        let dropped = k.setp(Cmp::Eq, flag, 0u32);
+        let skip = k.label();
+        k.bra_if(dropped, true, skip);
+        let row = k.mul(item, groups);
+        let position = k.mov(0u32);
+        serial(k, j, |k, i| {
+            let at = k.add(row, i);
+            let at = ctx.shared_word(k, plan.codes, at);
+            let earlier: Reg<U32> = k.ld_shared(at);
+            k.add_to(position, position, earlier);
+        });
+        let scale: Option<Reg<F32>> = (elem == BitmapElem::Int8).then(|| {
+            let at = ctx.shared_word(k, plan.item_scales, item);
+            k.ld_shared(at)
+        });
+        let first = k.mul(j, g);
+        let x0 = coordinate(k, ctx, plan, dims, item, first);
+        let e0 = k.mul(position, g);
+        for t in 0..g {
+            let v: Reg<F32> = k.ld_shared(x0.plus(4 * i64::from(t)));
+            let raw = match scale {
+                Some(s) => quantize(k, v, s, 8),
+                None => {
+                    let h = k.f32_to_f16(v);
+                    k.widen16(h)
+                }
+            };
+            let e = k.add(e0, t);
+            let bit = k.mad_lo(e, elems.width, elems.offset);
+            let bit = item_bit(k, item, stride, bit);
+            write_bits(k, ctx, plan.image, bit, elems.width, raw);
+        }
+        k.place(skip);
+    });
+}
