@@ -3,12 +3,16 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 cargo build --release -p kvcc-runtime --bin kvcc
-test=$(cargo test --release --test gpu --no-run --message-format=json 2>/dev/null \
-  | python3 -c 'import json,sys
+# The GPU test binaries: tests/gpu.rs (kernels, encoders) and tests/gpu_live.rs (the live cache).
+binary() {
+  cargo test --release --test "$1" --no-run --message-format=json 2>/dev/null \
+    | python3 -c 'import json,sys
 for l in sys.stdin:
     m=json.loads(l)
-    if m.get("reason")=="compiler-artifact" and m["target"]["name"]=="gpu" and m.get("executable"): print(m["executable"])')
+    if m.get("reason")=="compiler-artifact" and m["target"]["name"]==sys.argv[1] and m.get("executable"): print(m["executable"])' "$1"
+}
 mkdir -p .gpu
 cp target/release/kvcc .gpu/kvcc
-cp "$test" .gpu/gpu-tests
+cp "$(binary gpu)" .gpu/gpu-tests
+cp "$(binary gpu_live)" .gpu/gpu-live-tests
 ls -la .gpu

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: correctness, sanitizers, DRAM bytes, benchmark.
 # Binaries are built on a CPU machine and carried in .gpu/ (see build.sh):
-#   .gpu/kvcc, .gpu/gpu-tests (the tests/gpu.rs test binary); wheels in .whl/.
+#   .gpu/kvcc, .gpu/gpu-tests and .gpu/gpu-live-tests (tests/gpu.rs, tests/gpu_live.rs); wheels in .whl/.
 # Usage: benches/gpu/run.sh STEP...
-#   STEP: env | test | sanitize | ncu | baseline | bench | tune | tuned-bench | shipped | before-after
+#   STEP: env | test | sanitize | ncu | baseline | bench | live-baseline | live-bench | tune | tuned-bench | shipped | before-after
+# live-baseline / live-bench: the serving loop (append one token per sequence, then decode) of
+# benches/gpu/live_baseline.py (SDPA, FlashInfer f16/fp8) and of `kvcc bench --live`.
 # before-after: benches the build in $KVCC_BEFORE (default .gpu/before, built by build.sh from an
 # older commit) and .gpu/ alternately, three runs each, and fails if a tier is over 2 % slower.
 # shipped: imports the tune cache exported by an earlier call on another machine
@@ -26,16 +28,22 @@ for s in "$@"; do
       ;;
     test)
       step "GPU equivalence tests"
-      .gpu/gpu-tests --test-threads 1 --nocapture 2>&1 | tee "$out/test.log" | grep -E "^test |test result|SKIPPED|panicked|KVCC_TEST_SEED" || status=1
-      grep -q "test result: ok" "$out/test.log" || status=1
+      for bin in gpu-tests gpu-live-tests; do
+        .gpu/$bin --test-threads 1 --nocapture 2>&1 | tee "$out/$bin.log" | grep -E "^test |test result|SKIPPED|panicked|KVCC_TEST_SEED" || status=1
+        grep -q "test result: ok" "$out/$bin.log" || status=1
+      done
       ;;
     sanitize)
       step "compute-sanitizer memcheck + racecheck"
       # The bundled tiers at the defaults, the formats whose key codebooks are read directly,
-      # then the tuning space's other configurations (pipelined ones too).
-      for t in gpu_matches_interpreter_on_every_bundled_tier gpu_matches_interpreter_on_direct_codebook_formats gpu_tuning_space_matches_interpreter_and_page_size_is_enforced; do
+      # then the tuning space's other configurations (pipelined ones too); the page encoders
+      # and the live cache (append, compress, decode over exact and compressed pages).
+      # KVCC_SANITIZE: a space-separated subset of bin:test pairs.
+      tests=${KVCC_SANITIZE:-"gpu-tests:gpu_matches_interpreter_on_every_bundled_tier gpu-tests:gpu_matches_interpreter_on_direct_codebook_formats gpu-tests:gpu_tuning_space_matches_interpreter_and_page_size_is_enforced gpu-tests:gpu_encoders_match_cpu_encoder_on_every_bundled_tier gpu-live-tests:gpu_live_cache_matches_the_cpu_live_cache_on_every_bundled_format"}
+      for pair in $tests; do
+        bin=${pair%%:*}; t=${pair#*:}
         for tool in memcheck racecheck; do
-          compute-sanitizer --tool "$tool" --error-exitcode 9 .gpu/gpu-tests "$t" --test-threads 1 \
+          compute-sanitizer --tool "$tool" --error-exitcode 9 ".gpu/$bin" "$t" --test-threads 1 \
             > "$out/sanitize-$tool-$t.log" 2>&1
           rc=$?
           echo "$tool $t exit $rc: $(grep -E 'SUMMARY|test result' "$out/sanitize-$tool-$t.log" | tr '\n' ' ')"
@@ -53,6 +61,18 @@ for s in "$@"; do
       step "dense baselines (SDPA, FlashInfer)"
       python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
       PYTHONUNBUFFERED=1 python3 benches/gpu/baseline.py --json "$out/baseline.json" 2>&1 | tail -12
+      ;;
+    live-baseline)
+      step "dense serving loops (SDPA, FlashInfer f16 and fp8)"
+      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+      PYTHONUNBUFFERED=1 python3 benches/gpu/live_baseline.py --ctx "${KVCC_BENCH_CTX:-8192,32768,131072}" --json "$out/live-baseline.json" 2>&1 | tail -12
+      ;;
+    live-bench)
+      step "kvcc bench --live"
+      .gpu/kvcc bench --live --baseline "$out/live-baseline.json" --ctx "${KVCC_BENCH_CTX:-8192,32768,131072}" \
+        ${KVCC_BENCH_ONLY:+--only "$KVCC_BENCH_ONLY"} --save "$out/live-bench.json" > "$out/live-bench.txt" 2> "$out/live-bench.err" \
+        || { status=1; tail -5 "$out/live-bench.err"; }
+      cat "$out/live-bench.txt"
       ;;
     bench)
       step "kvcc bench"

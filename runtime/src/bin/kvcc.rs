@@ -7,7 +7,7 @@ use std::time::Duration;
 use clap::{Args, Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressFinish, ProgressStyle};
 use kvcc_compiler::Format;
-use kvcc_runtime::cli::{self, bench, check, demo, eval, policy};
+use kvcc_runtime::cli::{self, bench, check, demo, eval, live_bench, policy};
 use kvcc_runtime::cuda::measure::{DecodeShape, StepPlan, StepTiming};
 use kvcc_runtime::cuda::Gpu;
 use kvcc_runtime::exec::ExecutorKind;
@@ -112,6 +112,15 @@ enum Command {
         /// Time the default kernel configurations, not the tune cache's.
         #[arg(long)]
         no_tune: bool,
+        /// A serving loop on the live cache: every step appends one token per
+        /// sequence and decodes (baselines from benches/gpu/live_baseline.py).
+        #[arg(long)]
+        live: bool,
+        /// With --live: timed steps (rounded up to whole pages).
+        #[arg(long, default_value_t = 256)]
+        steps: usize,
+        #[command(flatten)]
+        policy: PolicyArgs,
         /// Also write the report as JSON to this file.
         #[arg(long)]
         save: Option<PathBuf>,
@@ -288,6 +297,9 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             timing,
             baseline,
             no_tune,
+            live,
+            steps,
+            policy,
             save,
             json,
         } => {
@@ -296,6 +308,25 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                 formats.retain(|f| only.iter().any(|o| o == f.name()));
             }
             let baselines = baseline.map(|p| bench::Baselines::load(&p)).transpose()?;
+            if live {
+                let options = live_bench::LiveBenchOptions {
+                    shape,
+                    contexts: ctx,
+                    warmup,
+                    steps,
+                    sinks: policy.sinks,
+                    window: policy.window,
+                    ..Default::default()
+                };
+                let tiers: usize = formats.iter().map(|f| f.tiers().len()).sum();
+                let progress = bar((tiers * options.contexts.len()) as u64, "bench --live");
+                let report = live_bench::run(&formats, baselines, &options, |what| {
+                    progress.set_message(what.to_string());
+                    progress.inc(1);
+                })?;
+                progress.finish_and_clear();
+                return emit(&report, save, json, || live_bench::render(&report));
+            }
             let options = bench::BenchOptions {
                 shape,
                 contexts: ctx,

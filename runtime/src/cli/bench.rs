@@ -115,7 +115,8 @@ impl Baselines {
         let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
         serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))
     }
-    fn ms(&self, baseline: &str, ctx: usize) -> Option<f64> {
+    /// The baseline's time at `ctx`, if it ran.
+    pub fn ms_of(&self, baseline: &str, ctx: usize) -> Option<f64> {
         self.rows
             .iter()
             .find(|r| r.baseline == baseline && r.ctx == ctx)
@@ -216,7 +217,7 @@ pub fn run(
                 let bytes_per_token =
                     bytes / (options.shape.batch * options.shape.kv_heads * context) as f64;
                 let dense = (4 * d) as f64;
-                let sdpa_ms = baselines.as_ref().and_then(|b| b.ms("sdpa", context));
+                let sdpa_ms = baselines.as_ref().and_then(|b| b.ms_of("sdpa", context));
                 rows.push(BenchRow {
                     format: format.name().to_string(),
                     tier: name.clone(),
@@ -233,7 +234,7 @@ pub fn run(
                     sdpa_ms,
                     speedup_vs_sdpa: sdpa_ms.map(|s| s / timing.ms),
                     bar: 0.75 * dense / bytes_per_token,
-                    flashinfer_ms: baselines.as_ref().and_then(|b| b.ms("flashinfer", context)),
+                    flashinfer_ms: baselines.as_ref().and_then(|b| b.ms_of("flashinfer", context)),
                 });
             }
         }

@@ -5,6 +5,7 @@ pub mod check;
 pub mod demo;
 pub mod eval;
 mod fidelity;
+pub mod live_bench;
 pub mod live_fidelity;
 pub mod policy;
 pub mod tune;

@@ -41,9 +41,10 @@ pub struct DeviceLiveOptions {
     pub q_heads: usize,
 }
 
-/// One sequence's pages, per kv head.
+/// One sequence's exact pages, per kv head: what an append plans on a copy
+/// of (a few pages, whatever the sequence's length).
 #[derive(Debug, Clone, PartialEq, Eq)]
-struct Sequence {
+struct ExactPart {
     tokens: usize,
     /// Exact pages of the first `sinks` tokens.
     sinks: Vec<Vec<u32>>,
@@ -51,27 +52,43 @@ struct Sequence {
     /// `tail[j / items]`.
     tail: Vec<Vec<u32>>,
     tail_tokens: usize,
-    /// Compressed pages, in token order.
-    pages: Vec<Vec<PageRef>>,
 }
 
-impl Sequence {
-    fn new(kv_heads: usize) -> Sequence {
-        Sequence {
+impl ExactPart {
+    fn new(kv_heads: usize) -> ExactPart {
+        ExactPart {
             tokens: 0,
             sinks: vec![Vec::new(); kv_heads],
             tail: vec![Vec::new(); kv_heads],
             tail_tokens: 0,
-            pages: vec![Vec::new(); kv_heads],
         }
     }
 }
 
-/// The bookkeeping an append changes, copied to plan on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Sequence {
+    exact: ExactPart,
+    /// Compressed pages per kv head, in token order.
+    pages: Vec<Vec<PageRef>>,
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Books {
     sequences: Vec<Sequence>,
     pool: PagePool,
+}
+
+/// An append, planned without touching the books: the appended sequences'
+/// new exact parts, the pages compressed, the pool after it, and the
+/// device rounds.
+struct Plan {
+    touched: Vec<(usize, ExactPart)>,
+    /// (sequence, kv head, page) in token order.
+    compressed: Vec<(usize, usize, PageRef)>,
+    pool: PagePool,
+    /// Whether any page list changes (a page allocated or compressed).
+    changed: bool,
+    rounds: Vec<Round>,
 }
 
 /// One batch of device work: append kernel rows and headers, then compress jobs.
@@ -278,7 +295,7 @@ impl DeviceLiveCache {
         let exact = self.serving.exact_tier as u32;
         (0..self.kv_heads)
             .map(|h| {
-                let exact_pages = s.sinks[h].iter().chain(&s.tail[h]);
+                let exact_pages = s.exact.sinks[h].iter().chain(&s.exact.tail[h]);
                 (s.pages[h].iter().copied())
                     .chain(exact_pages.map(|&page| PageRef { tier: exact, page }))
                     .collect()
@@ -332,14 +349,15 @@ impl DeviceLiveCache {
         values: &CudaView<f32>,
         new: &[(usize, usize)],
     ) -> Result<(), LiveError> {
-        let (books, rounds) = self.plan(new)?;
+        let plan = self.plan(new)?;
+        let rounds = &plan.rounds;
         let cuda = |e: CudaError| LiveError::Device(e.to_string());
         let lists_len: usize = rounds
             .iter()
             .map(|r| 2 * r.rows.len() + 2 * r.headers.len() + 3 * r.jobs.len())
             .sum();
         let mut host = Vec::with_capacity(lists_len);
-        for r in &rounds {
+        for r in rounds {
             host.extend(r.rows.iter().flatten());
             host.extend(r.headers.iter().flatten());
             host.extend(r.jobs.iter().flatten());
@@ -359,7 +377,7 @@ impl DeviceLiveCache {
         let exact = self.serving.exact_tier;
         let tier = self.policy.tier;
         let mut at = 0usize;
-        for r in &rounds {
+        for r in rounds {
             let rows = self.lists.slice(at..at + 2 * r.rows.len().max(1));
             at += 2 * r.rows.len();
             let headers = self.lists.slice(at..at + 2 * r.headers.len().max(1));
@@ -393,13 +411,26 @@ impl DeviceLiveCache {
                     .map_err(cuda)?;
             }
         }
-        let changed = books.sequences.len() != self.books.sequences.len()
-            || books
-                .sequences
-                .iter()
-                .zip(&self.books.sequences)
-                .any(|(a, b)| a.sinks != b.sinks || a.tail != b.tail || a.pages != b.pages);
-        self.books = books;
+        let Plan {
+            touched,
+            compressed,
+            pool,
+            changed,
+            ..
+        } = plan;
+        for (sequence, part) in touched {
+            match self.books.sequences.get_mut(sequence) {
+                Some(s) => s.exact = part,
+                None => self.books.sequences.push(Sequence {
+                    exact: part,
+                    pages: vec![Vec::new(); self.kv_heads],
+                }),
+            }
+        }
+        for (sequence, h, page) in compressed {
+            self.books.sequences[sequence].pages[h].push(page);
+        }
+        self.books.pool = pool;
         if changed {
             let tables: Vec<Vec<Vec<PageRef>>> = (self.books.sequences.iter())
                 .map(|s| self.row_pages(s))
@@ -411,10 +442,14 @@ impl DeviceLiveCache {
         Ok(())
     }
 
-    /// Where every new row goes, on a copy of the books: the copy and the
-    /// device rounds, or the first error (nothing changed).
-    fn plan(&self, new: &[(usize, usize)]) -> Result<(Books, Vec<Round>), LiveError> {
-        let mut books = self.books.clone();
+    /// Where every new row goes, planned on copies of the appended
+    /// sequences' exact parts and of the pool: the plan, or the first error
+    /// (nothing changed). New entries past the last sequence are new
+    /// sequences, in order.
+    fn plan(&self, new: &[(usize, usize)]) -> Result<Plan, LiveError> {
+        let mut pool = self.books.pool.clone();
+        let mut changed = false;
+        let mut compressed = Vec::new();
         let items = self.format.spec().page.items as usize;
         let (exact, tier) = (self.serving.exact_tier, self.policy.tier);
         let kv_heads = self.kv_heads;
@@ -423,12 +458,18 @@ impl DeviceLiveCache {
         // Source rows: entry e's rows start after the earlier entries'.
         let mut first_row = Vec::with_capacity(new.len());
         let mut next = 0usize;
+        let mut touched = Vec::with_capacity(new.len());
         for &(sequence, tokens) in new {
             first_row.push(next);
             next += tokens * kv_heads;
-            while books.sequences.len() <= sequence {
-                books.sequences.push(Sequence::new(kv_heads));
-            }
+            let part = match self.books.sequences.get(sequence) {
+                Some(s) => s.exact.clone(),
+                None => {
+                    changed = true;
+                    ExactPart::new(kv_heads)
+                }
+            };
+            touched.push((sequence, part));
         }
         // Rounds of at most a page of tokens per sequence: before a round
         // the tail holds fewer than window + items tokens, so each round
@@ -442,7 +483,7 @@ impl DeviceLiveCache {
                 if start >= end {
                     continue;
                 }
-                let s = &mut books.sequences[sequence];
+                let s = &mut touched[e].1;
                 let mut touched: Vec<(usize, bool)> = Vec::new();
                 for i in start..end {
                     let t = s.tokens;
@@ -455,8 +496,9 @@ impl DeviceLiveCache {
                     let index = at / items;
                     for (h, pages) in list.iter_mut().enumerate() {
                         if pages.len() == index {
-                            let page = allocate(&mut books.pool, exact, &self.serving.format)?;
+                            let page = allocate(&mut pool, exact, &self.serving.format)?;
                             pages.push(page);
+                            changed = true;
                         }
                         let row = first_row[e] + h * tokens + i;
                         let slot = pages[index] as usize * items + at % items;
@@ -485,26 +527,34 @@ impl DeviceLiveCache {
                 if s.tail_tokens >= self.policy.window + items {
                     for h in 0..kv_heads {
                         let source = s.tail[h].remove(0);
-                        let target = allocate(&mut books.pool, tier, &self.format)?;
+                        let target = allocate(&mut pool, tier, &self.format)?;
                         round.jobs.push([source, target, h as u32]);
-                        s.pages[h].push(PageRef {
+                        let page = PageRef {
                             tier: tier as u32,
                             page: target,
-                        });
+                        };
+                        compressed.push((sequence, h, page));
                         freed.push(source);
+                        changed = true;
                     }
                     s.tail_tokens -= items;
                 }
             }
             for page in freed {
-                books.pool.release(PageRef {
+                pool.release(PageRef {
                     tier: exact as u32,
                     page,
                 });
             }
             rounds.push(round);
         }
-        Ok((books, rounds))
+        Ok(Plan {
+            touched,
+            compressed,
+            pool,
+            changed,
+            rounds,
+        })
     }
 
     /// Checks host K/V entries (`[kv_head][token][head_dim]` each), uploads
@@ -544,24 +594,33 @@ impl DeviceLiveCache {
         result
     }
 
-    /// One decode step, every sequence; the output and log-sum-exp stay on
-    /// the device until [`attend`](LiveKv::attend) downloads them.
-    pub fn launch_step(&self, queries: &[f32], q_heads: usize) -> Result<(), LiveError> {
+    /// Uploads `[sequence][q_head][head_dim]` queries (checked) for the
+    /// decode steps that follow; plans a step for `q_heads` if needed.
+    pub fn set_queries(&self, queries: &[f32], q_heads: usize) -> Result<(), LiveError> {
         let cuda = |e: CudaError| LiveError::Device(e.to_string());
         let mut slot = self.decode.lock().expect("decode lock");
-        let fresh = !matches!(&*slot, Some(step) if step.q_heads == q_heads);
-        if fresh {
-            *slot = Some(
-                DeviceDecode::new(&self.gpu, &self.kernels, &self.device, q_heads, None)
-                    .map_err(cuda)?,
-            );
+        if !matches!(&*slot, Some(step) if step.q_heads == q_heads) {
+            let step = DeviceDecode::new(&self.gpu, &self.kernels, &self.device, q_heads, None);
+            *slot = Some(step.map_err(cuda)?);
         }
         let step = slot.as_mut().expect("a step was just made");
         if !step.planned_for(&self.device) {
             step.replan(&self.gpu, &self.kernels, &self.device).map_err(cuda)?;
         }
         step.set_queries(&self.gpu, &self.kernels, &self.device, queries)
-            .map_err(cuda)?;
+            .map_err(cuda)
+    }
+
+    /// Enqueues one decode step over every sequence with the queries set
+    /// last; its output and log-sum-exp stay on the device until
+    /// [`attend`](LiveKv::attend) downloads them.
+    pub fn launch_decode(&self) -> Result<(), LiveError> {
+        let cuda = |e: CudaError| LiveError::Device(e.to_string());
+        let mut slot = self.decode.lock().expect("decode lock");
+        let step = (slot.as_mut()).ok_or_else(|| LiveError::Device("no queries were set".into()))?;
+        if !step.planned_for(&self.device) {
+            step.replan(&self.gpu, &self.kernels, &self.device).map_err(cuda)?;
+        }
         step.launch(&self.gpu, &self.kernels, &self.device).map_err(cuda)
     }
 
@@ -606,7 +665,7 @@ impl LiveKv for DeviceLiveCache {
     }
 
     fn lengths(&self) -> Vec<usize> {
-        self.books.sequences.iter().map(|s| s.tokens).collect()
+        self.books.sequences.iter().map(|s| s.exact.tokens).collect()
     }
 
     fn prefill(&mut self, sequences: &[SequenceKv]) -> Result<Vec<usize>, LiveError> {
@@ -633,7 +692,8 @@ impl LiveKv for DeviceLiveCache {
     }
 
     fn attend(&self, queries: &[f32], q_heads: usize) -> Result<Attention, LiveError> {
-        self.launch_step(queries, q_heads)?;
+        self.set_queries(queries, q_heads)?;
+        self.launch_decode()?;
         self.results()
     }
 
@@ -649,7 +709,7 @@ impl LiveKv for DeviceLiveCache {
         for page in s.pages.into_iter().flatten() {
             self.books.pool.release(page);
         }
-        for page in s.sinks.into_iter().chain(s.tail).flatten() {
+        for page in s.exact.sinks.into_iter().chain(s.exact.tail).flatten() {
             self.books.pool.release(PageRef { tier: exact, page });
         }
         let tables: Vec<Vec<Vec<PageRef>>> =

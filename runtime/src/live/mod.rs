@@ -27,7 +27,7 @@ pub use policy::{CachePolicy, Split};
 pub use pool::PagePool;
 
 /// Keys and values of one sequence, `[kv_head][token][head_dim]` each.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, Default)]
 pub struct SequenceKv<'a> {
     pub keys: &'a [f32],
     pub values: &'a [f32],
