@@ -165,6 +165,18 @@ def main():
         "first4": scores[..., :4].sum(-1).mean(dim=(1, 2)).tolist(),
         "sep": scores[..., -1].mean(dim=(1, 2)).tolist(),
     }
+    # The share on the tokens 4 sinks + a 64-token window keep exact in a
+    # 512-token sequence of 64-token pages (the first 4 and the last 124),
+    # over all queries and over the last 64 tokens' queries.
+    exact = torch.zeros(scores.shape[-1], dtype=torch.bool)
+    exact[:4] = True
+    exact[-124:] = True
+    on_exact = scores[..., exact].sum(-1)
+    exact_share = {
+        "all_queries": round(on_exact.mean().item(), 3),
+        "last_64_queries": round(on_exact[:, :, -64:].mean().item(), 3),
+        "last_64_queries_on_first4": round(scores[:, :, -64:, :4].sum(-1).mean().item(), 3),
+    }
     print(
         json.dumps(
             {
@@ -181,6 +193,7 @@ def main():
                 "torch": torch.__version__,
                 "recompute_rel_err": float(rel),
                 "attention_share_per_layer": {key: [round(x, 3) for x in val] for key, val in shares.items()},
+                "attention_share_on_sinks4_window64_exact": exact_share,
             },
             indent=2,
         )
