@@ -248,6 +248,69 @@ fn check_says_which_context_it_amortizes_over() {
     );
 }
 
+#[test]
+fn check_json_carries_the_cache_policy_that_the_text_prints() {
+    let shard = concat!(env!("CARGO_MANIFEST_DIR"), "/../specs/shard.toml");
+    let args = ["check", shard, "--context", "32768"];
+    let report = json(&ok(&[&args[..], &["--json"]].concat()));
+    let cache = &report["cache"];
+    assert_eq!(cache["sinks"], 4, "{cache}");
+    assert_eq!(cache["window"], 64, "{cache}");
+    assert_eq!(cache["exact"], "f16", "{cache}");
+    assert_eq!(cache["tier"], "pca64_vq", "{cache}");
+    assert_eq!(cache["keeps_exact"], true, "{cache}");
+    assert_eq!(cache["context"], 32768, "{cache}");
+    // 4 sinks, then whole 64-token pages while 64 tokens stay behind them:
+    // (32768 - 4 - 64) / 64 = 510 pages, 32764 - 510 * 64 = 124 tail tokens.
+    assert_eq!(cache["split"]["sinks"], 4, "{cache}");
+    assert_eq!(cache["split"]["pages"], 510, "{cache}");
+    assert_eq!(cache["split"]["tail"], 124, "{cache}");
+    assert_eq!(cache["exact_tokens"], 128, "{cache}");
+    assert_eq!(cache["exact_row_bytes"], 2 * 128 * 2, "{cache}");
+    let tier = &cache["tiers"][0];
+    assert_eq!(tier["tier"], "pca64_vq", "{tier}");
+    assert_eq!(tier["policy_tier"], true, "{tier}");
+    let with = num(&tier["bytes_per_token"], "bytes_per_token");
+    let without = num(
+        &tier["all_pages_bytes_per_token"],
+        "all_pages_bytes_per_token",
+    );
+    // The 128 exact rows (512 B each) replace two pages' worth of 66 B tokens.
+    let exact_share = 128.0 * 512.0 / 32768.0;
+    assert!(
+        with > without && with > exact_share && with < exact_share + without,
+        "{tier}"
+    );
+    let compression = num(&tier["compression"], "compression");
+    assert!((compression - 512.0 / with).abs() < 1e-9, "{tier}");
+    // The text shows the same numbers.
+    let text = ok(&args);
+    for fact in [
+        "cache policy: sinks 4 + window 64 exact (f16), whole pages in `pca64_vq`".to_string(),
+        "at 32768 tokens: 4 sinks + 510 pages + 124 tail tokens".to_string(),
+        format!("{with:.2}"),
+        format!("{without:.2}"),
+    ] {
+        assert!(text.contains(&fact), "{fact:?} not in:\n{text}");
+    }
+    // A spec without a [cache] table keeps nothing exact.
+    let report = json(&ok(&["check", SPHERICAL, "--json"]));
+    let cache = &report["cache"];
+    assert_eq!(
+        (cache["sinks"].clone(), cache["window"].clone()),
+        (0.into(), 0.into()),
+        "{cache}"
+    );
+    assert_eq!(cache["keeps_exact"], false, "{cache}");
+    assert_eq!(cache["tier"], "high", "{cache}");
+    for tier in cache["tiers"].as_array().expect("tiers") {
+        assert_eq!(
+            tier["bytes_per_token"], tier["all_pages_bytes_per_token"],
+            "{tier}"
+        );
+    }
+}
+
 // ---------------------------------------------------------------------------
 // eval
 // ---------------------------------------------------------------------------

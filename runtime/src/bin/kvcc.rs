@@ -258,7 +258,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                 format!(
                     "{}\n{}",
                     check::render(&report),
-                    policy::render(&format, context as usize)
+                    policy::render(&format, &report.cache)
                 )
             })?;
         }

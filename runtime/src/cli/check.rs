@@ -5,6 +5,7 @@ use kvcc_compiler::layout::{CodecLayout, FieldLayout, TierLayout, TransformLayou
 use kvcc_compiler::Format;
 use serde::Serialize;
 
+use super::policy::{self, PolicyReport};
 use crate::table::Table;
 
 /// One tier's byte accounting.
@@ -33,6 +34,9 @@ pub struct FormatReport {
     pub head_dim: u32,
     pub dense_f16_bytes_per_token: u32,
     pub tiers: Vec<TierReport>,
+    /// The `[cache]` policy and its bytes per token at the same context,
+    /// exact rows included.
+    pub cache: PolicyReport,
 }
 
 pub fn report(format: &Format, context: u32) -> FormatReport {
@@ -63,6 +67,7 @@ pub fn report(format: &Format, context: u32) -> FormatReport {
         head_dim: format.head_dim(),
         dense_f16_bytes_per_token: dense,
         tiers,
+        cache: policy::report(format, context as usize),
     }
 }
 

@@ -18,7 +18,7 @@ pub struct CachePolicy {
 
 /// Where a sequence's tokens are under a policy: the first `sinks` exact, then
 /// `pages` whole compressed pages, then an exact `tail`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 pub struct Split {
     pub sinks: usize,
     pub pages: usize,
