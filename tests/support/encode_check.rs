@@ -197,11 +197,11 @@ pub fn check_encoder_within(gpu: &Gpu, format: &Format, seed: u64, what: &str, s
     let jobs: Vec<[u32; 3]> = (0..jobs_count)
         .map(|s| [s as u32, dst(s) as u32, (s / PAGES) as u32])
         .collect();
-    for tier in 0..format.tiers().len() {
+    for (tier, tier_tables) in tables.iter().enumerate() {
         let layout = format.layout(tier);
         let page_bytes = layout.page_bytes as usize;
         let got = encoders
-            .encode_pages(gpu, tier, &source_pool, &tables[tier], &jobs, pages)
+            .encode_pages(gpu, tier, &source_pool, tier_tables, &jobs, pages)
             .unwrap_or_else(|e| panic!("{what}: tier {}: {e}", layout.name));
         let mut problems = Vec::new();
         for (s, job) in jobs.iter().enumerate() {
@@ -209,7 +209,7 @@ pub fn check_encoder_within(gpu: &Gpu, format: &Format, seed: u64, what: &str, s
             let mut want = vec![0u8; page_bytes];
             encode_page(
                 layout,
-                &tables[tier][head],
+                &tier_tables[head],
                 &row(&keys, head, page),
                 &row(&values, head, page),
                 &mut want,
