@@ -6,13 +6,15 @@
 //! (see `tests/support/ptxas.rs`), unless `KVCC_REQUIRE_PTXAS=1`.
 
 mod common;
+#[path = "support/encode_check.rs"]
+mod encode_check;
 #[path = "support/ptxas.rs"]
 mod ptxas;
 
 use std::sync::Mutex;
 
 use kvcc::compiler::back::ptx::abi::{DenseSource, TableBuffer};
-use kvcc::compiler::back::ptx::encode::{write_encoders, EncodeOutput};
+use kvcc::compiler::back::ptx::encode::{write_encoder_within, write_encoders, EncodeOutput};
 use kvcc::compiler::back::ptx::{self, Target};
 use kvcc::compiler::Format;
 
@@ -160,14 +162,23 @@ fn large_pages_encode_in_chunks() {
     let source = dense_source(&format, "f16");
     let out = write_encoders(&format, &source, Target::Sm80).expect("encoder");
     let chunk = out[0].kernel.chunk_items;
-    assert!(chunk < 1024 && chunk % 16 == 0, "chunk {chunk}");
+    assert!(chunk < 1024 && chunk.is_multiple_of(16), "chunk {chunk}");
     assert!(out[0].kernel.shared_bytes <= Target::Sm80.max_shared_bytes());
     let other = dense_source(&common::bundled()[0], "f16");
     assert!(write_encoders(&format, &other, Target::Sm80).is_err());
+    // The GPU test's chunked spec goes in two chunks under its budget.
+    let chunked = Format::parse(encode_check::CHUNKED_SPEC, "chunked.toml").expect("valid");
+    let mut jobs = vec![("large/t0 (sm_80)".to_string(), out[0].clone(), Target::Sm80)];
+    for t in 0..chunked.tiers().len() {
+        let source = dense_source(&chunked, "f16");
+        let limit = encode_check::CHUNKED_SHARED_BYTES;
+        let o = write_encoder_within("chunked", chunked.layout(t), &source, Target::Sm90, limit)
+            .expect("chunked encoder");
+        assert_eq!(o.kernel.chunk_items, 32, "tier {t}");
+        assert!(o.kernel.shared_bytes <= limit);
+        jobs.push((format!("chunked/{} (sm_90)", o.tier), o, Target::Sm90));
+    }
     if let Some(assembler) = ptxas::find_or_skip("large_pages_encode_in_chunks") {
-        assemble(
-            &assembler,
-            vec![("large/t0 (sm_80)".into(), out[0].clone(), Target::Sm80)],
-        );
+        assemble(&assembler, jobs);
     }
 }

@@ -386,6 +386,15 @@ fn gpu_encoders_match_cpu_encoder_on_every_bundled_tier() {
     for format in bundled() {
         encode_check::check_encoder(executor.gpu(), &format, seed, format.name());
     }
+    // Pages in chunks: the page scales' pass, then the items'.
+    let chunked = Format::parse(encode_check::CHUNKED_SPEC, "chunked.toml").expect("valid");
+    encode_check::check_encoder_within(
+        executor.gpu(),
+        &chunked,
+        seed,
+        "chunked pages",
+        encode_check::CHUNKED_SHARED_BYTES,
+    );
 }
 
 /// The same on random specs: every transform, body and page scale kind.

@@ -117,8 +117,37 @@ fn describe(layout: &TierLayout, at: usize) -> String {
     "stream or page padding".into()
 }
 
+/// A two-tier spec of 40-item pages whose kernels, held to a small shared
+/// memory budget ([`CHUNKED_SHARED_BYTES`]), encode each page in two chunks
+/// (32 items, then 8), transforming twice for the page scales.
+pub const CHUNKED_SPEC: &str = r#"
+name = "chunked"
+head_dim = 16
+[page]
+items = 40
+[[tier]]
+name = "a"
+key.field = [{ kind = "coeff", bits = 8, scale = "page_component" }]
+value.transform = { kind = "hadamard" }
+value.field = [{ kind = "radius", group_size = 4, bits = 6, scale = "page_group" }, { kind = "codebook", group_size = 4, bits = 3, codewords = "direction" }]
+[[tier]]
+name = "b"
+key.transform = { kind = "pca", rank = 8 }
+key.field = [{ kind = "coeff", bits = 4, scale = "page" }]
+value.transform = { kind = "srht", seed = 5 }
+value.field = [{ kind = "bitmap", group_size = 2, keep = 3, elem = "int8" }]
+"#;
+
+/// Shared memory that holds 32 of [`CHUNKED_SPEC`]'s items at once, not 40.
+pub const CHUNKED_SHARED_BYTES: u32 = 4600;
+
 /// Encodes `format`'s pages on the GPU and on the CPU and compares them.
 pub fn check_encoder(gpu: &Gpu, format: &Format, seed: u64, what: &str) {
+    check_encoder_within(gpu, format, seed, what, gpu.target().max_shared_bytes());
+}
+
+/// [`check_encoder`] with kernels held to `shared_limit` bytes of shared memory.
+pub fn check_encoder_within(gpu: &Gpu, format: &Format, seed: u64, what: &str, shared_limit: u32) {
     let head_dim = format.head_dim() as usize;
     let items = format.spec().page.items as usize;
     let tokens = PAGES * items;
@@ -153,7 +182,7 @@ pub fn check_encoder(gpu: &Gpu, format: &Format, seed: u64, what: &str) {
             .expect("source page");
         }
     }
-    let encoders = PageEncoders::load(gpu, format, source_layout)
+    let encoders = PageEncoders::load_within(gpu, format, source_layout, shared_limit)
         .unwrap_or_else(|e| panic!("{what}: loading the encoders: {e}"));
     let jobs_count = KV_HEADS * PAGES;
     // Destination page of job j: a scrambled order, one spare page between.
@@ -168,11 +197,11 @@ pub fn check_encoder(gpu: &Gpu, format: &Format, seed: u64, what: &str) {
     let jobs: Vec<[u32; 3]> = (0..jobs_count)
         .map(|s| [s as u32, dst(s) as u32, (s / PAGES) as u32])
         .collect();
-    for tier in 0..format.tiers().len() {
+    for (tier, tier_tables) in tables.iter().enumerate() {
         let layout = format.layout(tier);
         let page_bytes = layout.page_bytes as usize;
         let got = encoders
-            .encode_pages(gpu, tier, &source_pool, &tables[tier], &jobs, pages)
+            .encode_pages(gpu, tier, &source_pool, tier_tables, &jobs, pages)
             .unwrap_or_else(|e| panic!("{what}: tier {}: {e}", layout.name));
         let mut problems = Vec::new();
         for (s, job) in jobs.iter().enumerate() {
@@ -180,7 +209,7 @@ pub fn check_encoder(gpu: &Gpu, format: &Format, seed: u64, what: &str) {
             let mut want = vec![0u8; page_bytes];
             encode_page(
                 layout,
-                &tables[tier][head],
+                &tier_tables[head],
                 &row(&keys, head, page),
                 &row(&values, head, page),
                 &mut want,

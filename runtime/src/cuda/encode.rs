@@ -9,7 +9,7 @@ use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{CudaFunction, CudaModule, CudaSlice, CudaView, PushKernelArg};
 use cudarc::nvrtc::Ptx;
 use kvcc_compiler::back::ptx::abi::{self, DenseSource, ENCODE_JOB_WORDS};
-use kvcc_compiler::back::ptx::encode::write_encoders;
+use kvcc_compiler::back::ptx::encode::write_encoder_within;
 use kvcc_compiler::layout::TierLayout;
 use kvcc_compiler::Format;
 
@@ -34,13 +34,29 @@ impl PageEncoders {
         format: &Format,
         source: &TierLayout,
     ) -> Result<PageEncoders, CudaError> {
+        PageEncoders::load_within(gpu, format, source, gpu.target().max_shared_bytes())
+    }
+
+    /// [`PageEncoders::load`] with kernels that use at most `shared_limit`
+    /// bytes of shared memory (pages that do not fit go in chunks).
+    pub fn load_within(
+        gpu: &Gpu,
+        format: &Format,
+        source: &TierLayout,
+        shared_limit: u32,
+    ) -> Result<PageEncoders, CudaError> {
         let source = DenseSource::of_layout(source).ok_or_else(|| {
             CudaError::Shape(format!(
                 "tier {} is not a dense f16 or bf16 tier without a transform: it cannot be an encoder source",
                 source.name
             ))
         })?;
-        let outputs = write_encoders(format, &source, gpu.target())?;
+        let outputs = (0..format.tiers().len())
+            .map(|t| {
+                let layout = format.layout(t);
+                write_encoder_within(format.name(), layout, &source, gpu.target(), shared_limit)
+            })
+            .collect::<Result<Vec<_>, _>>()?;
         let mut kernels = Vec::new();
         let mut modules = Vec::new();
         for output in outputs {

@@ -43,6 +43,19 @@ pub fn write_encoder(
     source: &DenseSource,
     target: Target,
 ) -> Result<EncodeOutput, Error> {
+    write_encoder_within(format, layout, source, target, target.max_shared_bytes())
+}
+
+/// [`write_encoder`] with at most `limit` bytes of dynamic shared memory
+/// (smaller than the target's: pages then go in chunks sooner).
+pub fn write_encoder_within(
+    format: &str,
+    layout: &TierLayout,
+    source: &DenseSource,
+    target: Target,
+    limit: u32,
+) -> Result<EncodeOutput, Error> {
+    let limit = limit.min(target.max_shared_bytes());
     let refuse = |reason: String| Error::Encoder {
         format: format.to_string(),
         tier: layout.name.clone(),
@@ -54,12 +67,10 @@ pub fn write_encoder(
             source.items, source.head_dim, layout.items_per_page, layout.head_dim
         )));
     }
-    let limit = target.max_shared_bytes();
     let plan = Plan::new(layout, limit).map_err(|needed| {
         refuse(format!(
-            "even {} items at once need {needed} bytes of shared memory, more than {} allows ({limit})",
-            plan::CHUNK_QUANTUM.min(layout.items_per_page),
-            target.name()
+            "even {} items at once need {needed} bytes of shared memory, more than the {limit} allowed",
+            plan::CHUNK_QUANTUM.min(layout.items_per_page)
         ))
     })?;
     let tables = TableBuffer::of_layout(layout);
