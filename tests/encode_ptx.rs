@@ -182,3 +182,37 @@ fn large_pages_encode_in_chunks() {
         assemble(&assembler, jobs);
     }
 }
+
+#[test]
+fn append_kernels_of_every_bundled_serving_format_assemble_without_local_memory() {
+    let Some(assembler) = ptxas::find_or_skip("append kernels") else {
+        return;
+    };
+    use kvcc::compiler::spec::ExactDtype;
+    for format in common::bundled() {
+        for exact in [ExactDtype::F16, ExactDtype::Bf16] {
+            let serving = kvcc::runtime::live::serving_format(&format, exact).unwrap();
+            let layout = serving.format.layout(serving.exact_tier);
+            for target in Target::ALL {
+                let what = format!(
+                    "{} {} append ({})",
+                    format.name(),
+                    exact.name(),
+                    target.name()
+                );
+                let (text, kernel) = ptx::write_append(format.name(), layout, target)
+                    .unwrap_or_else(|e| panic!("{what}: {e}"));
+                let resources = ptxas::assemble(&assembler, &text, target)
+                    .unwrap_or_else(|e| panic!("{what}: ptxas failed:\n{e}"));
+                assert_eq!(resources.len(), 1, "{what}: one kernel");
+                let problems = resources[0].problems();
+                assert!(problems.is_empty(), "{what}: {}", problems.join("; "));
+                assert!(
+                    text.contains(&kernel.name),
+                    "{what}: the entry is {}",
+                    kernel.name
+                );
+            }
+        }
+    }
+}

@@ -234,7 +234,9 @@ pub fn run(
                     sdpa_ms,
                     speedup_vs_sdpa: sdpa_ms.map(|s| s / timing.ms),
                     bar: 0.75 * dense / bytes_per_token,
-                    flashinfer_ms: baselines.as_ref().and_then(|b| b.ms_of("flashinfer", context)),
+                    flashinfer_ms: baselines
+                        .as_ref()
+                        .and_then(|b| b.ms_of("flashinfer", context)),
                 });
             }
         }

@@ -112,7 +112,11 @@ fn device_rows(
                 }
             }
         }
-        out.push(gpu.stream.clone_htod(&host).during(|| "uploading K/V".into())?);
+        out.push(
+            gpu.stream
+                .clone_htod(&host)
+                .during(|| "uploading K/V".into())?,
+        );
     }
     let [k, v]: [_; 2] = out.try_into().map_err(|_| "two buffers")?;
     Ok([k, v])
@@ -139,7 +143,9 @@ fn timed(
     let mut times = Vec::with_capacity(steps);
     for (start, end) in &events {
         end.synchronize().during(|| "waiting for a step".into())?;
-        times.push(f64::from(start.elapsed_ms(end).during(|| "reading an event".into())?));
+        times.push(f64::from(
+            start.elapsed_ms(end).during(|| "reading an event".into())?,
+        ));
     }
     Ok(times)
 }
@@ -220,7 +226,8 @@ pub fn run(
                     context,
                     q_heads,
                 };
-                let mut live = DeviceLiveCache::new(gpu.clone(), format, &live_options, tables.clone())?;
+                let mut live =
+                    DeviceLiveCache::new(gpu.clone(), format, &live_options, tables.clone())?;
                 live.prefill(&vec![Default::default(); batch])?;
                 let mut filled = 0;
                 while filled < context {
@@ -245,18 +252,19 @@ pub fn run(
                     .collect();
                 let step_len = batch * kv_heads * d;
                 let mut appended = 0usize;
-                let mut live_step = |live: &mut DeviceLiveCache| -> Result<bool, Box<dyn std::error::Error>> {
-                    let at = appended * step_len;
-                    let before = live.pages_in_use()[tier];
-                    live.append_device(
-                        &step_rows[0].slice(at..at + step_len),
-                        &step_rows[1].slice(at..at + step_len),
-                        &one,
-                    )?;
-                    appended += 1;
-                    live.launch_decode()?;
-                    Ok(live.pages_in_use()[tier] != before)
-                };
+                let mut live_step =
+                    |live: &mut DeviceLiveCache| -> Result<bool, Box<dyn std::error::Error>> {
+                        let at = appended * step_len;
+                        let before = live.pages_in_use()[tier];
+                        live.append_device(
+                            &step_rows[0].slice(at..at + step_len),
+                            &step_rows[1].slice(at..at + step_len),
+                            &one,
+                        )?;
+                        appended += 1;
+                        live.launch_decode()?;
+                        Ok(live.pages_in_use()[tier] != before)
+                    };
                 for _ in 0..options.warmup {
                     live_step(&mut live)?;
                 }
@@ -269,7 +277,11 @@ pub fn run(
                 })?;
                 let check = live.attend(&queries, q_heads)?;
                 if check.outputs.iter().any(|x| !x.is_finite()) {
-                    return Err(format!("{}/{name}: the live step's output is not finite", format.name()).into());
+                    return Err(format!(
+                        "{}/{name}: the live step's output is not finite",
+                        format.name()
+                    )
+                    .into());
                 }
                 let (with, without): (Vec<f64>, Vec<f64>) = {
                     let pick = |c: bool| -> Vec<f64> {
@@ -283,7 +295,9 @@ pub fn run(
                 let live_ms = mean(&live_times);
                 let decode_ms = mean(&decode);
                 let extra = (mean(&with) - mean(&without)).max(0.0) * with.len() as f64;
-                let sdpa = baselines.as_ref().and_then(|b| b.ms_of("sdpa_live", context));
+                let sdpa = baselines
+                    .as_ref()
+                    .and_then(|b| b.ms_of("sdpa_live", context));
                 report_rows.push(LiveBenchRow {
                     format: format.name().to_string(),
                     tier: name.clone(),

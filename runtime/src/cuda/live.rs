@@ -21,8 +21,8 @@ use super::{CudaError, DeviceCache, DeviceDecode, During, FormatKernels, Gpu};
 use crate::cache::Tables;
 use crate::encode::TrainOptions;
 use crate::live::{
-    check_exact, check_kv, serving_format, train_tables, Append, Attention, CachePolicy,
-    LiveError, LiveKv, PagePool, SequenceKv, ServingFormat,
+    check_exact, check_kv, serving_format, train_tables, Append, Attention, CachePolicy, LiveError,
+    LiveKv, PagePool, SequenceKv, ServingFormat,
 };
 use crate::tune::{lookup, ShapeBucket};
 
@@ -170,7 +170,12 @@ impl DeviceLiveCache {
             )));
         }
         let group = (options.q_heads / kv_heads) as u32;
-        let shape = ShapeBucket::of(options.max_sequences, options.q_heads, kv_heads, options.context);
+        let shape = ShapeBucket::of(
+            options.max_sequences,
+            options.q_heads,
+            kv_heads,
+            options.context,
+        );
         let mut configs = lookup::resolve_default(&gpu.id(), &serving.format, shape).configs;
         let items = format.spec().page.items;
         for config in &mut configs {
@@ -407,7 +412,15 @@ impl DeviceLiveCache {
                 let jobs = self.lists.slice(jobs_at..jobs_at + 3 * r.jobs.len());
                 let (source, target, tables) = self.device.encode_buffers(exact, tier);
                 self.encoders
-                    .launch(&self.gpu, tier, source, target, tables, &jobs, r.jobs.len() as u32)
+                    .launch(
+                        &self.gpu,
+                        tier,
+                        source,
+                        target,
+                        tables,
+                        &jobs,
+                        r.jobs.len() as u32,
+                    )
                     .map_err(cuda)?;
             }
         }
@@ -575,9 +588,8 @@ impl DeviceLiveCache {
         let mut staged = match self.staged.take() {
             Some(buffers) if buffers[0].len() >= len => buffers,
             _ => {
-                let alloc = || {
-                    (stream.alloc_zeros::<f32>(len)).during(|| "allocating staged K/V".into())
-                };
+                let alloc =
+                    || (stream.alloc_zeros::<f32>(len)).during(|| "allocating staged K/V".into());
                 [alloc().map_err(cuda)?, alloc().map_err(cuda)?]
             }
         };
@@ -605,7 +617,8 @@ impl DeviceLiveCache {
         }
         let step = slot.as_mut().expect("a step was just made");
         if !step.planned_for(&self.device) {
-            step.replan(&self.gpu, &self.kernels, &self.device).map_err(cuda)?;
+            step.replan(&self.gpu, &self.kernels, &self.device)
+                .map_err(cuda)?;
         }
         step.set_queries(&self.gpu, &self.kernels, &self.device, queries)
             .map_err(cuda)
@@ -617,18 +630,23 @@ impl DeviceLiveCache {
     pub fn launch_decode(&self) -> Result<(), LiveError> {
         let cuda = |e: CudaError| LiveError::Device(e.to_string());
         let mut slot = self.decode.lock().expect("decode lock");
-        let step = (slot.as_mut()).ok_or_else(|| LiveError::Device("no queries were set".into()))?;
+        let step =
+            (slot.as_mut()).ok_or_else(|| LiveError::Device("no queries were set".into()))?;
         if !step.planned_for(&self.device) {
-            step.replan(&self.gpu, &self.kernels, &self.device).map_err(cuda)?;
+            step.replan(&self.gpu, &self.kernels, &self.device)
+                .map_err(cuda)?;
         }
-        step.launch(&self.gpu, &self.kernels, &self.device).map_err(cuda)
+        step.launch(&self.gpu, &self.kernels, &self.device)
+            .map_err(cuda)
     }
 
     /// The last step's output and log-sum-exp (waits for it).
     fn results(&self) -> Result<Attention, LiveError> {
         let cuda = |e: CudaError| LiveError::Device(e.to_string());
         let slot = self.decode.lock().expect("decode lock");
-        let step = slot.as_ref().ok_or_else(|| LiveError::Device("no step was launched".into()))?;
+        let step = slot
+            .as_ref()
+            .ok_or_else(|| LiveError::Device("no step was launched".into()))?;
         let d = self.format.head_dim() as usize;
         Ok(Attention {
             outputs: step.output(&self.gpu, &self.device, d).map_err(cuda)?,
@@ -665,7 +683,11 @@ impl LiveKv for DeviceLiveCache {
     }
 
     fn lengths(&self) -> Vec<usize> {
-        self.books.sequences.iter().map(|s| s.exact.tokens).collect()
+        self.books
+            .sequences
+            .iter()
+            .map(|s| s.exact.tokens)
+            .collect()
     }
 
     fn prefill(&mut self, sequences: &[SequenceKv]) -> Result<Vec<usize>, LiveError> {
@@ -686,8 +708,10 @@ impl LiveKv for DeviceLiveCache {
 
     fn append(&mut self, batch: &[Append]) -> Result<(), LiveError> {
         self.check_batch(batch.iter().map(|a| a.sequence))?;
-        let entries: Vec<(usize, &[f32], &[f32])> =
-            batch.iter().map(|a| (a.sequence, a.keys, a.values)).collect();
+        let entries: Vec<(usize, &[f32], &[f32])> = batch
+            .iter()
+            .map(|a| (a.sequence, a.keys, a.values))
+            .collect();
         self.append_host(&entries)
     }
 
@@ -712,8 +736,9 @@ impl LiveKv for DeviceLiveCache {
         for page in s.exact.sinks.into_iter().chain(s.exact.tail).flatten() {
             self.books.pool.release(PageRef { tier: exact, page });
         }
-        let tables: Vec<Vec<Vec<PageRef>>> =
-            (self.books.sequences.iter()).map(|s| self.row_pages(s)).collect();
+        let tables: Vec<Vec<Vec<PageRef>>> = (self.books.sequences.iter())
+            .map(|s| self.row_pages(s))
+            .collect();
         self.device
             .set_page_lists(&self.gpu, &tables)
             .map_err(|e| LiveError::Device(e.to_string()))

@@ -72,7 +72,8 @@ impl DeviceCache {
             pool_pages.push(tier.pool.len() / kernel.page_bytes as usize);
         }
         let tables: Vec<&[Vec<Vec<f32>>]> = view.tiers.iter().map(|t| t.tables).collect();
-        let mut cache = DeviceCache::with_pools(gpu, kernels, view.kv_heads, pools, pool_pages, &tables)?;
+        let mut cache =
+            DeviceCache::with_pools(gpu, kernels, view.kv_heads, pools, pool_pages, &tables)?;
         cache.set_page_lists(gpu, view.page_tables)?;
         Ok(cache)
     }
@@ -179,7 +180,8 @@ impl DeviceCache {
             let upload = |what: &'static str| move || format!("uploading tier {t} {what}");
             let (offsets, mut ids) = abi::page_lists(page_tables, t as u32);
             self.row_pages_max[t] = offsets.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(0);
-            bytes_per_step += ids.len() as u64 * u64::from(self.page_bytes[t]) + self.table_bytes[t];
+            bytes_per_step +=
+                ids.len() as u64 * u64::from(self.page_bytes[t]) + self.table_bytes[t];
             if ids.is_empty() {
                 ids.push(0);
             }
@@ -187,7 +189,9 @@ impl DeviceCache {
                 match lists.get_mut(t) {
                     Some(buffer) if buffer.len() >= host.len() => {
                         let mut part = buffer.slice_mut(0..host.len());
-                        stream.memcpy_htod(&host, &mut part).during(upload("page lists"))?;
+                        stream
+                            .memcpy_htod(&host, &mut part)
+                            .during(upload("page lists"))?;
                     }
                     _ => {
                         // Room to grow: a live cache's lists lengthen a page at a time.
@@ -406,8 +410,8 @@ impl DeviceDecode {
         let stream = &gpu.stream;
         let grow = |buffer: &mut CudaSlice<f32>, len: usize, what: &'static str| {
             if buffer.len() < len {
-                *buffer = (stream.alloc_zeros::<f32>(len))
-                    .during(|| format!("allocating {what}"))?;
+                *buffer =
+                    (stream.alloc_zeros::<f32>(len)).during(|| format!("allocating {what}"))?;
             }
             Ok::<(), CudaError>(())
         };
@@ -614,7 +618,12 @@ impl DeviceDecode {
     /// of every row's scaled logits.
     pub fn lse(&self, gpu: &Gpu, cache: &DeviceCache) -> Result<Vec<f32>, CudaError> {
         self.check_cache(cache)?;
-        download(gpu, &self.lse, cache.sequences * self.q_heads, "the log-sum-exp")
+        download(
+            gpu,
+            &self.lse,
+            cache.sequences * self.q_heads,
+            "the log-sum-exp",
+        )
     }
 }
 
@@ -629,7 +638,9 @@ fn download(
     if len > 0 {
         let part = buffer.slice(0..len);
         (gpu.stream.memcpy_dtoh(&part, &mut out)).during(|| format!("downloading {what}"))?;
-        gpu.stream.synchronize().during(|| format!("downloading {what}"))?;
+        gpu.stream
+            .synchronize()
+            .during(|| format!("downloading {what}"))?;
     }
     Ok(out)
 }

@@ -471,11 +471,14 @@ impl LiveCache {
         }
         Ok((out, logits))
     }
-
 }
 
 /// Rejects finite inputs the exact dtype cannot hold (f16 overflows past 65504).
-pub(crate) fn check_exact(exact: ExactDtype, keys: &[f32], values: &[f32]) -> Result<(), LiveError> {
+pub(crate) fn check_exact(
+    exact: ExactDtype,
+    keys: &[f32],
+    values: &[f32],
+) -> Result<(), LiveError> {
     for (what, data) in [("keys", keys), ("values", values)] {
         if let Some(&value) = data.iter().find(|&&x| !round(exact, x).is_finite()) {
             return Err(LiveError::ExactRange {

@@ -65,8 +65,9 @@ mod tests {
         assert_eq!(serving.exact_tier, 1);
         let layout = serving.format.layout(1);
         assert_eq!(layout.name, "exact_2");
-        let rows = kvcc_compiler::back::ptx::ExactRows::of(layout).unwrap();
-        assert_eq!((rows.stride, rows.dtype), ([128, 128], DenseDtype::Bf16));
+        let rows = kvcc_compiler::back::ptx::abi::DenseSource::of_layout(layout).unwrap();
+        assert_eq!((rows.key_stride, rows.value_stride), (128, 128));
+        assert_eq!(rows.dtype, kvcc_compiler::back::ptx::abi::SourceDtype::Bf16);
         assert_eq!(serving.format.layout(0), format.layout(0));
     }
 }

@@ -47,7 +47,10 @@ impl PagePool {
     /// A slot of `tier`; the caller has checked [`available`](Self::available).
     pub fn allocate(&mut self, tier: usize) -> PageRef {
         let page = self.free[tier].pop().unwrap_or_else(|| {
-            assert!(self.extent[tier] < self.capacity[tier], "page pool overcommitted");
+            assert!(
+                self.extent[tier] < self.capacity[tier],
+                "page pool overcommitted"
+            );
             self.extent[tier] += 1;
             (self.extent[tier] - 1) as u32
         });

@@ -4,80 +4,17 @@
 //! header's count; the kernel only moves and rounds (`cvt.rn`, ties to even,
 //! as the CPU's exact rows round).
 
-use super::abi::{AppendKernel, ParamType, APPEND_PARAMS, SHARED_SYMBOL};
+use super::abi::{AppendKernel, DenseSource, ParamType, SourceDtype, APPEND_PARAMS, SHARED_SYMBOL};
 use super::builder::{Axis, Cmp, Global, Kernel, U32, U64};
-use crate::layout::{FieldLayout, Side, SlotRole, TierLayout};
-use crate::spec::DenseDtype;
+use crate::layout::Side;
 
 /// Why a tier cannot hold a live cache's exact rows.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("tier `{tier}` cannot hold exact rows: {why}")]
+#[error(
+    "tier `{tier}` cannot hold exact rows: it is not a dense f16 or bf16 tier without a transform"
+)]
 pub struct NotExact {
     pub tier: String,
-    pub why: &'static str,
-}
-
-/// Where the exact rows of a dense tier sit in its pages, from its layout.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ExactRows {
-    pub head_dim: u32,
-    pub items_per_page: u32,
-    pub page_bytes: u32,
-    pub tier: u32,
-    /// Per side (key, value): the stream's byte offset in a page.
-    pub stream_offset: [u32; 2],
-    /// Per side: bytes per item.
-    pub stride: [u32; 2],
-    pub dtype: DenseDtype,
-}
-
-impl ExactRows {
-    /// The rows of `layout`: both sides a single untransformed dense field of
-    /// one 16-bit dtype whose elements lie back to back from bit 0.
-    pub fn of(layout: &TierLayout) -> Result<ExactRows, NotExact> {
-        let not = |why| NotExact {
-            tier: layout.name.clone(),
-            why,
-        };
-        let mut dtype = None;
-        for side in [Side::Key, Side::Value] {
-            let codec = layout.codec(side);
-            if codec.dims != layout.head_dim {
-                return Err(not("a side is transformed"));
-            }
-            let [FieldLayout::Dense { dtype: d, .. }] = codec.fields[..] else {
-                return Err(not("a side is not one dense field"));
-            };
-            if d == DenseDtype::F32 || dtype.is_some_and(|o| o != d) {
-                return Err(not("exact rows are f16 or bf16, the same on both sides"));
-            }
-            dtype = Some(d);
-            let slot = codec.slots.iter().find(|s| s.role == SlotRole::DenseValue);
-            let packed = slot.is_some_and(|s| {
-                s.elements()
-                    .enumerate()
-                    .all(|(c, (at, width))| width == 16 && at == 16 * c as u32)
-            });
-            if !packed {
-                return Err(not("its elements are not packed 16-bit values"));
-            }
-        }
-        Ok(ExactRows {
-            head_dim: layout.head_dim,
-            items_per_page: layout.items_per_page,
-            page_bytes: layout.page_bytes,
-            tier: layout.index,
-            stream_offset: [
-                layout.stream_offset(Side::Key),
-                layout.stream_offset(Side::Value),
-            ],
-            stride: [
-                layout.codec(Side::Key).stride,
-                layout.codec(Side::Value).stride,
-            ],
-            dtype: dtype.expect("two sides checked"),
-        })
-    }
 }
 
 /// Threads per CTA: one warp per 32 channels, at most four warps.
@@ -85,8 +22,9 @@ fn threads(head_dim: u32) -> u32 {
     head_dim.div_ceil(32).clamp(1, 4) * 32
 }
 
-/// The append kernel (one CTA per row, and per header update) and its launch facts.
-pub fn append(rows: &ExactRows, name: &str) -> (String, AppendKernel) {
+/// The append kernel of exact pages laid out as `rows`, whose headers name
+/// tier `tier` (one CTA per row, and per header update), and its launch facts.
+pub fn append(rows: &DenseSource, tier: u32, name: &str) -> (String, AppendKernel) {
     let threads = threads(rows.head_dim);
     let mut k = Kernel::new(name, threads, SHARED_SYMBOL);
     let mut params = APPEND_PARAMS.iter();
@@ -119,15 +57,16 @@ pub fn append(rows: &ExactRows, name: &str) -> (String, AppendKernel) {
     let pair_at = Global::at(k.global_index(row_list, pair, 4));
     let source_index = k.ld_global_nc::<U32>(pair_at);
     let slot = k.ld_global_nc::<U32>(pair_at.plus(4));
-    let page = k.div_u32(slot, rows.items_per_page);
-    let item = k.rem_u32(slot, rows.items_per_page);
+    let page = k.div_u32(slot, rows.items);
+    let item = k.rem_u32(slot, rows.items);
     let page_base = k.global_index(pool, page, rows.page_bytes);
-    for (side, source) in [keys, values].iter().enumerate() {
-        let source = k.ld_pointer(source);
+    for (side, source) in [(Side::Key, keys), (Side::Value, values)] {
+        let (offset, stride) = rows.stream(side);
+        let source = k.ld_pointer(&source);
         let first = k.mul(source_index, d);
         let source_row = k.global_index(source, first, 4);
-        let stream = Global::at(page_base).plus(i64::from(rows.stream_offset[side]));
-        let item_base = k.global_index(stream.base, item, rows.stride[side]);
+        let stream = Global::at(page_base).plus(i64::from(offset));
+        let item_base = k.global_index(stream.base, item, stride);
         let item_at = Global::at(item_base).plus(stream.offset);
         for c0 in (0..d).step_by(threads as usize) {
             let c = k.add(tid, c0);
@@ -139,8 +78,8 @@ pub fn append(rows: &ExactRows, name: &str) -> (String, AppendKernel) {
             k.guarded(inside, true, |k| {
                 let x = k.ld_global_nc(from);
                 let bits = match dtype {
-                    DenseDtype::Bf16 => k.f32_to_bf16(x),
-                    _ => k.f32_to_f16(x),
+                    SourceDtype::Bf16 => k.f32_to_bf16(x),
+                    SourceDtype::F16 => k.f32_to_f16(x),
                 };
                 k.st_global_b16(to, bits);
             });
@@ -154,7 +93,6 @@ pub fn append(rows: &ExactRows, name: &str) -> (String, AppendKernel) {
     let headers = k.ld_pointer(&headers);
     let pair = k.mul(cta, 2u32);
     let entry = Global::at(k.global_index(headers, pair, 4));
-    let tier = rows.tier;
     k.guarded(first_thread, true, |k| {
         let page = k.ld_global_nc::<U32>(entry);
         let count = k.ld_global_nc::<U32>(entry.plus(4));

@@ -29,7 +29,7 @@ mod plan;
 mod streams;
 mod tensor_cores;
 
-pub use append::{ExactRows, NotExact};
+pub use append::NotExact;
 
 use crate::valid::ValidModule;
 use crate::Format;
@@ -300,15 +300,17 @@ pub fn write_tier(
 }
 
 /// The append module of a live cache whose exact rows are `layout`'s pages
-/// (a dense f16 or bf16 tier, see [`ExactRows::of`]).
+/// (a dense f16 or bf16 tier, see [`abi::DenseSource::of_layout`]).
 pub fn write_append(
     format_name: &str,
     layout: &crate::layout::TierLayout,
     target: Target,
 ) -> Result<(String, abi::AppendKernel), NotExact> {
-    let rows = ExactRows::of(layout)?;
+    let rows = abi::DenseSource::of_layout(layout).ok_or_else(|| NotExact {
+        tier: layout.name.clone(),
+    })?;
     let name = format!("kvcc_{}_append", identifier(format_name));
-    let (entry, kernel) = append::append(&rows, &name);
+    let (entry, kernel) = append::append(&rows, layout.index, &name);
     let ptx = builder::module(PTX_VERSION, target.name(), abi::SHARED_SYMBOL, &[entry]);
     Ok((ptx, kernel))
 }
