@@ -5,7 +5,8 @@
     kvcc.hf.register()                                   # AttentionInterface "kvcc"
     model = AutoModelForCausalLM.from_pretrained(..., attn_implementation="kvcc")
     model.config.kvcc = {"spec": "kivi", "tier": "int4", "window": 64}   # or KvccCache(spec=...)
-    out = model.generate(ids, past_key_values=kvcc.hf.KvccCache(model.config), ...)
+    cache = kvcc.hf.KvccCache(model.config)
+    out = model.generate(ids, cache=cache, ...)   # past_key_values=cache before transformers 5
 
 The prompt is attended exactly (SDPA over its own keys and values) while the
 cache compresses it; every later token attends through the live cache: the
@@ -38,6 +39,15 @@ def _pending() -> dict:
     if not hasattr(_PENDING, "by_key"):
         _PENDING.by_key = {}
     return _PENDING.by_key
+
+
+def cache_argument(model) -> str:
+    """The name `forward` and `generate` take the cache under: `cache` in
+    recent transformers, `past_key_values` before."""
+    import inspect
+
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
 
 
 def config_options(config) -> dict:

@@ -464,6 +464,28 @@ impl Live {
     }
 }
 
+/// Where `tokens` tokens of one sequence are under a policy of `sinks` and
+/// `window` with `items`-token pages: `(sinks, pages, tail)`, the runtime's
+/// own split (what paged-cache glue must agree with).
+#[pyfunction]
+fn policy_split(
+    sinks: usize,
+    window: usize,
+    tokens: usize,
+    items: usize,
+) -> PyResult<(usize, usize, usize)> {
+    if items == 0 {
+        return Err(kvcc_error("a page holds at least one token"));
+    }
+    let policy = CachePolicy {
+        sinks,
+        window,
+        ..CachePolicy::compress_all(0)
+    };
+    let split = policy.split(tokens, items);
+    Ok((split.sinks, split.pages, split.tail))
+}
+
 /// `(file name, TOML source)` of every bundled spec.
 #[pyfunction]
 fn bundled_specs() -> Vec<(&'static str, &'static str)> {
@@ -477,6 +499,7 @@ fn _kvcc(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Pages>()?;
     m.add_class::<Live>()?;
     m.add_function(wrap_pyfunction!(bundled_specs, m)?)?;
+    m.add_function(wrap_pyfunction!(policy_split, m)?)?;
     m.add_function(wrap_pyfunction!(device::check_device, m)?)?;
     errors::register(m)?;
     Ok(())

@@ -51,14 +51,15 @@ def sync(device):
 def run(model, prompt, cache, attn, steps, device):
     """Prefill, then `steps` greedy decode steps; returns (tokens, seconds of the steps)."""
     model.config._attn_implementation = attn
+    arg = {hf.cache_argument(model): cache}
     with torch.no_grad():
-        out = model(input_ids=prompt, past_key_values=cache, use_cache=True)
+        out = model(input_ids=prompt, use_cache=True, **arg)
         token = out.logits[:, -1:].argmax(-1)
         tokens = [token]
         sync(device)
         start = time.perf_counter()
         for _ in range(steps - 1):
-            out = model(input_ids=token, past_key_values=cache, use_cache=True)
+            out = model(input_ids=token, use_cache=True, **arg)
             token = out.logits[:, -1:].argmax(-1)
             tokens.append(token)
         sync(device)
@@ -91,6 +92,12 @@ def main(argv=None):
     model = build_model(args, device)
     from transformers import DynamicCache
 
+    # Warm-up: the first calls of each path pay for kernel compilation and
+    # allocator growth.
+    warm = torch.randint(0, args.vocab, (args.batch, 80)).to(device)
+    run(model, warm, DynamicCache(config=model.config), "sdpa", 3, device)
+    run(model, warm, hf.KvccCache(model.config, spec=args.spec, tier=args.tier, batch=args.batch,
+                                  max_tokens=128), "kvcc", 3, device)
     rows = []
     for context in args.contexts:
         gen = torch.Generator().manual_seed(context)
