@@ -97,8 +97,15 @@ class KvccLayer(CacheLayerMixin):
             self.live.prefill(key_states, value_states)
             self.tokens += key_states.shape[-2]
             return key_states, value_states
+        pending = _pending()
+        if any(layer is self for layer, _, _ in pending.values()):
+            pending.clear()
+            raise KvccError(
+                "the last step's new keys of this layer did not reach the kvcc attention: "
+                'a KvccCache needs the model loaded with attn_implementation="kvcc"'
+            )
         self.tokens += key_states.shape[-2]
-        _pending()[id(key_states)] = (self, key_states, value_states)
+        pending[id(key_states)] = (self, key_states, value_states)
         return key_states, value_states
 
     def get_mask_sizes(self, query_length: int):

@@ -32,6 +32,9 @@ fn slice<'a>(array: &'a PyReadonlyArrayDyn<'_, f32>, what: &str) -> PyResult<&'a
         .map_err(|_| kvcc_error(format!("{what} must be a C-contiguous float32 array")))
 }
 
+/// An attention call's result: outputs (flat) and each row's log-sum-exp.
+type OutLse<'py> = (Bound<'py, PyArray1<f32>>, Bound<'py, PyArray1<f32>>);
+
 /// A compiled format.
 #[pyclass(module = "kvcc._kvcc", frozen)]
 struct Format {
@@ -269,7 +272,7 @@ impl Pages {
         py: Python<'py>,
         queries: PyReadonlyArrayDyn<'_, f32>,
         q_heads: usize,
-    ) -> PyResult<(Bound<'py, PyArray1<f32>>, Bound<'py, PyArray1<f32>>)> {
+    ) -> PyResult<OutLse<'py>> {
         let q = slice(&queries, "queries")?;
         let (inner, kind) = (&self.inner, self.executor);
         let decoded = py
@@ -438,7 +441,7 @@ impl Live {
         py: Python<'py>,
         queries: PyReadonlyArrayDyn<'_, f32>,
         q_heads: usize,
-    ) -> PyResult<(Bound<'py, PyArray1<f32>>, Bound<'py, PyArray1<f32>>)> {
+    ) -> PyResult<OutLse<'py>> {
         if queries.ndim() == 0 {
             return Err(kvcc_error("queries must be an array"));
         }

@@ -1,13 +1,11 @@
 """transformers integration on the CPU: a tiny randomly initialised Llama
 (GQA, RoPE) generating with a KvccCache, and the codes attention on BERT."""
 
-import pytest
 import torch
+import transformers
 
-transformers = pytest.importorskip("transformers")
-
-import kvcc  # noqa: E402
-import kvcc.hf  # noqa: E402
+import kvcc
+import kvcc.hf
 
 
 def tiny_llama(attn):
@@ -117,3 +115,19 @@ def test_every_bundled_spec_restates_at_head_dim_32():
     for name, source in kvcc.Format.bundled().items():
         fmt = kvcc.Format.parse(restate(source, 32), name)
         assert fmt.head_dim == 32 and fmt.tiers == kvcc.Format.load(name).tiers
+
+
+def test_a_kvcc_cache_without_the_kvcc_attention_is_refused():
+    model = tiny_llama("sdpa")
+    cache = kvcc.hf.KvccCache(model.config, spec="dense_f16")
+    arg = kvcc.hf.cache_argument(model)
+    ids = prompt(batch=1, tokens=20)
+    with torch.no_grad():
+        model(ids, **{arg: cache})
+        model(ids[:, :1], **{arg: cache})
+        try:
+            model(ids[:, :1], **{arg: cache})
+        except kvcc.KvccError as e:
+            assert 'attn_implementation="kvcc"' in str(e)
+        else:
+            raise AssertionError("a second step without the kvcc attention must fail")
