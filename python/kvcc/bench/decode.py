@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from .. import hf
+from .. import Format, hf
 
 
 def build_model(args, device):
@@ -70,8 +70,8 @@ def run(model, prompt, cache, attn, steps, device):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--contexts", default="8192,32768")
-    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--contexts", default=None, help="default 8192,32768 (--tiny: 256,512)")
+    parser.add_argument("--new-tokens", type=int, default=None, help="default 64 (--tiny: 8)")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--heads", type=int, default=32)
@@ -80,12 +80,16 @@ def main(argv=None):
     parser.add_argument("--dtype", default="float16")
     parser.add_argument("--spec", default="kivi")
     parser.add_argument("--tier", default=None)
+    parser.add_argument("--caches", default="sdpa,kvcc", help="which of sdpa,kvcc to time")
     parser.add_argument("--tiny", action="store_true", help="a small CPU-sized model and contexts")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args(argv)
     if args.tiny:
-        args.contexts, args.layers, args.heads, args.kv_heads = "256,512", 2, 4, 2
-        args.vocab, args.new_tokens, args.dtype = 512, 8, "float32"
+        args.layers, args.heads, args.kv_heads, args.vocab, args.dtype = 2, 4, 2, 512, "float32"
+        args.contexts = args.contexts or "256,512"
+        args.new_tokens = args.new_tokens or 8
+    args.contexts = args.contexts or "8192,32768"
+    args.new_tokens = args.new_tokens or 64
     args.contexts = [int(c) for c in args.contexts.split(",")]
     args.dtype = getattr(torch, args.dtype)
     device = torch.device(args.device)
@@ -94,46 +98,54 @@ def main(argv=None):
 
     # Warm-up: the first calls of each path pay for kernel compilation and
     # allocator growth.
+    caches = args.caches.split(",")
+    fmt = Format.load(args.spec)
+    tier = fmt.tiers[fmt.tier_index(args.tier)]
+
+    def kvcc_cache(tokens):
+        return hf.KvccCache(model.config, spec=fmt, tier=args.tier, batch=args.batch, max_tokens=tokens)
+
     warm = torch.randint(0, args.vocab, (args.batch, 80)).to(device)
-    run(model, warm, DynamicCache(config=model.config), "sdpa", 3, device)
-    run(model, warm, hf.KvccCache(model.config, spec=args.spec, tier=args.tier, batch=args.batch,
-                                  max_tokens=128), "kvcc", 3, device)
+    if "sdpa" in caches:
+        run(model, warm, DynamicCache(config=model.config), "sdpa", 3, device)
+    if "kvcc" in caches:
+        run(model, warm, kvcc_cache(128), "kvcc", 3, device)
     rows = []
     for context in args.contexts:
         gen = torch.Generator().manual_seed(context)
         prompt = torch.randint(0, args.vocab, (args.batch, context), generator=gen).to(device)
-        base_tokens, base_s = run(model, prompt, DynamicCache(config=model.config), "sdpa", args.new_tokens, device)
-        cache = hf.KvccCache(
-            model.config, spec=args.spec, tier=args.tier, batch=args.batch,
-            max_tokens=context + args.new_tokens,
-        )
-        kv_tokens, kv_s = run(model, prompt, cache, "kvcc", args.new_tokens, device)
         steps = args.batch * (args.new_tokens - 1)
         row = {
-            "context": context,
-            "batch": args.batch,
-            "spec": args.spec,
-            "tier": cache.format.tiers[cache.format.tier_index(args.tier)],
-            "sdpa_tokens_per_s": steps / base_s,
-            "kvcc_tokens_per_s": steps / kv_s,
-            "same_tokens": float((base_tokens == kv_tokens).float().mean()),
+            "context": context, "batch": args.batch, "spec": args.spec, "tier": tier,
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         }
+        tokens = {}
+        if "sdpa" in caches:
+            tokens["sdpa"], seconds = run(
+                model, prompt, DynamicCache(config=model.config), "sdpa", args.new_tokens, device
+            )
+            row["sdpa_tokens_per_s"] = steps / seconds
+        if "kvcc" in caches:
+            tokens["kvcc"], seconds = run(
+                model, prompt, kvcc_cache(context + args.new_tokens), "kvcc", args.new_tokens, device
+            )
+            row["kvcc_tokens_per_s"] = steps / seconds
+        if len(tokens) == 2:
+            row["same_tokens"] = float((tokens["sdpa"] == tokens["kvcc"]).float().mean())
         rows.append(row)
-        print(
-            f"context {context:6}: default cache + SDPA {row['sdpa_tokens_per_s']:9.1f} tok/s, "
-            f"kvcc {args.spec}/{row['tier']} {row['kvcc_tokens_per_s']:9.1f} tok/s "
-            f"({row['kvcc_tokens_per_s'] / row['sdpa_tokens_per_s']:.2f}x), "
-            f"same greedy tokens {row['same_tokens']:.2f}",
-            flush=True,
-        )
+        print(f"context {context:6}: " + ", ".join(
+            f"{k} {v:.4g}" for k, v in row.items() if k.endswith("per_s") or k == "same_tokens"
+        ), flush=True)
     print()
-    print(f"| context | default cache + SDPA tok/s | kvcc {args.spec} tok/s | speedup | same tokens |")
+    print(f"| context | default cache + SDPA tok/s | kvcc {args.spec}/{tier} tok/s | speedup | same tokens |")
     print("|---:|---:|---:|---:|---:|")
     for r in rows:
+        sdpa, kv = r.get("sdpa_tokens_per_s"), r.get("kvcc_tokens_per_s")
+        speedup = f"{kv / sdpa:.2f}x" if sdpa and kv else "-"
+        same = f"{r['same_tokens']:.2f}" if "same_tokens" in r else "-"
         print(
-            f"| {r['context']} | {r['sdpa_tokens_per_s']:.1f} | {r['kvcc_tokens_per_s']:.1f} | "
-            f"{r['kvcc_tokens_per_s'] / r['sdpa_tokens_per_s']:.2f}x | {r['same_tokens']:.2f} |"
+            f"| {r['context']} | {f'{sdpa:.1f}' if sdpa else '-'} | {f'{kv:.1f}' if kv else '-'} "
+            f"| {speedup} | {same} |"
         )
     if args.json:
         with open(args.json, "w") as f:
