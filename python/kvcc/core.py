@@ -126,6 +126,11 @@ def _queries(q, head_dim):
     return q
 
 
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    index = lambda d: d.index if d.index is not None else (0 if d.type == "cuda" else None)  # noqa: E731
+    return a.type == b.type and index(a) == index(b)
+
+
 # Live caches by handle, for the torch ops (which take plain ints).
 _LIVE: "weakref.WeakValueDictionary[int, LiveCache]" = weakref.WeakValueDictionary()
 _NEXT_HANDLE = [0]
@@ -179,6 +184,14 @@ class LiveCache:
         _NEXT_HANDLE[0] += 1
         _LIVE[self.handle] = self
 
+    def _host(self, t: torch.Tensor, what: str):
+        """`t` as the native call takes it: on this cache's device (a CPU cache
+        takes contiguous f32 numpy views)."""
+        check_tensor(t, what)
+        if _same_device(t.device, self.device) and self.device.type == "cpu":
+            return host_f32(t, what)
+        raise KvccError(f"tensor `{what}` is on {t.device} but the cache is on {self.device}")
+
     def _open(self, tables: Tables) -> None:
         self._native = _kvcc.Live(
             self.format._native,
@@ -219,13 +232,13 @@ class LiveCache:
                 f"{len(pairs)} new sequences do not fit a cache of batch {self.batch} "
                 f"holding {have}"
             )
+        arrays = [(self._host(kk, "keys"), self._host(vv, "values")) for kk, vv in pairs]
         if self._native is None:
             keys = torch.cat([kk for kk, _ in pairs], dim=1)
             values = torch.cat([vv for _, vv in pairs], dim=1)
             if keys.shape[1] == 0:
                 raise KvccError("no prompt token to train the tables on")
             self._open(self.format.train(keys, values, self._seed))
-        arrays = [(host_f32(kk, "keys"), host_f32(vv, "values")) for kk, vv in pairs]
         indices = self._native.prefill(arrays)
         self._sync_state()
         return indices
@@ -244,7 +257,7 @@ class LiveCache:
                 f"keys and values for {len(pairs)} sequences given for {len(sequences)} sequences"
             )
         batch = [
-            (int(s), host_f32(kk, "keys"), host_f32(vv, "values"))
+            (int(s), self._host(kk, "keys"), self._host(vv, "values"))
             for s, (kk, vv) in zip(sequences, pairs)
         ]
         self._native.append(batch)
@@ -259,7 +272,7 @@ class LiveCache:
             raise KvccError("attend before prefill: the cache holds no sequence")
         q3 = _queries(q, self.format.head_dim)
         batch, q_heads, d = q3.shape
-        out, lse = self._native.attend(host_f32(q3, "queries"), q_heads)
+        out, lse = self._native.attend(self._host(q3, "queries"), q_heads)
         out = torch.from_numpy(out).view(batch, q_heads, d).to(q.dtype)
         return out.view(q.shape), torch.from_numpy(lse).view(batch, q_heads)
 

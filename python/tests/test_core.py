@@ -165,6 +165,13 @@ def test_errors_have_the_runtime_messages():
         kvcc.LiveCache(fmt, 1, 2, 8).prefill(k * 1e6, v)
 
 
+def test_tensors_on_another_device_are_refused():
+    cache = kvcc.LiveCache("dense_f16", 1, 1, 8)
+    k = torch.empty(1, 1, 4, 128, device="meta")
+    with pytest.raises(kvcc.KvccError, match="tensor `keys` is on meta but the cache is on cpu"):
+        cache.prefill(k, k)
+
+
 def test_half_precision_inputs_and_outputs():
     fmt = kvcc.Format.load("dense_f16")
     k, v = kv(1, 1, 40)
