@@ -189,13 +189,16 @@ def kvcc_attention(
         )
     layer, _, _ = entry
     d = query.shape[-1]
-    if attention_mask is not None and attention_mask.dtype == torch.bool and not bool(
-        attention_mask.all()
-    ):
-        # A causal mask over the new tokens is expected; padding is not.
-        allowed = attention_mask[..., -query.shape[-2]:, : layer.tokens - query.shape[-2] + 1]
-        if not bool(allowed.all()):
-            raise KvccError("KvccCache does not support padded batches (an attention mask hides cached tokens)")
+    if attention_mask is not None:
+        # A causal mask over the new tokens is expected; padding is not: every
+        # query may see every cached token and the first new one.
+        seen = attention_mask[..., -query.shape[-2]:, : layer.tokens - query.shape[-2] + 1]
+        if seen.dtype != torch.bool:
+            seen = seen > torch.finfo(seen.dtype).min / 2
+        if not bool(seen.all()):
+            raise KvccError(
+                "KvccCache does not support padded batches (an attention mask hides cached tokens)"
+            )
     if scaling is not None and abs(scaling * math.sqrt(d) - 1.0) > 1e-6:
         query = query * (scaling * math.sqrt(d))
     outputs = []
@@ -264,6 +267,14 @@ def register() -> None:
     the codes) with transformers' `AttentionInterface`."""
     AttentionInterface.register("kvcc", kvcc_attention)
     AttentionInterface.register("kvcc_codes", codes_attention)
+    # Both take SDPA's masks (boolean, None where nothing is masked): without a
+    # registered mask function transformers passes no mask, padding included.
+    try:
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    except ImportError:  # older transformers build SDPA's mask for any name
+        return
+    AttentionMaskInterface.register("kvcc", sdpa_mask)
+    AttentionMaskInterface.register("kvcc_codes", sdpa_mask)
 
 
 register()

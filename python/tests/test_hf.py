@@ -131,3 +131,19 @@ def test_a_kvcc_cache_without_the_kvcc_attention_is_refused():
             assert 'attn_implementation="kvcc"' in str(e)
         else:
             raise AssertionError("a second step without the kvcc attention must fail")
+
+
+def test_padded_batches_are_refused():
+    model = tiny_llama("kvcc")
+    ids = prompt(batch=2, tokens=40)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0  # left padding of the second sequence
+    cache = kvcc.hf.KvccCache(model.config, spec="dense_f16", batch=2)
+    try:
+        with torch.no_grad():
+            model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False,
+                           pad_token_id=0, **{kvcc.hf.cache_argument(model): cache})
+    except kvcc.KvccError as e:
+        assert "padded batches" in str(e)
+    else:
+        raise AssertionError("a padded batch must be refused")
