@@ -50,7 +50,9 @@ pub struct Request<'a> {
 }
 
 /// Decode attention: `queries` and the result are `[sequence][q_head][head_dim]`.
-pub trait Executor {
+/// Executors are `Send + Sync` so a cache holding one can move between threads
+/// (a Python object, a server's worker).
+pub trait Executor: Send + Sync {
     fn name(&self) -> &'static str;
     /// Runs `request`; `Decoded::logits` is empty unless `request.logits`.
     fn execute(&self, request: Request<'_>) -> Result<Decoded, ExecError>;

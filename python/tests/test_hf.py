@@ -1,0 +1,149 @@
+"""transformers integration on the CPU: a tiny randomly initialised Llama
+(GQA, RoPE) generating with a KvccCache, and the codes attention on BERT."""
+
+import torch
+import transformers
+
+import kvcc
+import kvcc.hf
+
+
+def tiny_llama(attn):
+    config = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=128,
+        max_position_embeddings=512,
+        attn_implementation=attn,
+    )
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def generate(model, prompt, cache=None, new=24):
+    with torch.no_grad():
+        return model.generate(
+            prompt,
+            max_new_tokens=new,
+            do_sample=False,
+            pad_token_id=0,
+            **({kvcc.hf.cache_argument(model): cache} if cache is not None else {}),
+        )
+
+
+def prompt(batch=2, tokens=150):
+    return torch.randint(1, 256, (batch, tokens), generator=torch.Generator().manual_seed(1))
+
+
+def test_dense_kvcc_cache_generates_the_default_tokens():
+    ids = prompt()
+    reference = generate(tiny_llama("sdpa"), ids)
+    model = tiny_llama("kvcc")
+    cache = kvcc.hf.KvccCache(model.config, spec="dense_f16", window=16, batch=2, max_tokens=256)
+    out = generate(model, ids, cache)
+    assert torch.equal(out, reference)
+    # The prompt's older whole pages were compressed into the format's tier.
+    layer = cache.layers[0]
+    assert layer.live.lengths() == [150 + 23, 150 + 23]
+    assert cache.get_seq_length() == 173
+
+
+def test_config_chooses_a_compressed_spec():
+    model = tiny_llama("kvcc")
+    model.config.kvcc = {"spec": "kivi", "tier": "int4", "window": 32}
+    cache = kvcc.hf.KvccCache(model.config, batch=2, max_tokens=256)
+    out = generate(model, prompt(), cache, new=8)
+    assert out.shape == (2, 158)
+    live = cache.layers[1].live
+    assert live.policy["tier"] == 1 and live.format.name == "kivi"
+
+
+def test_several_new_tokens_in_one_step_stay_causal():
+    """Appending a chunk attends token by token: the same as single steps."""
+    model = tiny_llama("kvcc")
+    ids = prompt(batch=1, tokens=100)
+    extra = torch.randint(1, 256, (1, 5), generator=torch.Generator().manual_seed(2))
+    arg = kvcc.hf.cache_argument(model)
+    with torch.no_grad():
+        a = kvcc.hf.KvccCache(model.config, spec="dense_f16", window=16)
+        model(ids, **{arg: a})
+        chunk = model(extra, **{arg: a}).logits
+        b = kvcc.hf.KvccCache(model.config, spec="dense_f16", window=16)
+        model(ids, **{arg: b})
+        steps = torch.cat([model(extra[:, i : i + 1], **{arg: b}).logits for i in range(5)], 1)
+    torch.testing.assert_close(chunk, steps, rtol=1e-4, atol=1e-4)
+
+
+def test_codes_attention_on_a_tiny_bert():
+    """Every token on the codes: dense_f16 re-stated at the head width gives
+    the exact embeddings; a 4-bit tier stays close."""
+    from kvcc.bench.embeddings import restate
+
+    config = transformers.BertConfig(
+        vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=128, attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    model = transformers.BertModel(config).eval()
+    ids = torch.randint(1, 100, (3, 20), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        exact = model(ids).last_hidden_state
+        kvcc.hf.CODES.capture = {}
+        model.config._attn_implementation = "kvcc_codes"
+        model(ids)
+        captured, kvcc.hf.CODES.capture = kvcc.hf.CODES.capture, None
+        for name, tier, bound in [("dense_f16", "f16", 1e-3), ("kivi", "int4", 0.2)]:
+            fmt = kvcc.Format.parse(restate(kvcc.Format.bundled()[name], 32))
+            assert fmt.head_dim == 32
+            kvcc.hf.CODES.format, kvcc.hf.CODES.tier = fmt, tier
+            kvcc.hf.CODES.tables = {
+                layer: fmt.train(torch.cat([k for k, _ in kv], 1), torch.cat([v for _, v in kv], 1))
+                for layer, kv in captured.items()
+            }
+            approx = model(ids).last_hidden_state
+            err = ((approx - exact).norm() / exact.norm()).item()
+            assert err < bound, (name, err)
+
+
+def test_every_bundled_spec_restates_at_head_dim_32():
+    from kvcc.bench.embeddings import restate
+
+    for name, source in kvcc.Format.bundled().items():
+        fmt = kvcc.Format.parse(restate(source, 32), name)
+        assert fmt.head_dim == 32 and fmt.tiers == kvcc.Format.load(name).tiers
+
+
+def test_a_kvcc_cache_without_the_kvcc_attention_is_refused():
+    model = tiny_llama("sdpa")
+    cache = kvcc.hf.KvccCache(model.config, spec="dense_f16")
+    arg = kvcc.hf.cache_argument(model)
+    ids = prompt(batch=1, tokens=20)
+    with torch.no_grad():
+        model(ids, **{arg: cache})
+        model(ids[:, :1], **{arg: cache})
+        try:
+            model(ids[:, :1], **{arg: cache})
+        except kvcc.KvccError as e:
+            assert 'attn_implementation="kvcc"' in str(e)
+        else:
+            raise AssertionError("a second step without the kvcc attention must fail")
+
+
+def test_padded_batches_are_refused():
+    model = tiny_llama("kvcc")
+    ids = prompt(batch=2, tokens=40)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0  # left padding of the second sequence
+    cache = kvcc.hf.KvccCache(model.config, spec="dense_f16", batch=2)
+    try:
+        with torch.no_grad():
+            model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False,
+                           pad_token_id=0, **{kvcc.hf.cache_argument(model): cache})
+    except kvcc.KvccError as e:
+        assert "padded batches" in str(e)
+    else:
+        raise AssertionError("a padded batch must be refused")
