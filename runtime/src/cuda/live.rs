@@ -8,15 +8,20 @@
 //! An append is planned on a copy of the bookkeeping first (slots, header
 //! counts, compress jobs, capacity), so a call that fails changes nothing.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
-use cudarc::driver::{CudaFunction, CudaModule, CudaSlice, CudaView, PushKernelArg};
+use cudarc::driver::sys::CUevent_flags;
+use cudarc::driver::{
+    CudaEvent, CudaFunction, CudaModule, CudaSlice, CudaStream, CudaView, PushKernelArg,
+};
 use cudarc::nvrtc::Ptx;
 use kvcc_compiler::back::ptx::{self, abi};
 use kvcc_compiler::page::PageRef;
 use kvcc_compiler::Format;
 
 use super::encode::PageEncoders;
+use super::resident::SideLaunch;
 use super::{CudaError, DeviceCache, DeviceDecode, During, FormatKernels, Gpu};
 use crate::cache::Tables;
 use crate::encode::TrainOptions;
@@ -127,7 +132,22 @@ pub struct DeviceLiveCache {
     /// an append reads them) and the rounds' u32 lists.
     staged: Option<[CudaSlice<f32>; 2]>,
     lists: CudaSlice<u32>,
+    /// The stream appends of rows into listed pages run on, and the exact
+    /// tier's decode kernel after them, beside the other tiers' kernels;
+    /// whether it holds work the main stream has not waited for yet.
+    side: Arc<CudaStream>,
+    side_ready: CudaEvent,
+    side_done: CudaEvent,
+    beside: AtomicBool,
     _modules: Vec<Arc<CudaModule>>,
+}
+
+impl Drop for DeviceLiveCache {
+    /// Buffers are freed in the main stream's order: the side stream's work
+    /// must be done first.
+    fn drop(&mut self) {
+        let _ = self.side.synchronize();
+    }
 }
 
 impl std::fmt::Debug for DeviceLiveCache {
@@ -207,6 +227,16 @@ impl DeviceLiveCache {
         let lists = (gpu.stream.alloc_zeros::<u32>(4))
             .during(|| "allocating append lists".into())
             .map_err(cuda)?;
+        let side = (gpu.stream.fork())
+            .during(|| "creating the side stream".into())
+            .map_err(cuda)?;
+        let event = || {
+            (gpu.context
+                .new_event(Some(CUevent_flags::CU_EVENT_DISABLE_TIMING)))
+            .during(|| "creating an event".into())
+            .map_err(cuda)
+        };
+        let (side_ready, side_done) = (event()?, event()?);
         Ok(DeviceLiveCache {
             format: format.clone(),
             serving,
@@ -225,6 +255,10 @@ impl DeviceLiveCache {
             },
             staged: None,
             lists,
+            side,
+            side_ready,
+            side_done,
+            beside: AtomicBool::new(false),
             _modules: vec![module],
             gpu,
         })
@@ -367,7 +401,24 @@ impl DeviceLiveCache {
             host.extend(r.headers.iter().flatten());
             host.extend(r.jobs.iter().flatten());
         }
-        let stream = self.gpu.stream.clone();
+        // A step that only appends rows into pages already listed goes to the
+        // side stream, where the exact tier's decode kernel follows it beside
+        // the other tiers' (`launch_decode`); anything else runs in order on
+        // the main stream, after whatever the side stream still holds.
+        let steady = !plan.changed
+            && rounds.iter().all(|r| r.jobs.is_empty())
+            && self.lists.len() >= host.len();
+        let main = self.gpu.stream.clone();
+        let stream = if steady {
+            (self.side_ready.record(&main))
+                .and_then(|()| self.side.wait(&self.side_ready))
+                .during(|| "ordering streams".into())
+                .map_err(cuda)?;
+            self.side.clone()
+        } else {
+            self.join_side().map_err(cuda)?;
+            main.clone()
+        };
         if self.lists.len() < host.len() {
             self.lists = (stream.alloc_zeros::<u32>(host.len() + host.len() / 2))
                 .during(|| "allocating append lists".into())
@@ -423,6 +474,9 @@ impl DeviceLiveCache {
                     )
                     .map_err(cuda)?;
             }
+        }
+        if steady {
+            self.beside.store(true, Ordering::Release);
         }
         let Plan {
             touched,
@@ -636,8 +690,28 @@ impl DeviceLiveCache {
             step.replan(&self.gpu, &self.kernels, &self.device)
                 .map_err(cuda)?;
         }
-        step.launch(&self.gpu, &self.kernels, &self.device)
-            .map_err(cuda)
+        if self.beside.swap(false, Ordering::AcqRel) {
+            let side = SideLaunch {
+                stream: &self.side,
+                tier: self.serving.exact_tier,
+                ready: &self.side_ready,
+                done: &self.side_done,
+            };
+            step.launch_beside(&self.gpu, &self.kernels, &self.device, Some(side))
+        } else {
+            step.launch(&self.gpu, &self.kernels, &self.device)
+        }
+        .map_err(cuda)
+    }
+
+    /// Makes the main stream wait for the side stream's outstanding work.
+    fn join_side(&self) -> Result<(), CudaError> {
+        if self.beside.swap(false, Ordering::AcqRel) {
+            (self.side_done.record(&self.side))
+                .and_then(|()| self.gpu.stream.wait(&self.side_done))
+                .during(|| "ordering streams".into())?;
+        }
+        Ok(())
     }
 
     /// The last step's output and log-sum-exp (waits for it).
@@ -728,6 +802,8 @@ impl LiveKv for DeviceLiveCache {
                 sequences: self.books.sequences.len(),
             });
         }
+        self.join_side()
+            .map_err(|e| LiveError::Device(e.to_string()))?;
         let s = self.books.sequences.remove(sequence);
         let exact = self.serving.exact_tier as u32;
         for page in s.pages.into_iter().flatten() {

@@ -5,7 +5,8 @@ use std::ffi::c_void;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use cudarc::driver::{
-    sys, CudaFunction, CudaSlice, DevicePtr, DevicePtrMut, DriverError, LaunchConfig, PushKernelArg,
+    sys, CudaEvent, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DriverError,
+    LaunchConfig, PushKernelArg,
 };
 use kvcc_compiler::back::interp::{Interpreter, Options as InterpOptions};
 use kvcc_compiler::back::ptx::abi;
@@ -257,6 +258,17 @@ fn abi_alignment() -> usize {
     kvcc_compiler::layout::PAGE_ALIGN as usize
 }
 
+/// One tier's decode kernel launched on a second stream, between two events
+/// of the caller's (re-recorded each launch).
+pub struct SideLaunch<'a> {
+    pub stream: &'a CudaStream,
+    pub tier: usize,
+    /// Recorded on the main stream before the launches; `stream` waits for it.
+    pub ready: &'a CudaEvent,
+    /// Recorded on `stream` after its kernel; the merge waits for it.
+    pub done: &'a CudaEvent,
+}
+
 /// Query, partial and output buffers of decode steps over one `DeviceCache`.
 pub struct DeviceDecode {
     /// The cache this step was prepared for (`DeviceCache::id`), and the
@@ -493,6 +505,19 @@ impl DeviceDecode {
         kernels: &FormatKernels,
         cache: &DeviceCache,
     ) -> Result<(), CudaError> {
+        self.launch_beside(gpu, kernels, cache, None)
+    }
+
+    /// [`launch`](Self::launch), with tier `side.tier`'s kernel on
+    /// `side.stream` beside the others: that stream first waits for the
+    /// main stream's work so far, and the merge waits for it.
+    pub fn launch_beside(
+        &mut self,
+        gpu: &Gpu,
+        kernels: &FormatKernels,
+        cache: &DeviceCache,
+        side: Option<SideLaunch>,
+    ) -> Result<(), CudaError> {
         self.check_planned(cache)?;
         let scale = 1.0 / (kernels.format.head_dim() as f32).sqrt();
         let (q_heads, kv_heads, sequences) = (
@@ -506,13 +531,25 @@ impl DeviceDecode {
                 "the decode step was prepared for other kernels (its tensor maps differ)".into(),
             ));
         }
+        if let Some(side) = &side {
+            side.ready
+                .record(&gpu.stream)
+                .during(|| "recording an event".into())?;
+            side.stream
+                .wait(side.ready)
+                .during(|| "ordering streams".into())?;
+        }
         for (t, (function, kernel)) in kernels.decode.iter().enumerate() {
             let splits = self.splits[t];
             if splits == 0 || sequences == 0 {
                 continue;
             }
             let launch = kernel.launch(splits, kv_heads, sequences);
-            let mut args = gpu.stream.launch_builder(function);
+            let stream = match &side {
+                Some(side) if side.tier == t => side.stream,
+                _ => &gpu.stream,
+            };
+            let mut args = stream.launch_builder(function);
             args.arg(&cache.pools[t])
                 .arg(&cache.page_offsets[t])
                 .arg(&cache.page_ids[t])
@@ -531,10 +568,20 @@ impl DeviceDecode {
             unsafe { args.launch(config(launch)) }
                 .during(|| format!("launching {}", kernel.name))?;
         }
+        if let Some(side) = &side {
+            side.done
+                .record(side.stream)
+                .during(|| "recording an event".into())?;
+            gpu.stream
+                .wait(side.done)
+                .during(|| "ordering streams".into())?;
+        }
         if sequences > 0 {
             let (function, kernel) = &kernels.merge;
             let launch = kernel.launch(q_heads, sequences);
-            let dependent = gpu.target().dependent_launches();
+            // After a wait on another stream the merge follows that wait,
+            // not one kernel: no programmatic dependent launch.
+            let dependent = gpu.target().dependent_launches() && side.is_none();
             self.launch_merge(gpu, function, launch, dependent)
                 .during(|| format!("launching {}", kernel.name))?;
         }
