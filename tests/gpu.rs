@@ -5,8 +5,6 @@
 
 mod common;
 
-use std::io::Write;
-
 use common::{
     assert_rows_close, bitmap_mask_specs, bundled, cache_and_queries, direct_codebook_formats,
     fresh_seed, scrambled_bitmap_masks,
@@ -18,21 +16,7 @@ use kvcc::runtime::encode::encode_page;
 use kvcc::runtime::exec::{CudaExecutor, Executor};
 
 fn gpu(test: &str) -> Option<CudaExecutor> {
-    match CudaExecutor::open() {
-        Ok(executor) => Some(executor),
-        Err(error) if std::env::var_os("KVCC_REQUIRE_GPU").is_some() => {
-            panic!("{test}: KVCC_REQUIRE_GPU is set but {error}")
-        }
-        Err(error) => {
-            // To the stderr handle: the harness hides `eprintln!` of passing
-            // tests, and a skip must show in a plain `cargo test`.
-            let _ = writeln!(
-                std::io::stderr(),
-                "SKIPPED {test}: {error} (GPU tests run for real on a machine with an NVIDIA GPU)"
-            );
-            None
-        }
-    }
+    common::gpu_or_skip(test, CudaExecutor::open)
 }
 
 /// Sequences of several lengths, none a multiple of the page size.

@@ -8,14 +8,13 @@
 
 mod common;
 
-use std::io::Write;
 use std::sync::Arc;
 
 use common::{assert_rows_close, bundled, data, fresh_seed, SplitMix64};
 use kvcc::compiler::spec::ExactDtype;
 use kvcc::compiler::Format;
 use kvcc::runtime::cache;
-use kvcc::runtime::cuda::{DeviceLiveCache, DeviceLiveOptions, Gpu};
+use kvcc::runtime::cuda::{DeviceAppend, DeviceLiveCache, DeviceLiveOptions, Gpu};
 use kvcc::runtime::encode::TrainOptions;
 use kvcc::runtime::exec::ExecutorKind;
 use kvcc::runtime::live::{
@@ -23,19 +22,7 @@ use kvcc::runtime::live::{
 };
 
 fn gpu(test: &str) -> Option<Arc<Gpu>> {
-    match Gpu::open() {
-        Ok(gpu) => Some(Arc::new(gpu)),
-        Err(error) if std::env::var_os("KVCC_REQUIRE_GPU").is_some() => {
-            panic!("{test}: KVCC_REQUIRE_GPU is set but {error}")
-        }
-        Err(error) => {
-            let _ = writeln!(
-                std::io::stderr(),
-                "SKIPPED {test}: {error} (GPU tests run for real on a machine with an NVIDIA GPU)"
-            );
-            None
-        }
-    }
+    common::gpu_or_skip(test, Gpu::open).map(Arc::new)
 }
 
 struct Case<'a> {
@@ -417,4 +404,132 @@ fn gpu_live_cache_bad_calls_change_nothing() {
     unchanged(&live, "a block of the wrong shape");
     assert!(live.attend(&queries[..d], q_heads).is_err());
     unchanged(&live, "queries of the wrong shape");
+}
+
+#[test]
+fn gpu_live_cache_matches_the_cpu_live_cache_on_random_specs() {
+    let test = "gpu_live_cache_matches_the_cpu_live_cache_on_random_specs";
+    let Some(gpu) = gpu(test) else { return };
+    let seed = fresh_seed(test);
+    let mut rng = SplitMix64(seed ^ 0x11fe);
+    for (i, source) in common::random_specs(seed, 8).iter().enumerate() {
+        let format = Format::parse(source, "random.toml")
+            .unwrap_or_else(|e| panic!("generated spec rejected: {e}\n{source}"));
+        let items = format.spec().page.items as usize;
+        let case = Case {
+            format: &format,
+            sinks: rng.pick(&[0, 4, items + 3]),
+            window: rng.pick(&[0, 64, 100]),
+            exact: rng.pick(&[ExactDtype::F16, ExactDtype::Bf16]),
+            kv_heads: 2,
+            group: [1, 2, 4][i % 3],
+            tiers: (0..format.tiers().len()).collect(),
+            sequences: 2,
+            steps: 6,
+        };
+        run(&gpu, &case, seed.wrapping_add(i as u64 * 1000));
+    }
+}
+
+#[test]
+fn gpu_live_cache_appends_from_the_device_as_from_the_host() {
+    let test = "gpu_live_cache_appends_from_the_device_as_from_the_host";
+    let Some(gpu) = gpu(test) else { return };
+    let seed = fresh_seed(test);
+    let format = format("shard");
+    let (kv_heads, q_heads, sequences) = (2, 8, 3);
+    let d = format.head_dim() as usize;
+    let tokens = 400;
+    let sets: Vec<_> = (0..sequences)
+        .map(|i| {
+            data(
+                &format,
+                seed.wrapping_add(i as u64),
+                kv_heads,
+                q_heads,
+                tokens,
+            )
+        })
+        .collect();
+    let tables = cache::train(
+        &format,
+        &sets[0].keys,
+        &sets[0].values,
+        kv_heads,
+        &TrainOptions::default(),
+    )
+    .unwrap();
+    let options = DeviceLiveOptions {
+        policy: CachePolicy::of(&format),
+        kv_heads,
+        max_sequences: sequences,
+        pages_per_tier: 256,
+        context: 1024,
+        q_heads,
+    };
+    let mut host = DeviceLiveCache::new(gpu.clone(), &format, &options, tables.clone()).unwrap();
+    let mut device = DeviceLiveCache::new(gpu.clone(), &format, &options, tables).unwrap();
+    let empty = vec![SequenceKv::default(); sequences];
+    host.prefill(&empty).unwrap();
+    device.prefill(&empty).unwrap();
+    let mut rng = SplitMix64(seed);
+    let mut taken = vec![0usize; sequences];
+    let queries: Vec<f32> = (0..sequences * q_heads * d)
+        .map(|_| (rng.below(2001) as f32 - 1000.0) / 400.0)
+        .collect();
+    for step in 0..12 {
+        let mut chunks = Vec::new();
+        for (s, t) in taken.iter_mut().enumerate() {
+            let count = rng.pick(&[1, 1, 2, 63, 64, 65, 130]).min(tokens - *t);
+            let pick = |data: &[f32]| -> Vec<f32> {
+                (0..kv_heads)
+                    .flat_map(|h| {
+                        data[(h * tokens + *t) * d..(h * tokens + *t + count) * d].to_vec()
+                    })
+                    .collect()
+            };
+            chunks.push((s, count, pick(&sets[s].keys), pick(&sets[s].values)));
+            *t += count;
+        }
+        let batch: Vec<Append> = (chunks.iter())
+            .map(|(s, _, k, v)| Append {
+                sequence: *s,
+                keys: k,
+                values: v,
+            })
+            .collect();
+        host.append(&batch).unwrap();
+        let keys: Vec<f32> = chunks.iter().flat_map(|c| c.2.iter().copied()).collect();
+        let values: Vec<f32> = chunks.iter().flat_map(|c| c.3.iter().copied()).collect();
+        let len = keys.len();
+        let keys = device.gpu().upload(&keys).unwrap();
+        let values = device.gpu().upload(&values).unwrap();
+        let entries: Vec<DeviceAppend> = (chunks.iter())
+            .map(|(s, n, _, _)| DeviceAppend {
+                sequence: *s,
+                tokens: *n,
+            })
+            .collect();
+        device
+            .append_device(&keys.slice(0..len), &values.slice(0..len), &entries)
+            .unwrap_or_else(|e| panic!("step {step}: {e}"));
+        let what = format!("step {step}");
+        assert_eq!(device.lengths(), host.lengths(), "{what}: lengths");
+        for s in 0..sequences {
+            let (a, b) = (host.page_table(s).unwrap(), device.page_table(s).unwrap());
+            assert_eq!(a, b, "{what}: page tables of {s}");
+            for page in a.iter().flatten() {
+                assert_eq!(
+                    host.page_bytes(page.tier as usize, page.page).unwrap(),
+                    device.page_bytes(page.tier as usize, page.page).unwrap(),
+                    "{what}: page {page:?} of {s}"
+                );
+            }
+        }
+        let (a, b) = (
+            host.attend(&queries, q_heads).unwrap(),
+            device.attend(&queries, q_heads).unwrap(),
+        );
+        assert_eq!(a, b, "{what}: the same pages attend alike, bit for bit");
+    }
 }

@@ -35,6 +35,30 @@ pub fn direct_codebook_formats() -> Vec<Format> {
 
 /// A fresh seed per run (so every run exercises new inputs), printed for replay;
 /// `KVCC_TEST_SEED` pins it.
+/// A GPU from `open`, or `None` after saying on stderr why the test skips;
+/// with `KVCC_REQUIRE_GPU` set (the GPU machine) no GPU is a failure.
+pub fn gpu_or_skip<T, E: std::fmt::Display>(
+    test: &str,
+    open: impl FnOnce() -> Result<T, E>,
+) -> Option<T> {
+    match open() {
+        Ok(gpu) => Some(gpu),
+        Err(error) if std::env::var_os("KVCC_REQUIRE_GPU").is_some() => {
+            panic!("{test}: KVCC_REQUIRE_GPU is set but {error}")
+        }
+        Err(error) => {
+            // To the stderr handle: the harness hides `eprintln!` of passing
+            // tests, and a skip must show in a plain `cargo test`.
+            use std::io::Write;
+            let _ = writeln!(
+                std::io::stderr(),
+                "SKIPPED {test}: {error} (GPU tests run for real on a machine with an NVIDIA GPU)"
+            );
+            None
+        }
+    }
+}
+
 pub fn fresh_seed(test: &str) -> u64 {
     let seed = std::env::var("KVCC_TEST_SEED")
         .ok()

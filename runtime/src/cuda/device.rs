@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use cudarc::driver::sys::CUdevice_attribute;
-use cudarc::driver::{CudaContext, CudaStream};
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use kvcc_compiler::back::ptx::Target;
 
 use super::{CudaError, During};
@@ -69,6 +69,18 @@ impl Gpu {
             compute_capability: self.compute_capability,
             driver_version: self.driver_version,
         }
+    }
+
+    /// `data` copied to a new device buffer (what `DeviceLiveCache::append_device`
+    /// reads K/V from, for one).
+    pub fn upload(&self, data: &[f32]) -> Result<CudaSlice<f32>, CudaError> {
+        let mut buffer = (self.stream.alloc_zeros::<f32>(data.len().max(1)))
+            .during(|| format!("allocating {} floats", data.len()))?;
+        if !data.is_empty() {
+            let mut part = buffer.slice_mut(0..data.len());
+            (self.stream.memcpy_htod(data, &mut part)).during(|| "uploading".into())?;
+        }
+        Ok(buffer)
     }
 
     /// The PTX target to generate for this GPU.
