@@ -5,8 +5,10 @@
 //! (which page holds which tokens), the device every byte of K/V: pages are
 //! compressed from the exact pages in the same stream, with no round trip.
 //!
-//! An append is planned on a copy of the bookkeeping first (slots, header
-//! counts, compress jobs, capacity), so a call that fails changes nothing.
+//! An append is planned first (slots, header counts, compress jobs,
+//! capacity) on copies of the appended sequences' exact pages and of the
+//! pools, so a call that fails changes nothing and the host's work per step
+//! does not grow with the cache.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
