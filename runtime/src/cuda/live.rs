@@ -181,7 +181,6 @@ impl DeviceLiveCache {
         }
         let kv_heads = options.kv_heads;
         crate::cache::PagedCache::new(format, kv_heads, tables.clone())?;
-        let cuda = |e: CudaError| LiveError::Device(e.to_string());
         let serving = serving_format(format, policy.exact).map_err(|e| {
             LiveError::Device(format!("the serving format of {}: {e}", format.name()))
         })?;
@@ -205,18 +204,15 @@ impl DeviceLiveCache {
                 *config = crate::tune::KernelConfig::default_for(&serving.format);
             }
         }
-        let kernels =
-            FormatKernels::load_configs(&gpu, &serving.format, &configs, group).map_err(cuda)?;
+        let kernels = FormatKernels::load_configs(&gpu, &serving.format, &configs, group)?;
         let exact_layout = serving.format.layout(serving.exact_tier);
         let (append_ptx, append) = ptx::write_append(format.name(), exact_layout, gpu.target())
             .map_err(|e| LiveError::Device(e.to_string()))?;
         let module = (gpu.context.load_module(Ptx::from_src(append_ptx)))
-            .during(|| format!("loading the append kernel of {}", format.name()))
-            .map_err(cuda)?;
+            .during(|| format!("loading the append kernel of {}", format.name()))?;
         let function = (module.load_function(&append.name))
-            .during(|| format!("finding kernel {}", append.name))
-            .map_err(cuda)?;
-        let encoders = PageEncoders::load(&gpu, format, exact_layout).map_err(cuda)?;
+            .during(|| format!("finding kernel {}", append.name))?;
+        let encoders = PageEncoders::load(&gpu, format, exact_layout)?;
         let items = items as usize;
         let exact_pages_per_row = policy.sinks.div_ceil(items) + policy.window.div_ceil(items) + 2;
         let mut capacities = vec![options.pages_per_tier; tiers];
@@ -224,19 +220,15 @@ impl DeviceLiveCache {
         let mut all_tables: Vec<&[Vec<Vec<f32>>]> = tables.iter().map(Vec::as_slice).collect();
         let exact_tables = vec![Vec::new(); kv_heads];
         all_tables.push(&exact_tables);
-        let device = DeviceCache::with_capacity(&gpu, &kernels, kv_heads, &capacities, &all_tables)
-            .map_err(cuda)?;
-        let lists = (gpu.stream.alloc_zeros::<u32>(4))
-            .during(|| "allocating append lists".into())
-            .map_err(cuda)?;
-        let side = (gpu.stream.fork())
-            .during(|| "creating the side stream".into())
-            .map_err(cuda)?;
+        let device =
+            DeviceCache::with_capacity(&gpu, &kernels, kv_heads, &capacities, &all_tables)?;
+        let lists =
+            (gpu.stream.alloc_zeros::<u32>(4)).during(|| "allocating append lists".into())?;
+        let side = (gpu.stream.fork()).during(|| "creating the side stream".into())?;
         let event = || {
             (gpu.context
                 .new_event(Some(CUevent_flags::CU_EVENT_DISABLE_TIMING)))
             .during(|| "creating an event".into())
-            .map_err(cuda)
         };
         let (side_ready, side_done) = (event()?, event()?);
         Ok(DeviceLiveCache {
@@ -320,8 +312,7 @@ impl DeviceLiveCache {
         let stream = &self.gpu.stream;
         (stream.memcpy_dtoh(&pool.slice(at..at + size), &mut out))
             .and_then(|()| stream.synchronize())
-            .during(|| "downloading a page".into())
-            .map_err(|e| LiveError::Device(e.to_string()))?;
+            .during(|| "downloading a page".into())?;
         Ok(out)
     }
 
@@ -392,7 +383,6 @@ impl DeviceLiveCache {
     ) -> Result<(), LiveError> {
         let plan = self.plan(new)?;
         let rounds = &plan.rounds;
-        let cuda = |e: CudaError| LiveError::Device(e.to_string());
         let lists_len: usize = rounds
             .iter()
             .map(|r| 2 * r.rows.len() + 2 * r.headers.len() + 3 * r.jobs.len())
@@ -414,23 +404,19 @@ impl DeviceLiveCache {
         let stream = if steady {
             (self.side_ready.record(&main))
                 .and_then(|()| self.side.wait(&self.side_ready))
-                .during(|| "ordering streams".into())
-                .map_err(cuda)?;
+                .during(|| "ordering streams".into())?;
             self.side.clone()
         } else {
-            self.join_side().map_err(cuda)?;
+            self.join_side()?;
             main.clone()
         };
         if self.lists.len() < host.len() {
             self.lists = (stream.alloc_zeros::<u32>(host.len() + host.len() / 2))
-                .during(|| "allocating append lists".into())
-                .map_err(cuda)?;
+                .during(|| "allocating append lists".into())?;
         }
         if !host.is_empty() {
             let mut part = self.lists.slice_mut(0..host.len());
-            (stream.memcpy_htod(&host, &mut part))
-                .during(|| "uploading append lists".into())
-                .map_err(cuda)?;
+            (stream.memcpy_htod(&host, &mut part)).during(|| "uploading append lists".into())?;
         }
         let exact = self.serving.exact_tier;
         let tier = self.policy.tier;
@@ -458,23 +444,20 @@ impl DeviceLiveCache {
                 // type; every source row and exact item was planned inside
                 // its buffer.
                 unsafe { args.launch(super::resident::config(launch)) }
-                    .during(|| format!("launching {}", kernel.name))
-                    .map_err(cuda)?;
+                    .during(|| format!("launching {}", kernel.name))?;
             }
             if !r.jobs.is_empty() {
                 let jobs = self.lists.slice(jobs_at..jobs_at + 3 * r.jobs.len());
                 let (source, target, tables) = self.device.encode_buffers(exact, tier);
-                self.encoders
-                    .launch(
-                        &self.gpu,
-                        tier,
-                        source,
-                        target,
-                        tables,
-                        &jobs,
-                        r.jobs.len() as u32,
-                    )
-                    .map_err(cuda)?;
+                self.encoders.launch(
+                    &self.gpu,
+                    tier,
+                    source,
+                    target,
+                    tables,
+                    &jobs,
+                    r.jobs.len() as u32,
+                )?;
             }
         }
         if steady {
@@ -504,9 +487,7 @@ impl DeviceLiveCache {
             let tables: Vec<Vec<Vec<PageRef>>> = (self.books.sequences.iter())
                 .map(|s| self.row_pages(s))
                 .collect();
-            self.device
-                .set_page_lists(&self.gpu, &tables)
-                .map_err(cuda)?;
+            self.device.set_page_lists(&self.gpu, &tables)?;
         }
         Ok(())
     }
@@ -629,7 +610,6 @@ impl DeviceLiveCache {
     /// Checks host K/V entries (`[kv_head][token][head_dim]` each), uploads
     /// them to the staging buffers and appends them.
     fn append_host(&mut self, entries: &[(usize, &[f32], &[f32])]) -> Result<(), LiveError> {
-        let cuda = |e: CudaError| LiveError::Device(e.to_string());
         let mut new = Vec::with_capacity(entries.len());
         let mut host = [Vec::new(), Vec::new()];
         for &(sequence, k, v) in entries {
@@ -646,15 +626,13 @@ impl DeviceLiveCache {
             _ => {
                 let alloc =
                     || (stream.alloc_zeros::<f32>(len)).during(|| "allocating staged K/V".into());
-                [alloc().map_err(cuda)?, alloc().map_err(cuda)?]
+                [alloc()?, alloc()?]
             }
         };
         for (buffer, data) in staged.iter_mut().zip(&host) {
             if !data.is_empty() {
                 let mut part = buffer.slice_mut(0..data.len());
-                (stream.memcpy_htod(data, &mut part))
-                    .during(|| "uploading K/V".into())
-                    .map_err(cuda)?;
+                (stream.memcpy_htod(data, &mut part)).during(|| "uploading K/V".into())?;
             }
         }
         let result = self.run_append(&staged[0].slice(0..len), &staged[1].slice(0..len), &new);
@@ -665,32 +643,28 @@ impl DeviceLiveCache {
     /// Uploads `[sequence][q_head][head_dim]` queries (checked) for the
     /// decode steps that follow; plans a step for `q_heads` if needed.
     pub fn set_queries(&self, queries: &[f32], q_heads: usize) -> Result<(), LiveError> {
-        let cuda = |e: CudaError| LiveError::Device(e.to_string());
         let mut slot = self.decode.lock().expect("decode lock");
         if !matches!(&*slot, Some(step) if step.q_heads == q_heads) {
             let step = DeviceDecode::new(&self.gpu, &self.kernels, &self.device, q_heads, None);
-            *slot = Some(step.map_err(cuda)?);
+            *slot = Some(step?);
         }
         let step = slot.as_mut().expect("a step was just made");
         if !step.planned_for(&self.device) {
-            step.replan(&self.gpu, &self.kernels, &self.device)
-                .map_err(cuda)?;
+            step.replan(&self.gpu, &self.kernels, &self.device)?;
         }
-        step.set_queries(&self.gpu, &self.kernels, &self.device, queries)
-            .map_err(cuda)
+        step.set_queries(&self.gpu, &self.kernels, &self.device, queries)?;
+        Ok(())
     }
 
     /// Enqueues one decode step over every sequence with the queries set
     /// last; its output and log-sum-exp stay on the device until
     /// [`attend`](LiveKv::attend) downloads them.
     pub fn launch_decode(&self) -> Result<(), LiveError> {
-        let cuda = |e: CudaError| LiveError::Device(e.to_string());
         let mut slot = self.decode.lock().expect("decode lock");
         let step =
             (slot.as_mut()).ok_or_else(|| LiveError::Device("no queries were set".into()))?;
         if !step.planned_for(&self.device) {
-            step.replan(&self.gpu, &self.kernels, &self.device)
-                .map_err(cuda)?;
+            step.replan(&self.gpu, &self.kernels, &self.device)?;
         }
         if self.beside.swap(false, Ordering::AcqRel) {
             let side = SideLaunch {
@@ -699,11 +673,11 @@ impl DeviceLiveCache {
                 ready: &self.side_ready,
                 done: &self.side_done,
             };
-            step.launch_beside(&self.gpu, &self.kernels, &self.device, Some(side))
+            step.launch_beside(&self.gpu, &self.kernels, &self.device, Some(side))?;
         } else {
-            step.launch(&self.gpu, &self.kernels, &self.device)
+            step.launch(&self.gpu, &self.kernels, &self.device)?;
         }
-        .map_err(cuda)
+        Ok(())
     }
 
     /// Makes the main stream wait for the side stream's outstanding work.
@@ -718,15 +692,14 @@ impl DeviceLiveCache {
 
     /// The last step's output and log-sum-exp (waits for it).
     fn results(&self) -> Result<Attention, LiveError> {
-        let cuda = |e: CudaError| LiveError::Device(e.to_string());
         let slot = self.decode.lock().expect("decode lock");
         let step = slot
             .as_ref()
             .ok_or_else(|| LiveError::Device("no step was launched".into()))?;
         let d = self.format.head_dim() as usize;
         Ok(Attention {
-            outputs: step.output(&self.gpu, &self.device, d).map_err(cuda)?,
-            lse: step.lse(&self.gpu, &self.device).map_err(cuda)?,
+            outputs: step.output(&self.gpu, &self.device, d)?,
+            lse: step.lse(&self.gpu, &self.device)?,
         })
     }
 }
@@ -804,8 +777,7 @@ impl LiveKv for DeviceLiveCache {
                 sequences: self.books.sequences.len(),
             });
         }
-        self.join_side()
-            .map_err(|e| LiveError::Device(e.to_string()))?;
+        self.join_side()?;
         let s = self.books.sequences.remove(sequence);
         let exact = self.serving.exact_tier as u32;
         for page in s.pages.into_iter().flatten() {
@@ -817,9 +789,8 @@ impl LiveKv for DeviceLiveCache {
         let tables: Vec<Vec<Vec<PageRef>>> = (self.books.sequences.iter())
             .map(|s| self.row_pages(s))
             .collect();
-        self.device
-            .set_page_lists(&self.gpu, &tables)
-            .map_err(|e| LiveError::Device(e.to_string()))
+        self.device.set_page_lists(&self.gpu, &tables)?;
+        Ok(())
     }
 
     fn set_tier(&mut self, tier: usize) -> Result<(), LiveError> {

@@ -77,6 +77,9 @@ pub enum LiveError {
     },
     #[error("no prompt token to train the tables on")]
     NoTrainingData,
+    #[error(transparent)]
+    Cuda(#[from] crate::cuda::CudaError),
+    /// A device live cache's shape or setup problem.
     #[error("{0}")]
     Device(String),
     #[error("the policy's tier {tier} does not exist; the format has {tiers} tiers")]
