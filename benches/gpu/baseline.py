@@ -90,6 +90,19 @@ def flashinfer_decode(args, ctx, sets):
     return timed(run, paged, args.warmup, args.iters, args.timing == "queued")
 
 
+def write_results(results, path):
+    """Writes the JSON `kvcc bench --baseline` reads and prints a table on stderr."""
+    with open(path, "w") as f:
+        json.dump(results, f, indent=2)
+    print(f"{'baseline':<20} {'ctx':>7} {'ms':>9} {'TB/s':>6}", file=sys.stderr)
+    for r in results["rows"]:
+        if "ms" in r:
+            rate = f"{r['tb_per_s']:>6.2f}" if "tb_per_s" in r else f"{'-':>6}"
+            print(f"{r['baseline']:<20} {r['ctx']:>7} {r['ms']:>9.4f} {rate}", file=sys.stderr)
+        else:
+            print(f"{r['baseline']:<20} {r['ctx']:>7} unavailable: {r['error']}", file=sys.stderr)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--batch", type=int, default=8)
@@ -120,14 +133,7 @@ def main():
             results["rows"].append({"baseline": "flashinfer", "ctx": ctx, "error": repr(e)[:300]})
         del sets
         torch.cuda.empty_cache()
-    with open(args.json, "w") as f:
-        json.dump(results, f, indent=2)
-    print(f"{'baseline':<11} {'ctx':>7} {'ms':>9} {'TB/s':>6}", file=sys.stderr)
-    for r in results["rows"]:
-        if "ms" in r:
-            print(f"{r['baseline']:<11} {r['ctx']:>7} {r['ms']:>9.4f} {r['tb_per_s']:>6.2f}", file=sys.stderr)
-        else:
-            print(f"{r['baseline']:<11} {r['ctx']:>7} unavailable: {r['error']}", file=sys.stderr)
+    write_results(results, args.json)
 
 
 if __name__ == "__main__":

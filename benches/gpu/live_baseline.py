@@ -23,11 +23,11 @@ CUDA events around every step, steps enqueued back to back, the mean over
 --live --baseline` reads (the same shape as baseline.py's).
 """
 import argparse
-import json
-import sys
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from baseline import write_results
 
 
 def timed(step, warmup, steps):
@@ -151,14 +151,7 @@ def main():
             except Exception as e:  # FlashInfer is optional: report why it is missing.
                 results["rows"].append({"baseline": name, "ctx": ctx, "error": repr(e)[:300]})
             torch.cuda.empty_cache()
-    with open(args.json, "w") as f:
-        json.dump(results, f, indent=2)
-    print(f"{'baseline':<20} {'ctx':>7} {'mean ms':>9}", file=sys.stderr)
-    for r in results["rows"]:
-        if "ms" in r:
-            print(f"{r['baseline']:<20} {r['ctx']:>7} {r['ms']:>9.4f}", file=sys.stderr)
-        else:
-            print(f"{r['baseline']:<20} {r['ctx']:>7} unavailable: {r['error']}", file=sys.stderr)
+    write_results(results, args.json)
 
 
 if __name__ == "__main__":

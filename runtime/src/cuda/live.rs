@@ -336,17 +336,7 @@ impl DeviceLiveCache {
     }
 
     fn check_batch(&self, sequences: impl Iterator<Item = usize>) -> Result<(), LiveError> {
-        let mut seen = vec![false; self.books.sequences.len()];
-        for sequence in sequences {
-            let slot = seen.get_mut(sequence).ok_or(LiveError::UnknownSequence {
-                sequence,
-                sequences: self.books.sequences.len(),
-            })?;
-            if std::mem::replace(slot, true) {
-                return Err(LiveError::DuplicateSequence { sequence });
-            }
-        }
-        Ok(())
+        crate::live::check_batch(self.books.sequences.len(), sequences)
     }
 
     /// Appends tokens whose K/V are on the device: `keys` and `values` hold,

@@ -345,18 +345,7 @@ impl LiveKv for LiveCache {
     }
 
     fn append(&mut self, batch: &[Append]) -> Result<(), LiveError> {
-        let mut seen = vec![false; self.sequences.len()];
-        for a in batch {
-            let slot = seen.get_mut(a.sequence).ok_or(LiveError::UnknownSequence {
-                sequence: a.sequence,
-                sequences: self.sequences.len(),
-            })?;
-            if std::mem::replace(slot, true) {
-                return Err(LiveError::DuplicateSequence {
-                    sequence: a.sequence,
-                });
-            }
-        }
+        super::check_batch(self.sequences.len(), batch.iter().map(|a| a.sequence))?;
         let plans = batch
             .iter()
             .map(|a| {

@@ -86,6 +86,25 @@ pub enum LiveError {
     PolicyTier { tier: usize, tiers: usize },
 }
 
+/// Checks that every sequence of one append exists (`0..sequences`) and
+/// appears once.
+pub(crate) fn check_batch(
+    sequences: usize,
+    batch: impl IntoIterator<Item = usize>,
+) -> Result<(), LiveError> {
+    let mut seen = vec![false; sequences];
+    for sequence in batch {
+        let slot = seen.get_mut(sequence).ok_or(LiveError::UnknownSequence {
+            sequence,
+            sequences,
+        })?;
+        if std::mem::replace(slot, true) {
+            return Err(LiveError::DuplicateSequence { sequence });
+        }
+    }
+    Ok(())
+}
+
 /// What every live-cache backend offers. Calls check everything before they
 /// change anything: a call that fails leaves the cache as it was.
 pub trait LiveKv {
