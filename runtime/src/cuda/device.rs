@@ -87,4 +87,12 @@ impl Gpu {
     pub fn target(&self) -> Target {
         self.id().target()
     }
+
+    /// What the tuning cost model knows of this GPU.
+    pub fn machine(&self) -> crate::tune::model::Machine {
+        crate::tune::model::Machine {
+            target: self.target(),
+            multiprocessors: self.multiprocessors,
+        }
+    }
 }

@@ -199,9 +199,9 @@ impl DeviceLiveCache {
         );
         let mut configs = lookup::resolve_default(&gpu.id(), &serving.format, shape).configs;
         let items = format.spec().page.items;
-        for config in &mut configs {
+        for (tier, config) in configs.iter_mut().enumerate() {
             if config.page_items != items {
-                *config = crate::tune::KernelConfig::default_for(&serving.format);
+                *config = crate::tune::model::config_at(&serving.format, tier, gpu.target());
             }
         }
         let kernels = FormatKernels::load_configs(&gpu, &serving.format, &configs, group)?;

@@ -13,7 +13,7 @@ use super::tensor_cores::{Element, MmaPlan};
 use super::{Error, Options};
 use crate::ir::{ArrayDecl, Expr, Handle, Module, Stage};
 use crate::layout::{round_up, Side, TierLayout};
-use crate::proc::{depends_on, operands, shared_reads};
+use crate::proc::{depends_on, operands, reads_tables, shared_reads};
 
 /// Extra bytes after each tile buffer: an unaligned item reader may load the
 /// 32-bit word after the last item's last byte.
@@ -278,8 +278,7 @@ impl Plan {
         // Table reads (VQ codebook rows) stay one per channel in a pair, and
         // a warp's pair spreads each load instruction over twice the rows:
         // measured 1% slower on shard/pca64_vq, so such programs stay single.
-        let reads_table =
-            (module.value.accumulate.exprs.iter()).any(|(_, e)| matches!(e, Expr::Table { .. }));
+        let reads_table = reads_tables(&module.value.accumulate.exprs);
         let pack = match (
             reads_table,
             quads_pay(&module.value.accumulate.exprs, value.align()),
