@@ -4,7 +4,7 @@
 #   .gpu/kvcc, .gpu/gpu-tests and .gpu/gpu-live-tests (tests/gpu.rs, tests/gpu_live.rs); wheels in .whl/.
 # Usage: benches/gpu/run.sh STEP...
 #   STEP: env | test | sanitize | ncu | baseline | bench | live-baseline | live-bench | tune | tuned-bench | shipped
-#         | untuned | corpus | shipped-tune | before-after
+#         | ncu-bound | untuned | corpus | shipped-tune | before-after
 # live-baseline / live-bench: the serving loop (append one token per sequence, then decode) of
 # benches/gpu/live_baseline.py (SDPA, FlashInfer f16/fp8) and of `kvcc bench --live`.
 # before-after: benches the build in $KVCC_BEFORE (default .gpu/before, built by build.sh from an
@@ -57,6 +57,16 @@ for s in "$@"; do
       ncu --metrics dram__bytes_read.sum --clock-control none --csv --kernel-name regex:kvcc_ --log-file "$out/ncu.csv" \
         .gpu/kvcc bench --ctx 32768 --warmup 0 --iters 1 --json > "$out/ncu-bench.json" 2> "$out/ncu.err"
       echo "ncu exit $?"; python3 benches/gpu/ncu_bytes.py "$out/ncu.csv" "$out/ncu-bench.json" || status=1
+      ;;
+    ncu-bound)
+      step "ncu: what bounds each decode kernel (one 32K step per bundled spec, the configurations a fresh clone runs)"
+      metrics=gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__throughput.avg.pct_of_peak_sustained_elapsed
+      metrics+=,smsp__issue_active.avg.pct_of_peak_sustained_active,l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum
+      metrics+=,l1tex__data_pipe_lsu_wavefronts_mem_shared.sum,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active
+      metrics+=,sm__warps_active.avg.pct_of_peak_sustained_active
+      KVCC_TUNE_CACHE=/tmp/no-tune-cache.json ncu --metrics "$metrics" --csv --kernel-name regex:_decode\$ --log-file "$out/ncu-bound.csv" \
+        .gpu/kvcc bench --ctx 32768 --warmup 0 --iters 1 --json > "$out/ncu-bound-bench.json" 2> "$out/ncu-bound.err"
+      echo "ncu exit $?"; python3 benches/gpu/ncu_bound.py "$out/ncu-bound.csv" --json "$out/ncu-bound.json" || status=1
       ;;
     baseline)
       step "dense baselines (SDPA, FlashInfer)"
