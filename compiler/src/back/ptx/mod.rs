@@ -300,17 +300,23 @@ pub fn write_tier(
 }
 
 /// The append module of a live cache whose exact rows are `layout`'s pages
-/// (a dense f16 or bf16 tier, see [`abi::DenseSource::of_layout`]).
+/// (a dense f16 or bf16 tier, see [`abi::DenseSource::of_layout`]), reading
+/// new rows of `input` (the f32 kernel keeps the plain name).
 pub fn write_append(
     format_name: &str,
     layout: &crate::layout::TierLayout,
+    input: abi::RowDtype,
     target: Target,
 ) -> Result<(String, abi::AppendKernel), NotExact> {
     let rows = abi::DenseSource::of_layout(layout).ok_or_else(|| NotExact {
         tier: layout.name.clone(),
     })?;
-    let name = format!("kvcc_{}_append", identifier(format_name));
-    let (entry, kernel) = append::append(&rows, layout.index, &name);
+    let suffix = match input {
+        abi::RowDtype::F32 => String::new(),
+        other => format!("_from_{}", other.name()),
+    };
+    let name = format!("kvcc_{}_append{suffix}", identifier(format_name));
+    let (entry, kernel) = append::append(&rows, layout.index, input, &name);
     let ptx = builder::module(PTX_VERSION, target.name(), abi::SHARED_SYMBOL, &[entry]);
     Ok((ptx, kernel))
 }
