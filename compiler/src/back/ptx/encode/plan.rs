@@ -1,7 +1,7 @@
 //! How many items an encode CTA holds at once, and where its shared-memory
 //! regions lie.
 
-use crate::layout::{round_up, CodecLayout, FieldLayout, TierLayout};
+use crate::layout::{round_up, CodecLayout, FieldLayout, SlotRole, TierLayout};
 
 /// Items per chunk when a page does not fit at once: chunks then start on
 /// 16-byte boundaries of every stream, whatever the item stride.
@@ -24,7 +24,8 @@ pub struct Plan {
     /// `chunk * item_groups` f32: item scales (one per item, or per channel
     /// group of a coeff field).
     pub item_scales: u32,
-    /// `chunk * item_groups` f32: the item scales' zero points.
+    /// `chunk * item_groups` f32: the item scales' zero points (where a codec
+    /// has them; else it aliases `item_scales` and is never used).
     pub item_zeros: u32,
     /// Item scales per item (the larger side's).
     pub item_groups: u32,
@@ -70,7 +71,14 @@ impl Plan {
         let codes = region(4 * chunk * groups);
         let aux = region(4 * chunk * groups);
         let item_scales = region(4 * chunk * item_groups);
-        let item_zeros = region(4 * chunk * item_groups);
+        // Only codecs with item zero points have a region for them.
+        let zeros = codecs
+            .iter()
+            .any(|c| c.find_slot(SlotRole::ItemZero).is_some());
+        let item_zeros = match zeros {
+            true => region(4 * chunk * item_groups),
+            false => item_scales,
+        };
         let image = region(chunk * stride);
         Plan {
             chunk,
