@@ -397,7 +397,7 @@ impl Codec<'_> {
                     CoeffScale::Component => Plan::OnePass { item: quantize },
                     CoeffScale::Page => Plan::TwoPass {
                         init: quote!(let mut range = #infinite;),
-                        measure: quote!(range = #ops::min_max(y.iter().chain([&range.0, &range.1]));),
+                        measure: quote!(range = #ops::widen_range(range, y);),
                         finish: quote! {
                             let (s, z) = #ops::zero_point_scale(range.0, range.1, #b);
                             scales[#slot] = s;
@@ -410,7 +410,7 @@ impl Codec<'_> {
                         init: quote!(let mut range = [#infinite; #n];),
                         measure: quote! {
                             for (r, v) in range.iter_mut().zip(y) {
-                                *r = #ops::min_max([v, &r.0, &r.1]);
+                                *r = #ops::widen_range(*r, [v]);
                             }
                         },
                         finish: quote! {

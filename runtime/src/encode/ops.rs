@@ -219,6 +219,25 @@ pub fn min_max<'v>(values: impl IntoIterator<Item = &'v f32>) -> (f32, f32) {
         })
 }
 
+/// `range` widened to cover `values` ([`min_max`]'s order): the range of a
+/// page measured item by item.
+#[inline]
+pub fn widen_range<'v>(range: (f32, f32), values: impl IntoIterator<Item = &'v f32>) -> (f32, f32) {
+    let (lo, hi) = min_max(values);
+    (
+        if lo.total_cmp(&range.0).is_lt() {
+            lo
+        } else {
+            range.0
+        },
+        if hi.total_cmp(&range.1).is_gt() {
+            hi
+        } else {
+            range.1
+        },
+    )
+}
+
 /// The f32 scale and zero point of unsigned `bits`-bit codes over
 /// `[lo, hi]` (a page's, or a component's over a page or the training
 /// data): `z = lo`, `s = (hi - lo) / (2^bits - 1)` (1 when 0); `(1, 0)`
