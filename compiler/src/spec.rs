@@ -282,32 +282,26 @@ impl Fp8 {
 
     /// The exact value of an fp8 code (low 8 bits of `raw`; NaN codes give NaN).
     pub fn decode(self, raw: u32) -> f32 {
+        let (man_bits, bias, _) = self.encoding();
         let b = raw & 0xFF;
         let sign = if b & 0x80 != 0 { -1.0f32 } else { 1.0 };
-        let (exp_bits, man_bits, bias) = match self {
-            Fp8::E4m3 => (4, 3, 7),
-            Fp8::E5m2 => (5, 2, 15),
-        };
-        let e = (b >> man_bits) & ((1 << exp_bits) - 1);
+        let e = (b & 0x7F) >> man_bits;
         let m = b & ((1 << man_bits) - 1);
-        let top = (1 << exp_bits) - 1;
+        let top = 0x7F >> man_bits;
         match self {
             Fp8::E4m3 if e == top && m == (1 << man_bits) - 1 => return f32::NAN,
             Fp8::E5m2 if e == top => {
-                return if m == 0 {
-                    sign * f32::INFINITY
-                } else {
-                    f32::NAN
-                };
+                return if m == 0 { sign * f32::INFINITY } else { f32::NAN };
             }
             _ => {}
         }
-        let magnitude = if e == 0 {
-            m as f32 * (2.0f32).powi(1 - bias - man_bits as i32)
-        } else {
-            (((1 << man_bits) | m) as f32) * (2.0f32).powi(e as i32 - bias - man_bits as i32)
+        // Subnormals have the exponent of e = 1 and no implicit bit.
+        let (significand, e) = match e {
+            0 => (m, 1),
+            _ => ((1 << man_bits) | m, e),
         };
-        sign * magnitude
+        let exponent = e as i32 - bias as i32 - man_bits as i32;
+        sign * significand as f32 * 2f32.powi(exponent)
     }
 
     /// The code of `x`: rounded to nearest, ties to even, saturating to the
