@@ -355,7 +355,12 @@ fn random_codec(rng: &mut Rng, head_dim: u32, slot: usize) -> CodecSpec {
                     vec![FieldSpec::Bitmap {
                         group_size,
                         keep: 1 + rng.below(n / group_size),
-                        elem: rng.pick(&[BitmapElem::F16, BitmapElem::Int8]),
+                        elem: rng.pick(&[
+                            BitmapElem::F16,
+                            BitmapElem::Int8,
+                            BitmapElem::Fp8e4m3,
+                            BitmapElem::Fp8e5m2,
+                        ]),
                     }]
                 }
             }

@@ -291,7 +291,11 @@ impl Fp8 {
         match self {
             Fp8::E4m3 if e == top && m == (1 << man_bits) - 1 => return f32::NAN,
             Fp8::E5m2 if e == top => {
-                return if m == 0 { sign * f32::INFINITY } else { f32::NAN };
+                return if m == 0 {
+                    sign * f32::INFINITY
+                } else {
+                    f32::NAN
+                };
             }
             _ => {}
         }
@@ -358,6 +362,35 @@ pub enum BitmapElem {
     F16,
     /// int8 elements with an f16 scale per item.
     Int8,
+    /// fp8 elements with an f16 scale per item.
+    Fp8e4m3,
+    Fp8e5m2,
+}
+
+impl BitmapElem {
+    /// The fp8 format of fp8 elements.
+    pub fn fp8(self) -> Option<Fp8> {
+        match self {
+            BitmapElem::Fp8e4m3 => Some(Fp8::E4m3),
+            BitmapElem::Fp8e5m2 => Some(Fp8::E5m2),
+            _ => None,
+        }
+    }
+
+    /// Whether the kept elements share an f16 scale stored in the item.
+    pub fn scaled(self) -> bool {
+        self != BitmapElem::F16
+    }
+
+    /// Largest magnitude an element code stands for (the item scale maps the
+    /// item's largest kept magnitude to it).
+    pub fn code_max(self) -> f32 {
+        match self {
+            BitmapElem::F16 => 1.0,
+            BitmapElem::Int8 => 127.0,
+            BitmapElem::Fp8e4m3 | BitmapElem::Fp8e5m2 => self.fp8().expect("an fp8 element").max(),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

@@ -11,7 +11,7 @@
 use kvcc_compiler::layout::{
     CodecLayout, DenseScale, FieldLayout, SlotRole, TierLayout, TransformLayout,
 };
-use kvcc_compiler::spec::{BitmapElem, CodewordKind, CoeffScale, RadiusScale};
+use kvcc_compiler::spec::{CodewordKind, CoeffScale, RadiusScale};
 use proc_macro2::{Ident, Literal, TokenStream};
 use quote::{format_ident, quote};
 
@@ -487,11 +487,11 @@ impl Codec<'_> {
                     [SlotRole::MaskBit, SlotRole::BitmapElement].map(|r| self.count(r));
                 let elem_ty = self.spec_enum("BitmapElem", elem);
                 let encode = quote!(#ops::bitmap_encode(y, #g, #elem_ty, (&mut energy, &mut order), &mut mask, &mut elems));
-                let encode = match elem {
-                    BitmapElem::Int8 => quote! {
-                        let item_scale = [#ops::f16_bits(#encode.expect("int8 bitmaps have a scale"))];
+                let encode = match elem.scaled() {
+                    true => quote! {
+                        let item_scale = [#ops::f16_bits(#encode.expect("scaled bitmaps have a scale"))];
                     },
-                    BitmapElem::F16 => quote!(#encode;),
+                    false => quote!(#encode;),
                 };
                 Plan::OnePass {
                     item: quote! {
@@ -754,9 +754,9 @@ impl Codec<'_> {
                 group_size, elem, ..
             } => {
                 let g = group_size as usize;
-                let scale = match elem {
-                    BitmapElem::Int8 => item_scale,
-                    BitmapElem::F16 => quote!(1.0),
+                let scale = match elem.scaled() {
+                    true => item_scale,
+                    false => quote!(1.0),
                 };
                 let elem = self.spec_enum("BitmapElem", elem);
                 quote!(#ops::bitmap_decode(&mask, &elems, #g, #elem, #scale, &mut y);)

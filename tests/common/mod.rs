@@ -585,7 +585,7 @@ mod spec_gen {
                     Body::Bitmap {
                         group_size,
                         keep: self.rng.range(1, n / group_size),
-                        elem: self.rng.pick(&["f16", "int8"]),
+                        elem: self.rng.pick(&["f16", "int8", "fp8e4m3", "fp8e5m2"]),
                     }
                 }
             };

@@ -151,7 +151,7 @@ pub fn field_slots(field: &FieldSpec, dims: u64) -> Option<Vec<(SlotRole, u32, u
             elem,
         } => {
             let mut slots = vec![(SlotRole::MaskBit, 1, groups(group_size)?)];
-            if elem == BitmapElem::Int8 {
+            if elem.scaled() {
                 slots.push((SlotRole::ItemScale, ITEM_SCALE_BITS, 1));
             }
             let elems = u64::from(keep).saturating_mul(u64::from(group_size));
@@ -235,6 +235,6 @@ impl HeaderScales {
 pub fn bitmap_elem_bits(elem: BitmapElem) -> u32 {
     match elem {
         BitmapElem::F16 => 16,
-        BitmapElem::Int8 => 8,
+        BitmapElem::Int8 | BitmapElem::Fp8e4m3 | BitmapElem::Fp8e5m2 => 8,
     }
 }

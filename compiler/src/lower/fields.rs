@@ -176,6 +176,8 @@ pub fn bitmap_element(
     match elem {
         BitmapElem::F16 => dense_value(b, raw, DenseDtype::F16),
         BitmapElem::Int8 => signed_value(b, raw, 8),
+        BitmapElem::Fp8e4m3 => dense_value(b, raw, DenseDtype::Fp8e4m3),
+        BitmapElem::Fp8e5m2 => dense_value(b, raw, DenseDtype::Fp8e5m2),
     }
 }
 

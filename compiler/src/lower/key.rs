@@ -9,7 +9,7 @@ use super::Tables;
 use crate::ir::builder::ExprBuilder;
 use crate::ir::{Arena, ArrayDecl, BinaryOp, Function, Handle, Kernel, KeyProgram, Stage};
 use crate::layout::{CodecLayout, FieldLayout, SlotRole, TransformLayout};
-use crate::spec::{BitmapElem, CoeffScale, RadiusScale};
+use crate::spec::{CoeffScale, RadiusScale};
 
 /// Query-side arrays the score reads.
 struct QueryArrays {
@@ -248,7 +248,7 @@ fn score(codec: &CodecLayout, q: &QueryArrays, tables: &Tables) -> Function {
                 let contribution = b.select(kept, part, zero);
                 acc = b.binary(BinaryOp::Add, acc, contribution);
             }
-            if elem == BitmapElem::Int8 {
+            if elem.scaled() {
                 let s = item_scale(b, codec);
                 acc = b.binary(BinaryOp::Multiply, acc, s);
             }

@@ -9,7 +9,7 @@ use super::Tables;
 use crate::ir::builder::ExprBuilder;
 use crate::ir::{Arena, ArrayDecl, BinaryOp, Function, Input, Kernel, ValueProgram};
 use crate::layout::{CodecLayout, FieldLayout, SlotRole, TransformLayout};
-use crate::spec::{BitmapElem, RadiusScale};
+use crate::spec::RadiusScale;
 
 pub fn lower(
     codec: &CodecLayout,
@@ -109,7 +109,7 @@ fn accumulate(codec: &CodecLayout, tables: &Tables, table_scale: bool) -> Functi
             let t = b.rem_u32(c, group_size);
             let (kept, slot) = bitmap_slot(b, codec, group);
             let mut e = bitmap_element(b, codec, slot, t);
-            if elem == BitmapElem::Int8 {
+            if elem.scaled() {
                 let s = item_scale(b, codec);
                 e = b.binary(BinaryOp::Multiply, e, s);
             }

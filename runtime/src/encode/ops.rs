@@ -295,15 +295,16 @@ pub fn bitmap_encode(
     for &j in kept.iter() {
         mask[j / 32] |= 1 << (j % 32);
     }
-    let scale = (elem == BitmapElem::Int8).then(|| {
+    let scale = elem.scaled().then(|| {
         let max = max_abs(kept.iter().flat_map(|&j| &y[j * g..(j + 1) * g]));
-        half_scale(max, coeff_max(8) as f32)
+        half_scale(max, elem.code_max())
     });
     for (e, out) in elems.iter_mut().enumerate() {
         let v = y[kept[e / g] * g + e % g];
-        *out = match scale {
-            Some(s) => quantize(v, s, 8),
-            None => f16_bits(v),
+        *out = match (scale, elem.fp8()) {
+            (Some(s), Some(format)) => format.encode(v / s),
+            (Some(s), None) => quantize(v, s, 8),
+            (None, _) => f16_bits(v),
         };
     }
     scale
@@ -327,6 +328,8 @@ pub fn bitmap_decode(
                 *v = match elem {
                     BitmapElem::F16 => f16_value(raw),
                     BitmapElem::Int8 => signed(raw, 8) * scale,
+                    BitmapElem::Fp8e4m3 => Fp8::E4m3.decode(raw) * scale,
+                    BitmapElem::Fp8e5m2 => Fp8::E5m2.decode(raw) * scale,
                 };
             }
             slot += 1;

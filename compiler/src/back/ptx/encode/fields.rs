@@ -762,7 +762,8 @@ fn bitmap(k: &mut Kernel, ctx: &Ctx, plan: &Plan, codec: &CodecLayout, count: Re
                     assign_if(k, m, larger, kept);
                 }
             });
-            store_item_scale(k, ctx, plan, stride, item, item, m, 127.0, offset);
+            let q = elem.code_max();
+            store_item_scale(k, ctx, plan, stride, item, item, m, q, offset);
         });
         k.bar_sync();
     }
@@ -783,7 +784,7 @@ fn bitmap(k: &mut Kernel, ctx: &Ctx, plan: &Plan, codec: &CodecLayout, count: Re
             let earlier: Reg<U32> = k.ld_shared(at);
             k.add_to(position, position, earlier);
         });
-        let scale: Option<Reg<F32>> = (elem == BitmapElem::Int8).then(|| {
+        let scale: Option<Reg<F32>> = elem.scaled().then(|| {
             let at = ctx.shared_word(k, plan.item_scales, item);
             k.ld_shared(at)
         });
@@ -792,9 +793,13 @@ fn bitmap(k: &mut Kernel, ctx: &Ctx, plan: &Plan, codec: &CodecLayout, count: Re
         let e0 = k.mul(position, g);
         for t in 0..g {
             let v: Reg<F32> = k.ld_shared(x0.plus(4 * i64::from(t)));
-            let raw = match scale {
-                Some(s) => quantize(k, v, s, 8),
-                None => {
+            let raw = match (scale, elem.fp8()) {
+                (Some(s), Some(format)) => {
+                    let v = k.div_f32(v, s);
+                    fp8_encode(k, format, v)
+                }
+                (Some(s), None) => quantize(k, v, s, 8),
+                (None, _) => {
                     let h = k.f32_to_f16(v);
                     k.widen16(h)
                 }
