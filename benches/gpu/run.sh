@@ -94,7 +94,7 @@ for s in "$@"; do
     tune)
       step "kvcc tune (sweep, then a second run that must hit the cache, then export)"
       export KVCC_TUNE_CACHE="$out/tune-cache.json"
-      specs=${KVCC_TUNE_SPECS:-dense_f16,spherical,kivi,subspace,shard,mosaic}
+      specs=${KVCC_TUNE_SPECS:-dense_f16,spherical,kivi,subspace,shard,mosaic,fp8,kivi2}
       .gpu/kvcc tune --spec "$specs" --ctx "${KVCC_BENCH_CTX:-8192,32768}" --save "$out/tune.json" > "$out/tune.txt" 2> "$out/tune.err" \
         || { status=1; tail -5 "$out/tune.err"; }
       start=$(date +%s%N)
@@ -123,7 +123,7 @@ for s in "$@"; do
       export KVCC_TUNE_CACHE=/tmp/shipped-tune-cache.json
       rm -f "$KVCC_TUNE_CACHE"
       .gpu/kvcc tune-cache import "${KVCC_SHIPPED:-.gpu/tune-export-h200.json}" || status=1
-      .gpu/kvcc tune --spec "${KVCC_TUNE_SPECS:-dense_f16,spherical,kivi,subspace,shard,mosaic}" --ctx "${KVCC_BENCH_CTX:-8192,32768}" \
+      .gpu/kvcc tune --spec "${KVCC_TUNE_SPECS:-dense_f16,spherical,kivi,subspace,shard,mosaic,fp8,kivi2}" --ctx "${KVCC_BENCH_CTX:-8192,32768}" \
         --save "$out/shipped-tune.json" > "$out/shipped-tune.txt" 2> "$out/shipped-tune.err" || status=1
       python3 -c 'import json,sys; r=json.load(open(sys.argv[1]))["results"]; c=[x for x in r if x["origin"]=="cached"]; s=[x for x in r if x["origin"]=="replaced_stale"]; print(f"after import: {len(c)} of {len(r)} tier/context results served from the shipped cache, {len(s)} swept again because their entry was stale (codegen changed), {len(r)-len(c)-len(s)} swept without an entry")' "$out/shipped-tune.json"
       unset KVCC_TUNE_CACHE

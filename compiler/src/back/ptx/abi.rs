@@ -576,7 +576,7 @@ impl DenseSource {
                 ) => match dtype {
                     DenseDtype::F16 => Some(SourceDtype::F16),
                     DenseDtype::Bf16 => Some(SourceDtype::Bf16),
-                    DenseDtype::F32 => None,
+                    DenseDtype::F32 | DenseDtype::Fp8e4m3 | DenseDtype::Fp8e5m2 => None,
                 },
                 _ => None,
             }

@@ -63,6 +63,12 @@ impl Target {
         self == Target::Sm90
     }
 
+    /// Whether `cvt.rn.f16x2.{e4m3,e5m2}x2` exists (sm_89+): fp8 pairs widen
+    /// to exact f16 pairs in one instruction.
+    pub fn fp8_conversions(self) -> bool {
+        self == Target::Sm90
+    }
+
     /// Whether a kernel may launch before the one it follows has finished
     /// (programmatic dependent launch): the merge then waits for the decode
     /// kernels' partials in place of the launch gap.
