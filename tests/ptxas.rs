@@ -208,6 +208,45 @@ fn long_heads_in_wide_groups_assemble_without_local_memory() {
     assert!(problems.is_empty(), "{}", problems.join("\n"));
 }
 
+/// The tuning space's corners (`tests/gpu.rs` runs them against the
+/// interpreter) for the 2- and 3-bit asymmetric tiers: every configuration
+/// writes its kernels, and they assemble with no local memory.
+#[test]
+fn kivi2_tuning_space_assembles_without_local_memory() {
+    let Some(assembler) = ptxas::find_or_skip("kivi2_tuning_space_assembles") else {
+        return;
+    };
+    let format = (common::bundled().into_iter())
+        .find(|f| f.name() == "kivi2")
+        .expect("the bundled kivi2 spec");
+    // (warps, tile items, stages, head block, pipeline)
+    let corners: [(u32, Option<u32>, u32, u32, bool); 6] = [
+        (2, Some(16), 3, 4, true),
+        (4, Some(32), 2, 8, false),
+        (8, Some(128), 4, 4, true),
+        (8, Some(64), 2, 8, false),
+        (4, None, 3, 8, true),
+        (2, Some(48), 2, 4, false),
+    ];
+    let mut jobs = Vec::new();
+    for (i, &(warps, tile_items, stages, head_block, pipeline)) in corners.iter().enumerate() {
+        let target = Target::ALL[i % 2];
+        let options = Options {
+            warps,
+            tile_items,
+            stages,
+            head_block,
+            pipeline,
+            ..Options::for_target(target)
+        };
+        let output =
+            ptx::write(&format, &options).unwrap_or_else(|e| panic!("kivi2 {options:?}: {e}"));
+        jobs.extend(jobs_of(&format!("kivi2 {options:?}"), &output, None));
+    }
+    let problems = assemble_all(&assembler, jobs);
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+}
+
 /// SplitMix64.
 struct Rng(u64);
 
