@@ -14,6 +14,7 @@
 //! u32 wrapping arithmetic, binary16 conversion by integer ops; the online
 //! softmax and the merge of tier partials stay with the executor.
 
+mod encode;
 mod expr;
 mod kernels;
 mod module;
@@ -22,6 +23,7 @@ mod stream;
 
 use cranelift_codegen::ir::types;
 
+pub use encode::{compile_encoder, EncodeError, PageEncoder};
 pub use kernels::{Kernels, Shape, Tables};
 
 use crate::valid::ValidModule;
