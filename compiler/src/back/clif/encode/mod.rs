@@ -110,6 +110,8 @@ pub enum EncodeError {
 
 /// One tier's compiled page encoder.
 pub struct PageEncoder {
+    format: String,
+    layout: TierLayout,
     head_dim: usize,
     items_per_page: usize,
     page_bytes: usize,
@@ -173,6 +175,8 @@ pub fn compile_encoder(
         .map_err(error)?;
     let (code, [address]) = jit.finish([id]).map_err(error)?;
     Ok(PageEncoder {
+        format: format.to_string(),
+        layout: layout.clone(),
         head_dim: layout.head_dim as usize,
         items_per_page: layout.items_per_page as usize,
         page_bytes: layout.page_bytes as usize,
@@ -186,8 +190,14 @@ pub fn compile_encoder(
 }
 
 impl PageEncoder {
-    pub fn page_bytes(&self) -> usize {
-        self.page_bytes
+    /// The format the encoder was compiled for.
+    pub fn format(&self) -> &str {
+        &self.format
+    }
+
+    /// The tier the encoder was compiled for.
+    pub fn layout(&self) -> &TierLayout {
+        &self.layout
     }
 
     /// Encodes the tokens of one kv head (`keys` and `values` each
