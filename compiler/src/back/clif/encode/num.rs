@@ -102,6 +102,12 @@ impl Fx<'_> {
         self.ld(types::F32, base, ix)
     }
 
+    /// The f32 at element `ix` of `scale` bytes each (a strided column).
+    pub(super) fn ldf_scaled(&mut self, base: ir::Value, ix: Ix, scale: u32) -> ir::Value {
+        let (at, offset) = self.slot_at(base, ix, scale);
+        self.b.ins().load(types::F32, writable(), at, offset)
+    }
+
     pub(super) fn ldi(&mut self, base: ir::Value, ix: Ix) -> ir::Value {
         self.ld(types::I32, base, ix)
     }

@@ -118,21 +118,24 @@ fn transform(
             }
             TransformLayout::Pca { rank, .. } => {
                 let (basis, mean) = (tables[0], tables[1]);
-                let zero = fx.f32c(0.0);
-                fx.each(rank, |fx, c| fx.st(dst, c, zero));
-                fx.each(head_dim, |fx, t| {
-                    let x = fx.ldf(src, t);
-                    let m = fx.ldf(mean, t);
-                    let centered = fx.b.ins().fsub(x, m);
-                    let row = fx.affine(t, rank, 0);
-                    let row = fx.row(basis, row, 4, 0);
-                    fx.each(rank, |fx, c| {
-                        let b = fx.ldf(row, c);
+                // Component by component: each sum keeps `pca_forward`'s
+                // order (from +0, `i` ascending) in a register.
+                fx.each(rank, |fx, c| {
+                    let zero = fx.f32c(0.0);
+                    let sum = fx.var(types::F32, zero);
+                    let column = fx.row(basis, c, 4, 0);
+                    fx.each(head_dim, |fx, t| {
+                        let x = fx.ldf(src, t);
+                        let m = fx.ldf(mean, t);
+                        let centered = fx.b.ins().fsub(x, m);
+                        let b = fx.ldf_scaled(column, t, 4 * rank);
                         let p = fx.b.ins().fmul(b, centered);
-                        let old = fx.ldf(dst, c);
+                        let old = fx.get(sum);
                         let new = fx.b.ins().fadd(old, p);
-                        fx.st(dst, c, new);
+                        fx.set(sum, new);
                     });
+                    let s = fx.get(sum);
+                    fx.st(dst, c, s);
                 });
             }
         }
