@@ -215,14 +215,18 @@ fn append_kernels_of_every_bundled_serving_format_assemble_without_local_memory(
         for exact in [ExactDtype::F16, ExactDtype::Bf16] {
             let serving = kvcc::runtime::live::serving_format(&format, exact).unwrap();
             let layout = serving.format.layout(serving.exact_tier);
-            for target in Target::ALL {
+            for (target, input) in Target::ALL
+                .into_iter()
+                .flat_map(|t| ptx::abi::RowDtype::ALL.map(|r| (t, r)))
+            {
                 let what = format!(
-                    "{} {} append ({})",
+                    "{} {} append from {} rows ({})",
                     format.name(),
                     exact.name(),
+                    input.name(),
                     target.name()
                 );
-                let (text, kernel) = ptx::write_append(format.name(), layout, target)
+                let (text, kernel) = ptx::write_append(format.name(), layout, input, target)
                     .unwrap_or_else(|e| panic!("{what}: {e}"));
                 let resources = ptxas::assemble(&assembler, &text, target)
                     .unwrap_or_else(|e| panic!("{what}: ptxas failed:\n{e}"));

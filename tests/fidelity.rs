@@ -84,6 +84,10 @@ const BANDS: &[Band] = &[
     band("subspace",  "rank32",    1.08,    5.2,       0.78,       0.58),
     band("shard",     "pca64_vq",  0.61,    3.6,       0.57,       0.64),
     band("mosaic",    "keep25",    1.20,    9.6,       0.83,       0.52),
+    band("fp8",       "e4m3",      0.08,    0.76,      0.048,      0.85),
+    band("kivi2",     "int2",      0.65,    6.2,       0.85,       0.61),
+    band("kivi2",     "int3",      0.26,    2.7,       0.36,       0.75),
+    band("kivi2",     "mixed",     0.68,    6.2,       0.62,       0.66),
 ];
 
 /// Worst-over-seeds fidelity of one (spec, tier), and each seed's.

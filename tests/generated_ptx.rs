@@ -79,10 +79,11 @@ fn generated_ptx_matches_the_committed_snapshots() {
 }
 
 /// The tensor cores serve the tiers whose codes are exact f16 operands: the
-/// accumulate of every tier with f16 or integer value elements (dense f16,
-/// Spherical's f16 values, KIVI) or f16 bitmap groups (MosaicKV, expanded
-/// per tile), the score where the key is a dot product of such elements
-/// with the query (dense f16, KIVI, MosaicKV); with `tensor_cores` off
+/// accumulate of every tier with f16, fp8 (widened on sm_90) or integer
+/// value elements (dense f16, Spherical's f16 values, KIVI, fp8) or f16
+/// bitmap groups (MosaicKV, expanded per tile), the score where the key is
+/// a dot product of such elements with the query (dense f16, KIVI, MosaicKV,
+/// fp8); zero-point codes (kivi2) stay per-thread; with `tensor_cores` off
 /// every tier is per-thread fma chains.
 #[test]
 fn tensor_cores_serve_exactly_the_f16_exact_phases() {
@@ -122,6 +123,8 @@ fn tensor_cores_serve_exactly_the_f16_exact_phases() {
             "kivi/int4 accumulate",
             "mosaic/keep25 score",
             "mosaic/keep25 accumulate",
+            "fp8/e4m3 score",
+            "fp8/e4m3 accumulate",
         ]
     );
 }
@@ -220,6 +223,9 @@ fn bulk_copies_and_swizzled_tensor_copies_where_documented() {
             "subspace/rank32 cp.async",
             "shard/pca64_vq cp.async",
             "mosaic/keep25 bulk",
+            "fp8/e4m3 swizzled",
+            "kivi2/int2 bulk",
+            "kivi2/int3 bulk",
         ]
     );
 }

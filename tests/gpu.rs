@@ -195,7 +195,7 @@ fn gpu_tuning_space_matches_interpreter_and_page_size_is_enforced() {
         let want = Interpreter::new(format.tiers(), Options::default())
             .decode(&cache.view(), &queries, 8)
             .expect("interpreter");
-        let default = KernelConfig::default_for(&format);
+        let default = KernelConfig::reference(&format);
         let kernels_of = |config: KernelConfig| {
             FormatKernels::load_configs(gpu, &format, &vec![config; format.tiers().len()], 4)
                 .unwrap_or_else(|e| panic!("{} {config}: {e}", format.name()))

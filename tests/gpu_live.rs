@@ -11,10 +11,12 @@ mod common;
 use std::sync::Arc;
 
 use common::{assert_rows_close, bundled, data, fresh_seed, SplitMix64};
+use kvcc::compiler::back::ptx::abi::RowDtype;
 use kvcc::compiler::spec::ExactDtype;
 use kvcc::compiler::Format;
 use kvcc::runtime::cache;
-use kvcc::runtime::cuda::{DeviceAppend, DeviceLiveCache, DeviceLiveOptions, Gpu};
+use kvcc::runtime::cuda::cudarc::driver::DevicePtr;
+use kvcc::runtime::cuda::{DeviceAppend, DeviceLiveCache, DeviceLiveOptions, Gpu, StepIo};
 use kvcc::runtime::encode::TrainOptions;
 use kvcc::runtime::exec::ExecutorKind;
 use kvcc::runtime::live::{
@@ -156,6 +158,7 @@ fn run(gpu: &Arc<Gpu>, case: &Case, seed: u64) {
         pages_per_tier: 4096,
         context: 4096,
         q_heads,
+        fixed_plan: false,
     };
     let mut cpu = LiveCache::new(format, &cpu_options, tables.clone()).unwrap();
     let mut device = DeviceLiveCache::new(gpu.clone(), format, &device_options, tables)
@@ -321,6 +324,7 @@ fn gpu_live_cache_bad_calls_change_nothing() {
         pages_per_tier: 13,
         context: 1024,
         q_heads,
+        fixed_plan: false,
     };
     let prompt = SequenceKv {
         keys: &set.keys,
@@ -466,6 +470,7 @@ fn gpu_live_cache_appends_from_the_device_as_from_the_host() {
         pages_per_tier: 256,
         context: 1024,
         q_heads,
+        fixed_plan: false,
     };
     let mut host = DeviceLiveCache::new(gpu.clone(), &format, &options, tables.clone()).unwrap();
     let mut device = DeviceLiveCache::new(gpu.clone(), &format, &options, tables).unwrap();
@@ -531,5 +536,173 @@ fn gpu_live_cache_appends_from_the_device_as_from_the_host() {
             device.attend(&queries, q_heads).unwrap(),
         );
         assert_eq!(a, b, "{what}: the same pages attend alike, bit for bit");
+    }
+}
+
+/// `x` rounded through `dtype` and, for f16/bf16, its 16-bit patterns
+/// packed two per f32 (what a framework's half tensor holds, uploaded as f32).
+fn rows_of(dtype: RowDtype, x: &[f32]) -> (Vec<f32>, Vec<f32>) {
+    let bits: Vec<u16> = match dtype {
+        RowDtype::F32 => return (x.to_vec(), x.to_vec()),
+        RowDtype::F16 => x
+            .iter()
+            .map(|&v| half::f16::from_f32(v).to_bits())
+            .collect(),
+        RowDtype::Bf16 => x
+            .iter()
+            .map(|&v| half::bf16::from_f32(v).to_bits())
+            .collect(),
+    };
+    let rounded = (bits.iter())
+        .map(|&b| match dtype {
+            RowDtype::F16 => half::f16::from_bits(b).to_f32(),
+            _ => half::bf16::from_bits(b).to_f32(),
+        })
+        .collect();
+    let packed = (bits.chunks(2))
+        .map(|p| f32::from_bits(u32::from(p[0]) | u32::from(*p.get(1).unwrap_or(&0)) << 16))
+        .collect();
+    (rounded, packed)
+}
+
+#[test]
+fn gpu_live_cache_takes_half_rows_and_fixed_steps_on_the_callers_stream() {
+    let test = "gpu_live_cache_takes_half_rows_and_fixed_steps_on_the_callers_stream";
+    let Some(gpu) = gpu(test) else { return };
+    let seed = fresh_seed(test);
+    let format = format("kivi");
+    let (kv_heads, q_heads, sequences) = (2, 8, 2);
+    let d = format.head_dim() as usize;
+    let tokens = 300;
+    let sets: Vec<_> = (0..sequences)
+        .map(|i| {
+            data(
+                &format,
+                seed.wrapping_add(i as u64),
+                kv_heads,
+                q_heads,
+                tokens,
+            )
+        })
+        .collect();
+    let tables = cache::train(
+        &format,
+        &sets[0].keys,
+        &sets[0].values,
+        kv_heads,
+        &TrainOptions::default(),
+    )
+    .unwrap();
+    let queries: Vec<f32> = sets
+        .iter()
+        .flat_map(|s| s.queries[..q_heads * d].to_vec())
+        .collect();
+    for input in RowDtype::ALL {
+        let what = format!("{} rows", input.name());
+        let options = DeviceLiveOptions {
+            policy: CachePolicy::of(&format),
+            kv_heads,
+            max_sequences: sequences,
+            pages_per_tier: 64,
+            context: 1024,
+            q_heads,
+            fixed_plan: false,
+        };
+        let mut host =
+            DeviceLiveCache::new(gpu.clone(), &format, &options, tables.clone()).unwrap();
+        let fixed = DeviceLiveOptions {
+            fixed_plan: true,
+            ..options
+        };
+        let mut device =
+            DeviceLiveCache::new(gpu.clone(), &format, &fixed, tables.clone()).unwrap();
+        let empty = vec![SequenceKv::default(); sequences];
+        host.prefill(&empty).unwrap();
+        device.prefill(&empty).unwrap();
+        let q = gpu.upload(&queries).unwrap();
+        let out = gpu.upload(&vec![0.0; queries.len()]).unwrap();
+        let lse = gpu.upload(&vec![0.0; sequences * q_heads]).unwrap();
+        let stream = &q.stream().clone();
+        let io = StepIo {
+            queries: q.device_ptr(stream).0,
+            output: out.device_ptr(stream).0,
+            lse: lse.device_ptr(stream).0,
+        };
+        let mut taken = 0;
+        for (step, count) in [70, 1, 1, 63, 1, 64, 2, 1].into_iter().enumerate() {
+            let what = format!("{what}, step {step}");
+            let mut host_rows = [Vec::new(), Vec::new()];
+            let mut device_rows = [Vec::new(), Vec::new()];
+            for set in &sets {
+                for (side, data) in [&set.keys, &set.values].into_iter().enumerate() {
+                    for h in 0..kv_heads {
+                        let at = (h * tokens + taken) * d;
+                        let (rounded, packed) = rows_of(input, &data[at..at + count * d]);
+                        host_rows[side].push(rounded);
+                        device_rows[side].extend(packed);
+                    }
+                }
+            }
+            let per_sequence = |rows: &[Vec<f32>], s: usize| -> Vec<f32> {
+                rows[s * kv_heads..(s + 1) * kv_heads].concat()
+            };
+            let (keys, values): (Vec<_>, Vec<_>) = (0..sequences)
+                .map(|s| {
+                    (
+                        per_sequence(&host_rows[0], s),
+                        per_sequence(&host_rows[1], s),
+                    )
+                })
+                .unzip();
+            let batch: Vec<Append> = (0..sequences)
+                .map(|s| Append {
+                    sequence: s,
+                    keys: &keys[s],
+                    values: &values[s],
+                })
+                .collect();
+            host.append(&batch).unwrap();
+            let len = sequences * kv_heads * count * d;
+            let (k, v) = (
+                gpu.upload(&device_rows[0]).unwrap(),
+                gpu.upload(&device_rows[1]).unwrap(),
+            );
+            let entries: Vec<DeviceAppend> = (0..sequences)
+                .map(|sequence| DeviceAppend {
+                    sequence,
+                    tokens: count,
+                })
+                .collect();
+            let (kp, vp) = (k.device_ptr(stream).0, v.device_ptr(stream).0);
+            // The legacy default stream stands for a framework's stream.
+            // SAFETY: the buffers hold `len` elements of `input` (packed) and
+            // outlive the calls, which the final download waits for.
+            unsafe {
+                device
+                    .on_stream(std::ptr::null_mut(), |live| {
+                        live.append_rows(kp, vp, len, input, &entries)?;
+                        live.attend_into(io, q_heads)
+                    })
+                    .unwrap_or_else(|e| panic!("{what}: {e}"));
+            }
+            taken += count;
+            for s in 0..sequences {
+                let (a, b) = (host.page_table(s).unwrap(), device.page_table(s).unwrap());
+                assert_eq!(a, b, "{what}: page tables of {s}");
+                for page in a.iter().flatten() {
+                    assert_eq!(
+                        host.page_bytes(page.tier as usize, page.page).unwrap(),
+                        device.page_bytes(page.tier as usize, page.page).unwrap(),
+                        "{what}: page {page:?} of {s}"
+                    );
+                }
+            }
+            let want = host.attend(&queries, q_heads).unwrap();
+            let got_out = stream.clone_dtoh(&out).unwrap();
+            let got_lse = stream.clone_dtoh(&lse).unwrap();
+            stream.synchronize().unwrap();
+            assert_rows_close(&what, &got_out, &want.outputs, d, 1e-4);
+            assert_rows_close(&format!("{what} lse"), &got_lse, &want.lse, 1, 1e-4);
+        }
     }
 }

@@ -23,6 +23,8 @@ kv_format!("specs/kivi.toml");
 kv_format!("specs/subspace.toml");
 kv_format!("specs/shard.toml");
 kv_format!("specs/mosaic.toml");
+kv_format!("specs/fp8.toml");
+kv_format!("specs/kivi2.toml");
 
 type EncodeFn = fn(&TierLayout, &[Vec<f32>], &[f32], &[f32], &mut [u8]) -> Result<(), EncodeError>;
 type DecodeFn = fn(&TierLayout, &[Vec<f32>], &[u8]) -> (Vec<f32>, Vec<f32>);
@@ -88,6 +90,8 @@ fn all() -> Vec<Generated> {
         generated!(subspace: rank32),
         generated!(shard: pca64_vq),
         generated!(mosaic: keep25),
+        generated!(fp8: e4m3),
+        generated!(kivi2: int2, int3),
     ]
 }
 

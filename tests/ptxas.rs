@@ -17,7 +17,7 @@ use std::sync::Mutex;
 use kvcc::compiler::back::ptx::{self, Options, Target};
 use kvcc::compiler::spec::{
     BasisDtype, BitmapElem, CodecSpec, CodewordKind, CoeffScale, DenseDtype, FieldSpec, FormatSpec,
-    PageSpec, RadiusScale, TableDtype, TierSpec, TransformSpec,
+    Fp8Scale, PageSpec, RadiusScale, TableDtype, TierSpec, TransformSpec,
 };
 use kvcc::compiler::Format;
 
@@ -279,18 +279,39 @@ fn random_codec(rng: &mut Rng, head_dim: u32, slot: usize) -> CodecSpec {
         )
     };
     let fields = match slot % 5 {
-        0 => vec![FieldSpec::Dense {
-            dtype: rng.pick(&[DenseDtype::F16, DenseDtype::Bf16, DenseDtype::F32]),
-        }],
-        1 => vec![FieldSpec::Coeff {
-            bits: rng.pick(&[4, 8]),
-            scale: rng.pick(&[
+        0 => {
+            let dtype = rng.pick(&[
+                DenseDtype::F16,
+                DenseDtype::Bf16,
+                DenseDtype::F32,
+                DenseDtype::Fp8e4m3,
+                DenseDtype::Fp8e5m2,
+            ]);
+            let scales = [
+                None,
+                Some(Fp8Scale::Tensor),
+                Some(Fp8Scale::Head),
+                Some(Fp8Scale::Page),
+                Some(Fp8Scale::Item),
+            ];
+            let scale = dtype.fp8().and_then(|_| rng.pick(&scales));
+            vec![FieldSpec::Dense { dtype, scale }]
+        }
+        1 => {
+            let scale = rng.pick(&[
                 CoeffScale::Item,
+                CoeffScale::Group,
                 CoeffScale::Page,
                 CoeffScale::PageComponent,
                 CoeffScale::Component,
-            ]),
-        }],
+            ]);
+            vec![FieldSpec::Coeff {
+                bits: rng.pick(&[2, 3, 4, 8]),
+                scale,
+                zero_point: rng.coin(),
+                group: (scale == CoeffScale::Group).then(|| rng.divisor(n, &[8, 16, 32, 64])),
+            }]
+        }
         2 => {
             let (group_size, bits, per_group, dtype) = book(rng, 8);
             vec![FieldSpec::Codebook {
@@ -327,13 +348,19 @@ fn random_codec(rng: &mut Rng, head_dim: u32, slot: usize) -> CodecSpec {
             match sizes.is_empty() {
                 true => vec![FieldSpec::Dense {
                     dtype: DenseDtype::F16,
+                    scale: None,
                 }],
                 false => {
                     let group_size = rng.pick(&sizes);
                     vec![FieldSpec::Bitmap {
                         group_size,
                         keep: 1 + rng.below(n / group_size),
-                        elem: rng.pick(&[BitmapElem::F16, BitmapElem::Int8]),
+                        elem: rng.pick(&[
+                            BitmapElem::F16,
+                            BitmapElem::Int8,
+                            BitmapElem::Fp8e4m3,
+                            BitmapElem::Fp8e5m2,
+                        ]),
                     }]
                 }
             }

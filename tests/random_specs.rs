@@ -182,3 +182,49 @@ fn generator_is_deterministic_and_seed_dependent() {
     // A prefix of a longer batch is the shorter batch.
     assert_eq!(random_specs(7, 10)[..6], random_specs(7, 6)[..]);
 }
+
+/// The GPU benchmark corpus (`benches/gpu/build.sh` writes it with
+/// `KVCC_CORPUS_DIR`): a fixed seed, so runs compare, and at least 20 specs
+/// with every transform and body between them, each a spec file that
+/// compiles with no ragged names.
+#[test]
+fn the_benchmark_corpus_compiles_and_covers_every_kind() {
+    const CORPUS_SEED: u64 = 0x6b76_6363_3333;
+    const CORPUS_SPECS: usize = 24;
+    let specs = random_specs(CORPUS_SEED, CORPUS_SPECS);
+    let mut transforms = std::collections::BTreeSet::new();
+    let mut bodies = std::collections::BTreeSet::new();
+    for (index, text) in specs.iter().enumerate() {
+        let format = Format::parse(text, &format!("random_{index}.toml"))
+            .unwrap_or_else(|e| panic!("corpus spec {index}: {e}\n{text}"));
+        for tier in &format.spec().tiers {
+            for codec in [&tier.key, &tier.value] {
+                transforms.insert(
+                    format!("{:?}", codec.transform)
+                        .split([' ', '{', '('])
+                        .next()
+                        .unwrap()
+                        .to_string(),
+                );
+                for field in &codec.fields {
+                    bodies.insert(
+                        format!("{field:?}")
+                            .split([' ', '{', '('])
+                            .next()
+                            .unwrap()
+                            .to_string(),
+                    );
+                }
+            }
+        }
+    }
+    assert!(transforms.len() >= 4, "transforms {transforms:?}");
+    assert!(bodies.len() >= 5, "field kinds {bodies:?}");
+    if let Some(dir) = std::env::var_os("KVCC_CORPUS_DIR") {
+        let dir = std::path::PathBuf::from(dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        for (index, text) in specs.iter().enumerate() {
+            std::fs::write(dir.join(format!("random_{index}.toml")), text).unwrap();
+        }
+    }
+}

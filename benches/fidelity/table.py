@@ -14,7 +14,7 @@ import json
 import sys
 from pathlib import Path
 
-SPECS = ["dense_f16", "spherical", "kivi", "subspace", "shard", "mosaic"]
+SPECS = ["dense_f16", "spherical", "kivi", "kivi2", "fp8", "subspace", "shard", "mosaic"]
 
 
 def load(folder, name):

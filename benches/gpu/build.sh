@@ -15,4 +15,7 @@ mkdir -p .gpu
 cp target/release/kvcc .gpu/kvcc
 cp "$(binary gpu)" .gpu/gpu-tests
 cp "$(binary gpu_live)" .gpu/gpu-live-tests
+# The random-spec corpus `run.sh corpus` benchmarks (a fixed seed).
+rm -rf .gpu/corpus
+KVCC_CORPUS_DIR="$PWD/.gpu/corpus" cargo test --release --test random_specs the_benchmark_corpus -q > /dev/null
 ls -la .gpu

@@ -3,7 +3,8 @@
 # Binaries are built on a CPU machine and carried in .gpu/ (see build.sh):
 #   .gpu/kvcc, .gpu/gpu-tests and .gpu/gpu-live-tests (tests/gpu.rs, tests/gpu_live.rs); wheels in .whl/.
 # Usage: benches/gpu/run.sh STEP...
-#   STEP: env | test | sanitize | ncu | baseline | bench | live-baseline | live-bench | tune | tuned-bench | shipped | before-after
+#   STEP: env | test | sanitize | ncu | baseline | bench | live-baseline | live-bench | tune | tuned-bench | shipped
+#         | ncu-bound | untuned | corpus | shipped-tune | before-after
 # live-baseline / live-bench: the serving loop (append one token per sequence, then decode) of
 # benches/gpu/live_baseline.py (SDPA, FlashInfer f16/fp8) and of `kvcc bench --live`.
 # before-after: benches the build in $KVCC_BEFORE (default .gpu/before, built by build.sh from an
@@ -57,6 +58,16 @@ for s in "$@"; do
         .gpu/kvcc bench --ctx 32768 --warmup 0 --iters 1 --json > "$out/ncu-bench.json" 2> "$out/ncu.err"
       echo "ncu exit $?"; python3 benches/gpu/ncu_bytes.py "$out/ncu.csv" "$out/ncu-bench.json" || status=1
       ;;
+    ncu-bound)
+      step "ncu: what bounds each decode kernel (one 32K step per bundled spec, the configurations a fresh clone runs)"
+      metrics=gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__throughput.avg.pct_of_peak_sustained_elapsed
+      metrics+=,smsp__issue_active.avg.pct_of_peak_sustained_active,l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum
+      metrics+=,l1tex__data_pipe_lsu_wavefronts_mem_shared.sum,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active
+      metrics+=,sm__warps_active.avg.pct_of_peak_sustained_active
+      KVCC_TUNE_CACHE=/tmp/no-tune-cache.json ncu --metrics "$metrics" --csv --kernel-name regex:_decode\$ --log-file "$out/ncu-bound.csv" \
+        .gpu/kvcc bench --ctx 32768 --warmup 0 --iters 1 --json > "$out/ncu-bound-bench.json" 2> "$out/ncu-bound.err"
+      echo "ncu exit $?"; python3 benches/gpu/ncu_bound.py "$out/ncu-bound.csv" --json "$out/ncu-bound.json" || status=1
+      ;;
     baseline)
       step "dense baselines (SDPA, FlashInfer)"
       python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
@@ -83,7 +94,7 @@ for s in "$@"; do
     tune)
       step "kvcc tune (sweep, then a second run that must hit the cache, then export)"
       export KVCC_TUNE_CACHE="$out/tune-cache.json"
-      specs=${KVCC_TUNE_SPECS:-dense_f16,spherical,kivi,subspace,shard,mosaic}
+      specs=${KVCC_TUNE_SPECS:-dense_f16,spherical,kivi,subspace,shard,mosaic,fp8,kivi2}
       .gpu/kvcc tune --spec "$specs" --ctx "${KVCC_BENCH_CTX:-8192,32768}" --save "$out/tune.json" > "$out/tune.txt" 2> "$out/tune.err" \
         || { status=1; tail -5 "$out/tune.err"; }
       start=$(date +%s%N)
@@ -112,9 +123,41 @@ for s in "$@"; do
       export KVCC_TUNE_CACHE=/tmp/shipped-tune-cache.json
       rm -f "$KVCC_TUNE_CACHE"
       .gpu/kvcc tune-cache import "${KVCC_SHIPPED:-.gpu/tune-export-h200.json}" || status=1
-      .gpu/kvcc tune --spec "${KVCC_TUNE_SPECS:-dense_f16,spherical,kivi,subspace,shard,mosaic}" --ctx "${KVCC_BENCH_CTX:-8192,32768}" \
+      .gpu/kvcc tune --spec "${KVCC_TUNE_SPECS:-dense_f16,spherical,kivi,subspace,shard,mosaic,fp8,kivi2}" --ctx "${KVCC_BENCH_CTX:-8192,32768}" \
         --save "$out/shipped-tune.json" > "$out/shipped-tune.txt" 2> "$out/shipped-tune.err" || status=1
       python3 -c 'import json,sys; r=json.load(open(sys.argv[1]))["results"]; c=[x for x in r if x["origin"]=="cached"]; s=[x for x in r if x["origin"]=="replaced_stale"]; print(f"after import: {len(c)} of {len(r)} tier/context results served from the shipped cache, {len(s)} swept again because their entry was stale (codegen changed), {len(r)-len(c)-len(s)} swept without an entry")' "$out/shipped-tune.json"
+      unset KVCC_TUNE_CACHE
+      ;;
+    untuned)
+      step "kvcc bench as a fresh clone runs it (no tune cache: shipped results, else the cost model), then the cost model alone; batch 1 and 8"
+      export KVCC_TUNE_CACHE=/tmp/no-tune-cache.json
+      rm -f "$KVCC_TUNE_CACHE"
+      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null && export PYTHONPATH=/tmp/site
+      for b in ${KVCC_BENCH_BATCHES:-8 1}; do
+        PYTHONUNBUFFERED=1 python3 benches/gpu/baseline.py --batch "$b" --ctx "${KVCC_BENCH_CTX:-32768,131072}" --json "$out/baseline-b$b.json" 2>&1 | tail -4
+        for mode in fresh model; do
+          flag=(); [ "$mode" = model ] && flag=(--no-tune)
+          .gpu/kvcc bench --batch "$b" --ctx "${KVCC_BENCH_CTX:-32768,131072}" "${flag[@]}" --baseline "$out/baseline-b$b.json" \
+            --save "$out/untuned-$mode-b$b.json" > "$out/untuned-$mode-b$b.txt" 2> "$out/untuned-$mode-b$b.err" || { status=1; tail -5 "$out/untuned-$mode-b$b.err"; }
+          tail -n +3 "$out/untuned-$mode-b$b.txt"
+        done
+      done
+      unset KVCC_TUNE_CACHE
+      ;;
+    corpus)
+      step "the random-spec corpus (.gpu/corpus, written by build.sh): the cost model's defaults, checked against the interpreter"
+      .gpu/kvcc bench --specs .gpu/corpus --no-tune --ctx "${KVCC_BENCH_CTX:-32768}" --save "$out/corpus.json" \
+        > "$out/corpus.txt" 2> "$out/corpus.err" || { status=1; tail -5 "$out/corpus.err"; }
+      tail -n +3 "$out/corpus.txt"
+      ;;
+    shipped-tune)
+      step "kvcc tune of the bundled specs at the shipped shapes (batch 8 at 32K, batch 1 at 128K): runtime/tune-cache/shipped.json"
+      export KVCC_TUNE_CACHE="$out/shipped.json"
+      rm -f "$KVCC_TUNE_CACHE"
+      specs=dense_f16,spherical,kivi,subspace,shard,mosaic
+      .gpu/kvcc tune --spec "$specs" --batch 8 --ctx 32768 > "$out/shipped-b8.txt" 2>&1 || status=1
+      .gpu/kvcc tune --spec "$specs" --batch 1 --ctx 131072 > "$out/shipped-b1.txt" 2>&1 || status=1
+      sed -n '/tune cache/,$p' "$out/shipped-b8.txt" "$out/shipped-b1.txt"
       unset KVCC_TUNE_CACHE
       ;;
     before-after)

@@ -165,16 +165,29 @@ pub enum FieldSpec {
         #[serde(default)]
         dtype: TableDtype,
     },
-    /// Signed integer coefficients in the transform's basis.
-    Coeff { bits: u32, scale: CoeffScale },
+    /// Integer coefficients in the transform's basis: signed and symmetric,
+    /// or (`zero_point`) unsigned min/max codes with a zero point per scale.
+    Coeff {
+        bits: u32,
+        scale: CoeffScale,
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        zero_point: bool,
+        /// Channels per scale for `scale = "group"`.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        group: Option<u32>,
+    },
     /// Mask over element groups plus a fixed number of packed kept groups.
     Bitmap {
         group_size: u32,
         keep: u32,
         elem: BitmapElem,
     },
-    /// The vector itself.
-    Dense { dtype: DenseDtype },
+    /// The vector itself (fp8 dtypes optionally under a scale).
+    Dense {
+        dtype: DenseDtype,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        scale: Option<Fp8Scale>,
+    },
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -215,6 +228,132 @@ pub enum CoeffScale {
     PageComponent,
     /// One trained f32 scale per component, in the format's tables.
     Component,
+    /// An f16 scale per group of `group` channels, stored in every item.
+    Group,
+}
+
+impl CoeffScale {
+    /// Whether the scales (and zero points) are stored in the item.
+    pub fn in_item(self) -> bool {
+        matches!(self, CoeffScale::Item | CoeffScale::Group)
+    }
+}
+
+/// The scale of fp8 elements: `x = scale * fp8`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Fp8Scale {
+    /// One trained f32 scale shared by every kv head of a layer, in the tables.
+    Tensor,
+    /// One trained f32 scale per (layer, kv head), in the tables.
+    Head,
+    /// One f32 scale per page, in the page header.
+    Page,
+    /// An f16 scale stored in every item.
+    Item,
+}
+
+/// An 8-bit float format (OCP FP8).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Fp8 {
+    /// 4 exponent bits (bias 7), 3 mantissa bits; no infinities, `S.1111.111`
+    /// is NaN, largest finite 448 (the OCP "FN" variant).
+    E4m3,
+    /// 5 exponent bits (bias 15), 2 mantissa bits; IEEE-like (infinities,
+    /// NaNs), largest finite 57344.
+    E5m2,
+}
+
+impl Fp8 {
+    /// Largest finite magnitude.
+    pub fn max(self) -> f32 {
+        match self {
+            Fp8::E4m3 => 448.0,
+            Fp8::E5m2 => 57344.0,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Fp8::E4m3 => "fp8e4m3",
+            Fp8::E5m2 => "fp8e5m2",
+        }
+    }
+
+    /// The exact value of an fp8 code (low 8 bits of `raw`; NaN codes give NaN).
+    pub fn decode(self, raw: u32) -> f32 {
+        let (man_bits, bias, _) = self.encoding();
+        let b = raw & 0xFF;
+        let sign = if b & 0x80 != 0 { -1.0f32 } else { 1.0 };
+        let e = (b & 0x7F) >> man_bits;
+        let m = b & ((1 << man_bits) - 1);
+        let top = 0x7F >> man_bits;
+        match self {
+            Fp8::E4m3 if e == top && m == (1 << man_bits) - 1 => return f32::NAN,
+            Fp8::E5m2 if e == top => {
+                return if m == 0 {
+                    sign * f32::INFINITY
+                } else {
+                    f32::NAN
+                };
+            }
+            _ => {}
+        }
+        // Subnormals have the exponent of e = 1 and no implicit bit.
+        let (significand, e) = match e {
+            0 => (m, 1),
+            _ => ((1 << man_bits) | m, e),
+        };
+        let exponent = e as i32 - bias as i32 - man_bits as i32;
+        sign * significand as f32 * 2f32.powi(exponent)
+    }
+
+    /// The code of `x`: rounded to nearest, ties to even, saturating to the
+    /// largest finite magnitude (infinities too); NaN gives the NaN code of
+    /// `x`'s sign. Integer steps on the f32 bits, as the page-compress kernel
+    /// emits them: subnormal results are `|x| · 2^(bias - 1 + mantissa bits)`
+    /// rounded to an integer, normal ones the f32's exponent and top mantissa
+    /// bits rebiased, plus one when the dropped bits round up.
+    pub fn encode(self, x: f32) -> u32 {
+        let (man_bits, bias, max_code) = self.encoding();
+        let bits = x.to_bits();
+        let sign = (bits >> 24) & 0x80;
+        let a = bits & 0x7FFF_FFFF;
+        if a > 0x7F80_0000 {
+            return sign | 0x7F;
+        }
+        let code = if a < self.min_normal_bits() {
+            let steps = f32::from_bits(a) * self.subnormal_steps();
+            steps.round_ties_even() as u32
+        } else {
+            let drop = 23 - man_bits;
+            let rest = a & ((1 << drop) - 1);
+            let half = 1 << (drop - 1);
+            let up = u32::from(rest > half || (rest == half && (a >> drop) & 1 == 1));
+            (a >> drop) - ((127 - bias) << man_bits) + up
+        };
+        sign | code.min(max_code)
+    }
+
+    /// Mantissa bits, exponent bias and the largest finite code.
+    pub fn encoding(self) -> (u32, u32, u32) {
+        match self {
+            Fp8::E4m3 => (3, 7, 0x7E),
+            Fp8::E5m2 => (2, 15, 0x7B),
+        }
+    }
+
+    /// The f32 bits of the smallest normal fp8 magnitude.
+    pub fn min_normal_bits(self) -> u32 {
+        let (_, bias, _) = self.encoding();
+        (127 + 1 - bias) << 23
+    }
+
+    /// Subnormal fp8 steps per unit: `2^(bias - 1 + mantissa bits)`.
+    pub fn subnormal_steps(self) -> f32 {
+        let (man_bits, bias, _) = self.encoding();
+        (1u32 << (bias - 1 + man_bits)) as f32
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -223,6 +362,35 @@ pub enum BitmapElem {
     F16,
     /// int8 elements with an f16 scale per item.
     Int8,
+    /// fp8 elements with an f16 scale per item.
+    Fp8e4m3,
+    Fp8e5m2,
+}
+
+impl BitmapElem {
+    /// The fp8 format of fp8 elements.
+    pub fn fp8(self) -> Option<Fp8> {
+        match self {
+            BitmapElem::Fp8e4m3 => Some(Fp8::E4m3),
+            BitmapElem::Fp8e5m2 => Some(Fp8::E5m2),
+            _ => None,
+        }
+    }
+
+    /// Whether the kept elements share an f16 scale stored in the item.
+    pub fn scaled(self) -> bool {
+        self != BitmapElem::F16
+    }
+
+    /// Largest magnitude an element code stands for (the item scale maps the
+    /// item's largest kept magnitude to it).
+    pub fn code_max(self) -> f32 {
+        match self {
+            BitmapElem::F16 => 1.0,
+            BitmapElem::Int8 => 127.0,
+            BitmapElem::Fp8e4m3 | BitmapElem::Fp8e5m2 => self.fp8().expect("an fp8 element").max(),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -231,6 +399,8 @@ pub enum DenseDtype {
     F16,
     Bf16,
     F32,
+    Fp8e4m3,
+    Fp8e5m2,
 }
 
 impl DenseDtype {
@@ -238,6 +408,16 @@ impl DenseDtype {
         match self {
             DenseDtype::F16 | DenseDtype::Bf16 => 16,
             DenseDtype::F32 => 32,
+            DenseDtype::Fp8e4m3 | DenseDtype::Fp8e5m2 => 8,
+        }
+    }
+
+    /// The fp8 format of an fp8 dtype.
+    pub fn fp8(self) -> Option<Fp8> {
+        match self {
+            DenseDtype::Fp8e4m3 => Some(Fp8::E4m3),
+            DenseDtype::Fp8e5m2 => Some(Fp8::E5m2),
+            _ => None,
         }
     }
 }
@@ -261,5 +441,58 @@ impl FieldSpec {
             FieldSpec::Bitmap { .. } => "bitmap",
             FieldSpec::Dense { .. } => "dense",
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Fp8;
+
+    /// Every code decodes to a number that encodes back to it (NaN codes to
+    /// NaN), and encoding rounds to the nearest code, ties to even,
+    /// saturating: checked against the decoded table by search.
+    #[test]
+    fn fp8_round_trips_and_rounds_to_nearest() {
+        for format in [Fp8::E4m3, Fp8::E5m2] {
+            let finite: Vec<(u32, f32)> = (0..256)
+                .map(|c| (c, format.decode(c)))
+                .filter(|(_, v)| v.is_finite())
+                .collect();
+            for &(c, v) in &finite {
+                // -0 and +0 are distinct codes.
+                assert_eq!(format.encode(v), c, "{format:?} code {c:#04x} = {v}");
+            }
+            assert!(format.decode(0x7F).is_nan() && format.decode(0xFF).is_nan());
+            assert_eq!(format.encode(f32::NAN), 0x7F);
+            assert_eq!(format.encode(1e30), format.encode(format.max()));
+            assert_eq!(
+                format.encode(f32::NEG_INFINITY),
+                0x80 | format.encode(format.max())
+            );
+            let mut x = 1.0e-9f32;
+            while x < 1.0e6 {
+                for v in [x, -x] {
+                    let got = format.decode(format.encode(v));
+                    let best = finite
+                        .iter()
+                        .map(|&(_, f)| f)
+                        .filter(|f| f.is_sign_negative() == v.is_sign_negative())
+                        .min_by(|a, b| (a - v).abs().total_cmp(&(b - v).abs()))
+                        .unwrap();
+                    let clamped = v.clamp(-format.max(), format.max());
+                    assert!(
+                        (got - clamped).abs() <= (best - clamped).abs(),
+                        "{format:?}: {v} -> {got}, nearest {best}"
+                    );
+                }
+                x *= 1.0137;
+            }
+        }
+        assert_eq!(Fp8::E4m3.decode(0x7E), 448.0);
+        assert_eq!(Fp8::E4m3.decode(0x01), 2f32.powi(-9));
+        assert_eq!(Fp8::E5m2.decode(0x7B), 57344.0);
+        assert_eq!(Fp8::E5m2.decode(0x7C), f32::INFINITY);
+        // A tie rounds to the even code: 1 + 1/16 lies between 1 and 1.125.
+        assert_eq!(Fp8::E4m3.encode(1.0625), 0x38);
     }
 }

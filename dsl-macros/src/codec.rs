@@ -8,8 +8,10 @@
 //! item's schema (`CodecLayout::slots`), walked once here at expansion time
 //! and packed a 64-bit word at a time (`pack`).
 
-use kvcc_compiler::layout::{CodecLayout, FieldLayout, SlotRole, TierLayout, TransformLayout};
-use kvcc_compiler::spec::{BitmapElem, CodewordKind, CoeffScale, RadiusScale};
+use kvcc_compiler::layout::{
+    CodecLayout, DenseScale, FieldLayout, SlotRole, TierLayout, TransformLayout,
+};
+use kvcc_compiler::spec::{CodewordKind, CoeffScale, RadiusScale};
 use proc_macro2::{Ident, Literal, TokenStream};
 use quote::{format_ident, quote};
 
@@ -29,6 +31,7 @@ fn slot_array(role: SlotRole) -> Ident {
             SlotRole::CodebookIndex => "index",
             SlotRole::Coefficient => "code",
             SlotRole::ItemScale => "item_scale",
+            SlotRole::ItemZero => "item_zero",
             SlotRole::MaskBit => "mask",
             SlotRole::BitmapElement => "elems",
             SlotRole::DenseValue => "dense",
@@ -69,6 +72,10 @@ impl Codec<'_> {
             FieldLayout::Coeff { scale, .. } => {
                 matches!(scale, CoeffScale::Page | CoeffScale::PageComponent)
             }
+            FieldLayout::Dense {
+                scale: Some(DenseScale::Header(_)),
+                ..
+            } => true,
             _ => self.codec.radius().is_some(),
         }
     }
@@ -83,7 +90,13 @@ impl Codec<'_> {
         match *self.codec.body() {
             FieldLayout::Codebook { table, .. } => used.push(table),
             FieldLayout::Coeff {
-                table: Some(table), ..
+                table: Some(table),
+                zero_table,
+                ..
+            } => used.extend([Some(table), zero_table].into_iter().flatten()),
+            FieldLayout::Dense {
+                scale: Some(DenseScale::Table(table)),
+                ..
             } => used.push(table),
             _ => {}
         }
@@ -354,21 +367,87 @@ impl Codec<'_> {
                 count,
                 bits,
                 scale,
+                zero_point: true,
+                group,
+                slot,
+                zero_slot,
+                ..
+            } => {
+                let (n, b, g) = (count as usize, lit(bits), group as usize);
+                let (slot, zero_slot, groups_n) = (slot as usize, zero_slot as usize, n / g);
+                let quantize = {
+                    let (s, z) = self.coeff_factor();
+                    quote! {
+                        let code: [u32; #n] = ::core::array::from_fn(|c| #ops::quantize_unsigned(y[c], #s, #z, #b));
+                    }
+                };
+                let infinite = quote!((f32::INFINITY, f32::NEG_INFINITY));
+                match scale {
+                    CoeffScale::Item | CoeffScale::Group => Plan::OnePass {
+                        item: quote! {
+                            let params: [(f32, f32); #groups_n] = ::core::array::from_fn(|j| {
+                                let (lo, hi) = #ops::min_max(&y[j * #g..(j + 1) * #g]);
+                                #ops::half_zero_point_scale(lo, hi, #b)
+                            });
+                            let item_scale: [u32; #groups_n] = ::core::array::from_fn(|j| #ops::f16_bits(params[j].0));
+                            let item_zero: [u32; #groups_n] = ::core::array::from_fn(|j| #ops::f16_bits(params[j].1));
+                            #quantize
+                        },
+                    },
+                    CoeffScale::Component => Plan::OnePass { item: quantize },
+                    CoeffScale::Page => Plan::TwoPass {
+                        init: quote!(let mut range = #infinite;),
+                        measure: quote!(range = #ops::widen_range(range, y);),
+                        finish: quote! {
+                            let (s, z) = #ops::zero_point_scale(range.0, range.1, #b);
+                            scales[#slot] = s;
+                            scales[#zero_slot] = z;
+                        },
+                        keep_y: true,
+                        item: quantize,
+                    },
+                    CoeffScale::PageComponent => Plan::TwoPass {
+                        init: quote!(let mut range = [#infinite; #n];),
+                        measure: quote! {
+                            for (r, v) in range.iter_mut().zip(y) {
+                                *r = #ops::widen_range(*r, [v]);
+                            }
+                        },
+                        finish: quote! {
+                            for (c, r) in range.iter().enumerate() {
+                                let (s, z) = #ops::zero_point_scale(r.0, r.1, #b);
+                                scales[#slot + c] = s;
+                                scales[#zero_slot + c] = z;
+                            }
+                        },
+                        keep_y: true,
+                        item: quantize,
+                    },
+                }
+            }
+            FieldLayout::Coeff {
+                count,
+                bits,
+                scale,
+                group,
                 slot,
                 ..
             } => {
                 let (n, b, slot) = (count as usize, lit(bits), slot as usize);
                 let quantize = {
-                    let s = self.coeff_factor();
+                    let (s, _) = self.coeff_factor();
                     quote! {
                         let code: [u32; #n] = ::core::array::from_fn(|c| #ops::quantize(y[c], #s, #b));
                     }
                 };
+                let (g, groups_n) = (group as usize, (count / group) as usize);
                 match scale {
-                    CoeffScale::Item => Plan::OnePass {
+                    CoeffScale::Item | CoeffScale::Group => Plan::OnePass {
                         item: quote! {
-                            let scale = #ops::coeff_item_scale(y, #b);
-                            let item_scale = [#ops::f16_bits(scale)];
+                            let params: [(f32, f32); #groups_n] = ::core::array::from_fn(|j| {
+                                (#ops::coeff_item_scale(&y[j * #g..(j + 1) * #g], #b), 0.0)
+                            });
+                            let item_scale: [u32; #groups_n] = ::core::array::from_fn(|j| #ops::f16_bits(params[j].0));
                             #quantize
                         },
                     },
@@ -408,11 +487,11 @@ impl Codec<'_> {
                     [SlotRole::MaskBit, SlotRole::BitmapElement].map(|r| self.count(r));
                 let elem_ty = self.spec_enum("BitmapElem", elem);
                 let encode = quote!(#ops::bitmap_encode(y, #g, #elem_ty, (&mut energy, &mut order), &mut mask, &mut elems));
-                let encode = match elem {
-                    BitmapElem::Int8 => quote! {
-                        let item_scale = [#ops::f16_bits(#encode.expect("int8 bitmaps have a scale"))];
+                let encode = match elem.scaled() {
+                    true => quote! {
+                        let item_scale = [#ops::f16_bits(#encode.expect("scaled bitmaps have a scale"))];
                     },
-                    BitmapElem::F16 => quote!(#encode;),
+                    false => quote!(#encode;),
                 };
                 Plan::OnePass {
                     item: quote! {
@@ -424,12 +503,51 @@ impl Codec<'_> {
                     },
                 }
             }
-            FieldLayout::Dense { count, dtype, .. } => {
+            FieldLayout::Dense {
+                count,
+                dtype,
+                scale,
+                ..
+            } => {
                 let n = count as usize;
+                let format = dtype.fp8().map(|f| (self.spec_enum("Fp8", f), f.max()));
                 let dtype = self.spec_enum("DenseDtype", dtype);
-                Plan::OnePass {
-                    item: quote! {
-                        let dense: [u32; #n] = ::core::array::from_fn(|c| #ops::dense_bits(#dtype, y[c]));
+                let encode = |s: TokenStream| {
+                    quote! {
+                        let dense: [u32; #n] = ::core::array::from_fn(|c| #ops::dense_bits(#dtype, y[c] / #s));
+                    }
+                };
+                match (scale, format) {
+                    (Some(DenseScale::Item(_)), Some((_, max))) => Plan::OnePass {
+                        item: {
+                            let dense = encode(quote!(scale));
+                            quote! {
+                                let scale = #ops::half_scale(#ops::max_abs(y), #max);
+                                let item_scale = [#ops::f16_bits(scale)];
+                                #dense
+                            }
+                        },
+                    },
+                    (Some(DenseScale::Header(slot)), Some((format, _))) => {
+                        let slot = slot as usize;
+                        Plan::TwoPass {
+                            init: quote!(let mut max = 0.0f32;),
+                            measure: quote!(max = max.max(#ops::max_abs(y));),
+                            finish: quote!(scales[#slot] = #ops::fp8_scale(max, #format);),
+                            keep_y: true,
+                            item: encode(quote!(scales[#slot])),
+                        }
+                    }
+                    (Some(DenseScale::Table(t)), _) => {
+                        let scales = table(t);
+                        Plan::OnePass {
+                            item: encode(quote!(#scales[0])),
+                        }
+                    }
+                    _ => Plan::OnePass {
+                        item: quote! {
+                            let dense: [u32; #n] = ::core::array::from_fn(|c| #ops::dense_bits(#dtype, y[c]));
+                        },
                     },
                 }
             }
@@ -471,26 +589,38 @@ impl Codec<'_> {
         quote!(#krate::compiler::spec::#ty::#variant)
     }
 
-    /// The scale of coefficient `c`: `scale` (the item's, bound by the
-    /// caller), a header slot, or the trained component table.
-    fn coeff_factor(&self) -> TokenStream {
+    /// The scale and zero point of coefficient `c`: the item's (`params`,
+    /// bound by the caller, one per channel group), header slots, or the
+    /// trained component tables.
+    fn coeff_factor(&self) -> (TokenStream, TokenStream) {
         let FieldLayout::Coeff {
             scale,
+            group,
             slot,
+            zero_slot,
             table: t,
+            zero_table,
             ..
         } = *self.codec.body()
         else {
             unreachable!("coeff_factor of a coeff codec")
         };
-        let slot = slot as usize;
+        let (slot, zero_slot, g) = (slot as usize, zero_slot as usize, group as usize);
         match scale {
-            CoeffScale::Item => quote!(scale),
-            CoeffScale::Page => quote!(scales[#slot]),
-            CoeffScale::PageComponent => quote!(scales[#slot + c]),
+            CoeffScale::Item | CoeffScale::Group => {
+                (quote!(params[c / #g].0), quote!(params[c / #g].1))
+            }
+            CoeffScale::Page => (quote!(scales[#slot]), quote!(scales[#zero_slot])),
+            CoeffScale::PageComponent => {
+                (quote!(scales[#slot + c]), quote!(scales[#zero_slot + c]))
+            }
             CoeffScale::Component => {
                 let scales = table(t.expect("component scales have a table"));
-                quote!(#scales[c])
+                let zeros = zero_table.map_or(quote!(0.0f32), |z| {
+                    let z = table(z);
+                    quote!(#z[c])
+                });
+                (quote!(#scales[c]), zeros)
             }
         }
     }
@@ -589,14 +719,34 @@ impl Codec<'_> {
                 }
             }
             FieldLayout::Coeff {
-                count, bits, scale, ..
+                count,
+                bits,
+                scale,
+                zero_point,
+                group,
+                ..
             } => {
-                let (n, b, s) = (count as usize, lit(bits), self.coeff_factor());
-                let bind = (scale == CoeffScale::Item).then(|| quote!(let scale = #item_scale;));
+                let (n, b, (s, z)) = (count as usize, lit(bits), self.coeff_factor());
+                let groups_n = (count / group) as usize;
+                let zero = match zero_point {
+                    true => quote!(#ops::f16_value(item_zero[j])),
+                    false => quote!(0.0f32),
+                };
+                let bind = scale.in_item().then(|| {
+                    quote! {
+                        let params: [(f32, f32); #groups_n] = ::core::array::from_fn(|j| {
+                            (#ops::f16_value(item_scale[j]), #zero)
+                        });
+                    }
+                });
+                let value = match zero_point {
+                    true => quote!(#ops::unsigned_value(code[c], #s, #z)),
+                    false => quote!(#ops::signed(code[c], #b) * #s),
+                };
                 quote! {
                     #bind
                     for c in 0..#n {
-                        y[c] = #ops::signed(code[c], #b) * #s;
+                        y[c] = #value;
                     }
                 }
             }
@@ -604,18 +754,30 @@ impl Codec<'_> {
                 group_size, elem, ..
             } => {
                 let g = group_size as usize;
-                let scale = match elem {
-                    BitmapElem::Int8 => item_scale,
-                    BitmapElem::F16 => quote!(1.0),
+                let scale = match elem.scaled() {
+                    true => item_scale,
+                    false => quote!(1.0),
                 };
                 let elem = self.spec_enum("BitmapElem", elem);
                 quote!(#ops::bitmap_decode(&mask, &elems, #g, #elem, #scale, &mut y);)
             }
-            FieldLayout::Dense { dtype, .. } => {
+            FieldLayout::Dense { dtype, scale, .. } => {
                 let dtype = self.spec_enum("DenseDtype", dtype);
+                let scaled = match scale {
+                    None => quote!(),
+                    Some(DenseScale::Item(_)) => quote!(* #item_scale),
+                    Some(DenseScale::Header(slot)) => {
+                        let slot = slot as usize;
+                        quote!(* scales[#slot])
+                    }
+                    Some(DenseScale::Table(t)) => {
+                        let t = table(t);
+                        quote!(* #t[0])
+                    }
+                };
                 quote! {
                     for (v, &raw) in y.iter_mut().zip(&dense) {
-                        *v = #ops::dense_value(#dtype, raw);
+                        *v = #ops::dense_value(#dtype, raw) #scaled;
                     }
                 }
             }

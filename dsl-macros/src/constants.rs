@@ -123,26 +123,54 @@ pub fn field_constants(field: &FieldLayout, layout: &TierLayout) -> TokenStream 
         ),
         FieldLayout::Coeff {
             item_scale: at,
+            item_zero,
             offset,
             count: n,
             bits: width,
             slot,
+            zero_slot,
             table: t,
+            zero_table,
             scale,
+            zero_point,
+            group,
         } => {
             let mut consts: Vec<Const> = run("code", offset, width)
                 .into_iter()
                 .chain([count("COUNT", None, n)])
                 .collect();
-            consts.extend(item_scale(at, "Bit offset of the item's f16 scale."));
+            consts.extend(item_scale(at, "Bit offset of the item's first f16 scale."));
+            if scale == CoeffScale::Group {
+                consts.push(count("GROUP", Some("Channels per f16 item scale."), group));
+            }
+            if let Some(z) = item_zero {
+                consts.push(bits(
+                    "ITEM_ZERO_OFFSET",
+                    "Bit offset of the item's first f16 zero point.",
+                    z,
+                ));
+            }
             if matches!(scale, CoeffScale::Page | CoeffScale::PageComponent) {
                 let doc = "First page-header scale slot of the field.";
                 consts.push(count("SLOT", Some(doc), slot));
+                if zero_point {
+                    let doc = "First page-header zero-point slot of the field.";
+                    consts.push(count("ZERO_SLOT", Some(doc), zero_slot));
+                }
             }
             consts.extend(t.map(table));
+            if let Some(z) = zero_table {
+                let doc = "Index of the trained zero-point table.";
+                consts.push(count("ZERO_TABLE", Some(doc), z as u32));
+            }
             (
                 "coeff",
-                "The coeff field: `COUNT` signed codes of `BITS` bits.",
+                match zero_point {
+                    true => {
+                        "The coeff field: `COUNT` unsigned codes of `BITS` bits with zero points."
+                    }
+                    false => "The coeff field: `COUNT` signed codes of `BITS` bits.",
+                },
                 consts,
             )
         }
@@ -189,6 +217,7 @@ pub fn field_constants(field: &FieldLayout, layout: &TierLayout) -> TokenStream 
             offset,
             count: n,
             dtype,
+            ..
         } => (
             "dense",
             "The dense field: `COUNT` values of `BITS` bits.",

@@ -1,8 +1,8 @@
 """Checks and conversions of torch tensors at the boundary to the native module.
 
-Every tensor the package accepts goes through `host_f32` (CPU) or, once the
-CUDA live cache is wired in, the device path: one place decides dtype and
-device errors.
+Every tensor the package accepts goes through `check_tensor`, then `host_f32`
+(CPU) or the device path of `core.LiveCache`, whose NaN and range checks are
+`check_finite`: the CPU runtime's messages, computed with torch on the device.
 """
 
 from __future__ import annotations
@@ -56,3 +56,43 @@ def check_shape(t: torch.Tensor, what: str, expected: list) -> None:
             for e in expected
         )
         raise KvccError(f"{what} have shape {dims}, which is not [{names}]")
+
+
+def _rust_float(value: float) -> str:
+    """A float32 as Rust's `Display` writes it (the runtime's messages)."""
+    if np.isnan(value):
+        return "NaN"
+    if np.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    return np.format_float_positional(np.float32(value), trim="-")
+
+
+EXACT = {"f16": torch.float16, "bf16": torch.bfloat16}
+
+
+def check_finite(t: torch.Tensor, what: str, exact: str = None) -> None:
+    """Raises the CPU runtime's error for a non-finite element of `t`
+    (`[kv_heads, tokens, head_dim]` keys or values, `[batch, q_heads,
+    head_dim]` queries when `what` is "query"), or for a K/V value that the
+    `exact` row dtype cannot represent. Waits for the device."""
+    bad = ~torch.isfinite(t)
+    if bool(bad.any()):
+        at = [int(i) for i in bad.nonzero()[0]]
+        value = _rust_float(float(t[tuple(at)]))
+        if what == "query":
+            sequence, head, channel = at
+            raise KvccError(
+                f"query contains a non-finite value at sequence {sequence}, head {head}, "
+                f"channel {channel}"
+            )
+        kv_head, token, channel = at[-3:]
+        raise KvccError(
+            f"{what} is not finite ({value}) at kv_head {kv_head}, token {token}, channel {channel}"
+        )
+    if exact is not None:
+        rounded = t.to(torch.float32).to(EXACT[exact])
+        bad = ~torch.isfinite(rounded)
+        if bool(bad.any()):
+            at = tuple(int(i) for i in bad.nonzero()[0])
+            value = _rust_float(float(t[at]))
+            raise KvccError(f"{what} hold {value}, which {exact} exact rows cannot represent")

@@ -4,8 +4,9 @@ torch tensors.
 Layouts follow transformers: keys and values `[batch, kv_heads, tokens,
 head_dim]`, queries `[batch, q_heads, head_dim]` (or `[batch, q_heads, 1,
 head_dim]`, one decode step). CPU tensors run the runtime's CPU live cache on
-the Cranelift JIT; the device is chosen in one place of the native module
-(`python/src/device.rs`).
+the Cranelift JIT; CUDA tensors run the generated kernels on torch's current
+stream, reading and writing the tensors' device memory. The device is chosen
+in one place of the native module (`python/src/device.rs`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 
 from . import _kvcc
 from ._kvcc import KvccError
-from ._tensors import check_shape, check_tensor, host_f32
+from ._tensors import check_finite, check_shape, check_tensor, host_f32
 
 Tables = _kvcc.Tables
 
@@ -82,6 +83,8 @@ class Format:
             v = v.transpose(0, 1).reshape(v.shape[1], -1, v.shape[-1])
         check_shape(k, "keys", ["kv_heads", "tokens", ("head_dim", self.head_dim)])
         check_shape(v, "values", ["kv_heads", "tokens", ("head_dim", self.head_dim)])
+        # Training runs on the CPU: device tensors are copied once.
+        k, v = k.detach().cpu(), v.detach().cpu()
         return self._native.train(host_f32(k, "keys"), host_f32(v, "values"), k.shape[0], seed)
 
     def __repr__(self):
@@ -144,7 +147,15 @@ class LiveCache:
 
     The policy is the spec's `[cache]` table; `tier`, `sinks`, `window` and
     `exact` override it. Tables are trained on the prompts of the first
-    `prefill` unless given."""
+    `prefill` unless given (on the CPU, for a CUDA cache too).
+
+    On `device="cuda[:N]"` every call takes CUDA tensors of that device
+    (float32, float16 or bfloat16) and runs on torch's current stream with
+    no host copy. `q_heads` names the query heads the kernels are first
+    loaded for (another count reloads them on its first `attend`).
+    `check_finite` scans CUDA inputs for NaN/Inf before each call, which
+    waits for the GPU; turn it off for speed once inputs are trusted (it is
+    skipped while a CUDA graph is captured)."""
 
     def __init__(
         self,
@@ -161,6 +172,8 @@ class LiveCache:
         exact: Optional[str] = None,
         executor: str = "jit",
         seed: Optional[int] = None,
+        q_heads: Optional[int] = None,
+        check_finite: bool = True,
     ):
         self.format = _format(fmt)
         self.batch, self.kv_heads, self.capacity = int(batch), int(kv_heads), int(capacity)
@@ -175,6 +188,8 @@ class LiveCache:
         )
         self._executor = executor
         self._seed = seed
+        self._q_heads = q_heads
+        self.check_finite = check_finite
         self._native = None
         if tables is not None:
             self._open(tables)
@@ -184,13 +199,51 @@ class LiveCache:
         _NEXT_HANDLE[0] += 1
         _LIVE[self.handle] = self
 
-    def _host(self, t: torch.Tensor, what: str):
-        """`t` as the native call takes it: on this cache's device (a CPU cache
-        takes contiguous f32 numpy views)."""
+    @property
+    def on_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def _check_device(self, t: torch.Tensor, what: str) -> torch.Tensor:
         check_tensor(t, what)
-        if _same_device(t.device, self.device) and self.device.type == "cpu":
-            return host_f32(t, what)
-        raise KvccError(f"tensor `{what}` is on {t.device} but the cache is on {self.device}")
+        if not _same_device(t.device, self.device):
+            raise KvccError(f"tensor `{what}` is on {t.device} but the cache is on {self.device}")
+        return t
+
+    def _host(self, t: torch.Tensor, what: str):
+        """`t` as the CPU cache takes it: a contiguous f32 numpy view."""
+        return host_f32(self._check_device(t, what), what)
+
+    def _stream(self) -> int:
+        return torch.cuda.current_stream(self.device).cuda_stream
+
+    def _capturing(self) -> bool:
+        return torch.cuda.is_current_stream_capturing()
+
+    def _rows(self, pairs, k, v):
+        """Device K/V of `pairs` as the native call takes them: two contiguous
+        tensors of one dtype, `[sequence][kv_head][token][head_dim]`, and the
+        tokens per sequence."""
+        for kk, vv in pairs:
+            self._check_device(kk, "keys")
+            self._check_device(vv, "values")
+        if isinstance(k, torch.Tensor):
+            keys, values = k.contiguous(), v.contiguous()
+        else:
+            keys = torch.cat([kk.reshape(-1) for kk, _ in pairs]) if pairs else k
+            values = torch.cat([vv.reshape(-1) for _, vv in pairs]) if pairs else v
+        if keys.dtype != values.dtype:
+            keys, values = keys.float(), values.float()
+        if self._capturing():
+            raise KvccError(
+                "an append cannot be captured in a CUDA graph (it is planned on the host): "
+                "append outside the graph and replay the captured attend"
+            )
+        if self.check_finite:
+            exact = self.policy["exact"]
+            for what, pieces in (("keys", [kk for kk, _ in pairs]), ("values", [vv for _, vv in pairs])):
+                for piece in pieces:
+                    check_finite(piece, what, exact)
+        return keys, values, [kk.shape[1] for kk, _ in pairs]
 
     def _open(self, tables: Tables) -> None:
         self._native = _kvcc.Live(
@@ -201,6 +254,8 @@ class LiveCache:
             self._policy,
             str(self.device),
             self._executor,
+            self.batch,
+            self._q_heads,
         )
 
     @property
@@ -214,6 +269,13 @@ class LiveCache:
 
     def lengths(self) -> list:
         return self._native.lengths() if self._native else []
+
+    @property
+    def generation(self) -> int:
+        """Bumped whenever a page is allocated, compressed or released (CUDA
+        caches; always 0 on the CPU). A captured CUDA graph does not depend
+        on it: see `attend`."""
+        return self._native.generation if self._native else 0
 
     def _sync_state(self) -> None:
         lengths = self.lengths()
@@ -232,14 +294,24 @@ class LiveCache:
                 f"{len(pairs)} new sequences do not fit a cache of batch {self.batch} "
                 f"holding {have}"
             )
-        arrays = [(self._host(kk, "keys"), self._host(vv, "values")) for kk, vv in pairs]
+        if self.on_cuda:
+            rows = self._rows(pairs, k, v)
+        else:
+            arrays = [(self._host(kk, "keys"), self._host(vv, "values")) for kk, vv in pairs]
         if self._native is None:
             keys = torch.cat([kk for kk, _ in pairs], dim=1)
             values = torch.cat([vv for _, vv in pairs], dim=1)
             if keys.shape[1] == 0:
                 raise KvccError("no prompt token to train the tables on")
             self._open(self.format.train(keys, values, self._seed))
-        indices = self._native.prefill(arrays)
+        if self.on_cuda:
+            keys, values, tokens = rows
+            indices = self._native.prefill_device(
+                keys.data_ptr(), values.data_ptr(), keys.numel(), str(keys.dtype), tokens,
+                self._stream(),
+            )
+        else:
+            indices = self._native.prefill(arrays)
         self._sync_state()
         return indices
 
@@ -256,29 +328,66 @@ class LiveCache:
             raise KvccError(
                 f"keys and values for {len(pairs)} sequences given for {len(sequences)} sequences"
             )
-        batch = [
-            (int(s), self._host(kk, "keys"), self._host(vv, "values"))
-            for s, (kk, vv) in zip(sequences, pairs)
-        ]
-        self._native.append(batch)
+        if self.on_cuda:
+            keys, values, tokens = self._rows(pairs, k, v)
+            self._native.append_device(
+                [int(s) for s in sequences], tokens, keys.data_ptr(), values.data_ptr(),
+                keys.numel(), str(keys.dtype), self._stream(),
+            )
+        else:
+            batch = [
+                (int(s), self._host(kk, "keys"), self._host(vv, "values"))
+                for s, (kk, vv) in zip(sequences, pairs)
+            ]
+            self._native.append(batch)
         self._sync_state()
 
     def attend(self, q: torch.Tensor):
         """One decode step over every sequence: queries `[batch, q_heads,
         head_dim]` (or `[batch, q_heads, 1, head_dim]`). Returns `(out, lse)`:
         the outputs in the queries' shape and dtype, and each row's
-        log-sum-exp of its scaled logits, `[batch, q_heads]` float32."""
+        log-sum-exp of its scaled logits, `[batch, q_heads]` float32.
+
+        On CUDA the step neither allocates native memory nor waits, so it can
+        be captured with `torch.cuda.graph` (after one eager call for these
+        query heads). A captured step stays valid while later appends fill
+        and compress pages; it covers the sequences the cache held when it was
+        captured, so re-capture after `prefill` or `release`."""
         if self._native is None:
             raise KvccError("attend before prefill: the cache holds no sequence")
         q3 = _queries(q, self.format.head_dim)
         batch, q_heads, d = q3.shape
+        if self.on_cuda:
+            return self._attend_cuda(q, q3)
         out, lse = self._native.attend(self._host(q3, "queries"), q_heads)
         out = torch.from_numpy(out).view(batch, q_heads, d).to(q.dtype)
         return out.view(q.shape), torch.from_numpy(lse).view(batch, q_heads)
 
+    def _attend_cuda(self, q, q3):
+        self._check_device(q3, "queries")
+        batch, q_heads, d = q3.shape
+        sequences = len(self._native.lengths())
+        if batch != sequences:
+            raise KvccError(
+                f"queries hold {q3.numel()} values; expected sequences {sequences} x "
+                f"query heads {q_heads} x head_dim {d}"
+            )
+        if self.check_finite and not self._capturing():
+            check_finite(q3, "query")
+        q32 = q3.to(torch.float32).contiguous()
+        out = torch.empty(batch, q_heads, d, dtype=torch.float32, device=q3.device)
+        lse = torch.empty(batch, q_heads, dtype=torch.float32, device=q3.device)
+        self._native.attend_device(
+            q32.data_ptr(), q_heads, out.data_ptr(), lse.data_ptr(), self._stream()
+        )
+        return out.to(q.dtype).view(q.shape), lse
+
     def release(self, sequence: int) -> None:
         """Drops a sequence and frees its pages; later sequences move down."""
-        self._native.release(int(sequence))
+        if self.on_cuda:
+            self._native.release(int(sequence), self._stream())
+        else:
+            self._native.release(int(sequence))
         self._sync_state()
 
     def set_tier(self, tier) -> None:

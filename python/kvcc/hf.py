@@ -68,12 +68,22 @@ class KvccLayer(CacheLayerMixin):
     is_sliding = False
     is_croppable = False
 
-    def __init__(self, fmt: Format, capacity: int, policy: dict, executor: str = "jit"):
+    def __init__(
+        self,
+        fmt: Format,
+        capacity: int,
+        policy: dict,
+        executor: str = "jit",
+        q_heads: Optional[int] = None,
+        check_finite: bool = True,
+    ):
         super().__init__()
         self.format = fmt
         self.capacity = capacity
         self.policy = policy
         self.executor = executor
+        self.q_heads = q_heads
+        self.check_finite = check_finite
         self.live: Optional[LiveCache] = None
         self.tokens = 0
 
@@ -87,6 +97,8 @@ class KvccLayer(CacheLayerMixin):
             self.capacity,
             device=key_states.device,
             executor=self.executor,
+            q_heads=self.q_heads,
+            check_finite=self.check_finite,
             **self.policy,
         )
         self.is_initialized = True
@@ -128,7 +140,9 @@ class KvccCache(Cache):
     """A transformers `Cache` of kvcc live caches, one per layer. The spec and
     policy come from the arguments or else `config.kvcc`; `capacity` is the
     page slots of every tier per layer (default: enough for `max_tokens`
-    tokens of `batch` sequences)."""
+    tokens of `batch` sequences). On CUDA, `check_finite=False` skips the
+    NaN/Inf scan of every step's keys, values and queries (each scan waits for
+    the GPU)."""
 
     def __init__(
         self,
@@ -143,6 +157,7 @@ class KvccCache(Cache):
         batch: int = 1,
         max_tokens: int = 32768,
         executor: Optional[str] = None,
+        check_finite: bool = True,
     ):
         options = config_options(config) if config is not None else {}
         spec = spec if spec is not None else options.get("spec", "dense_f16")
@@ -153,9 +168,10 @@ class KvccCache(Cache):
             "window": window if window is not None else options.get("window"),
             "exact": exact if exact is not None else options.get("exact"),
         }
-        kv_heads = 1
+        kv_heads, q_heads = 1, None
         if config is not None:
             kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+            q_heads = config.num_attention_heads
         if capacity is None:
             capacity = options.get("capacity") or (
                 batch * kv_heads * math.ceil(max_tokens / fmt.items_per_page(policy["tier"]))
@@ -164,7 +180,7 @@ class KvccCache(Cache):
         self.format = fmt
 
         def layer():
-            return KvccLayer(fmt, capacity, policy, executor)
+            return KvccLayer(fmt, capacity, policy, executor, q_heads, check_finite)
 
         super().__init__(layer_class_to_replicate=layer)
 

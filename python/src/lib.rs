@@ -22,8 +22,9 @@ use kvcc_runtime::encode::TrainOptions;
 use kvcc_runtime::exec::{ExecutorKind, Request};
 use kvcc_runtime::live::{Append, CachePolicy, LiveKv, LiveOptions, SequenceKv};
 
-use device::Device;
+use device::{Backend, Device, DeviceRows};
 use errors::{kvcc_error, to_py};
+use kvcc_runtime::cuda::{DeviceAppend, StepIo};
 
 /// The data of a contiguous f32 array (C order), or an error naming `what`.
 fn slice<'a>(array: &'a PyReadonlyArrayDyn<'_, f32>, what: &str) -> PyResult<&'a [f32]> {
@@ -323,19 +324,17 @@ fn parse_exact(name: &str) -> PyResult<ExactDtype> {
 /// several threads); calls do not contend in practice.
 #[pyclass(module = "kvcc._kvcc")]
 struct Live {
-    inner: Backend,
+    inner: Mutex<Backend>,
 }
-
-type Backend = Mutex<Box<dyn LiveKv + Send>>;
 
 /// A panic inside a call cannot leave the cache half changed (calls check
 /// before they change anything), so a poisoned lock is still usable.
-fn lock(backend: &Backend) -> MutexGuard<'_, Box<dyn LiveKv + Send>> {
+fn lock(backend: &Mutex<Backend>) -> MutexGuard<'_, Backend> {
     backend.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl Live {
-    fn lock(&self) -> MutexGuard<'_, Box<dyn LiveKv + Send>> {
+    fn lock(&self) -> MutexGuard<'_, Backend> {
         lock(&self.inner)
     }
 }
@@ -344,9 +343,11 @@ impl Live {
 impl Live {
     /// Opens a live cache: `policy` is `(sinks, window, exact, tier)`,
     /// `pages_per_tier` the page slots of every tier's pool, `device`
-    /// `"cpu"` or `"cuda:N"`.
+    /// `"cpu"` or `"cuda:N"`; on CUDA, `batch` sequences at most and kernels
+    /// first loaded for `q_heads` query heads.
     #[new]
-    #[pyo3(signature = (format, tables, kv_heads, pages_per_tier, policy, device = "cpu", executor = "jit"))]
+    #[pyo3(signature = (format, tables, kv_heads, pages_per_tier, policy, device = "cpu", executor = "jit", batch = 1, q_heads = None))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         format: &Format,
         tables: &Tables,
@@ -355,6 +356,8 @@ impl Live {
         policy: (usize, usize, String, usize),
         device: &str,
         executor: &str,
+        batch: usize,
+        q_heads: Option<usize>,
     ) -> PyResult<Live> {
         let (sinks, window, exact, tier) = policy;
         let options = LiveOptions {
@@ -369,7 +372,15 @@ impl Live {
             executor: parse_executor(executor)?,
         };
         let device = Device::parse(device)?;
-        let inner = device::open(device, &format.inner, &options, tables.inner.clone())?;
+        let q_heads = q_heads.unwrap_or(kv_heads);
+        let inner = device::open(
+            device,
+            &format.inner,
+            &options,
+            tables.inner.clone(),
+            batch,
+            q_heads,
+        )?;
         Ok(Live {
             inner: Mutex::new(inner),
         })
@@ -377,20 +388,20 @@ impl Live {
 
     #[getter]
     fn kv_heads(&self) -> usize {
-        self.lock().kv_heads()
+        self.lock().live().kv_heads()
     }
 
     /// `(sinks, window, exact, tier)` in force.
     #[getter]
     fn policy(&self) -> (usize, usize, &'static str, usize) {
         let live = self.lock();
-        let p = live.policy();
+        let p = live.live().policy();
         (p.sinks, p.window, p.exact.name(), p.tier)
     }
 
     /// Tokens of every sequence.
     fn lengths(&self) -> Vec<usize> {
-        self.lock().lengths()
+        self.lock().live().lengths()
     }
 
     /// Adds sequences: per sequence `[kv_head][token][head_dim]` keys and
@@ -408,7 +419,8 @@ impl Live {
             });
         }
         let inner = &self.inner;
-        py.detach(|| lock(inner).prefill(&kv)).map_err(to_py)
+        py.detach(|| lock(inner).live_mut().prefill(&kv))
+            .map_err(to_py)
     }
 
     /// Adds tokens: `(sequence, keys, values)` with `[kv_head][token][head_dim]` blocks.
@@ -430,7 +442,8 @@ impl Live {
             });
         }
         let inner = &self.inner;
-        py.detach(|| lock(inner).append(&appends)).map_err(to_py)
+        py.detach(|| lock(inner).live_mut().append(&appends))
+            .map_err(to_py)
     }
 
     /// One decode step over every sequence: `[sequence][q_head][head_dim]`
@@ -448,7 +461,7 @@ impl Live {
         let q = slice(&queries, "queries")?;
         let inner = &self.inner;
         let attention = py
-            .detach(|| lock(inner).attend(q, q_heads))
+            .detach(|| lock(inner).live().attend(q, q_heads))
             .map_err(to_py)?;
         Ok((
             PyArray1::from_vec(py, attention.outputs),
@@ -456,14 +469,115 @@ impl Live {
         ))
     }
 
-    /// Drops sequence `sequence`; later sequences move down by one.
-    fn release(&self, sequence: usize) -> PyResult<()> {
-        self.lock().release(sequence).map_err(to_py)
+    /// Drops sequence `sequence`; later sequences move down by one. On CUDA,
+    /// ordered against `stream` (torch's current stream).
+    #[pyo3(signature = (sequence, stream = 0))]
+    fn release(&self, sequence: usize, stream: usize) -> PyResult<()> {
+        let mut backend = self.lock();
+        match &mut *backend {
+            Backend::Cuda(live) => device::on_stream(live, stream, |live| live.release(sequence)),
+            Backend::Host(live) => live.release(sequence).map_err(to_py),
+        }
     }
 
     /// The tier pages compressed from now on go to.
     fn set_tier(&self, tier: usize) -> PyResult<()> {
-        self.lock().set_tier(tier).map_err(to_py)
+        self.lock().live_mut().set_tier(tier).map_err(to_py)
+    }
+
+    /// Whether the cache lives on a CUDA device.
+    #[getter]
+    fn on_cuda(&self) -> bool {
+        matches!(&*self.lock(), Backend::Cuda(_))
+    }
+
+    /// Bumped by every change of the page lists (CUDA caches; 0 on the CPU).
+    #[getter]
+    fn generation(&self) -> u64 {
+        match &*self.lock() {
+            Backend::Cuda(live) => live.generation(),
+            Backend::Host(_) => 0,
+        }
+    }
+
+    /// Adds sequences from device memory: `keys`/`values` are data pointers
+    /// of `len` elements of `dtype` each, `[sequence][kv_head][token][head_dim]`
+    /// with `tokens[i]` tokens for new sequence `i`. Ordered on `stream`.
+    #[allow(clippy::too_many_arguments)]
+    fn prefill_device(
+        &self,
+        py: Python<'_>,
+        keys: u64,
+        values: u64,
+        len: usize,
+        dtype: &str,
+        tokens: Vec<usize>,
+        stream: usize,
+    ) -> PyResult<Vec<usize>> {
+        let rows = DeviceRows {
+            keys,
+            values,
+            len,
+            dtype: device::row_dtype(dtype)?,
+        };
+        let inner = &self.inner;
+        py.detach(|| device::prefill(lock(inner).cuda()?, stream, rows, &tokens))
+    }
+
+    /// Adds tokens from device memory: `tokens[i]` tokens to `sequences[i]`,
+    /// rows laid out as for `prefill_device`.
+    #[allow(clippy::too_many_arguments)]
+    fn append_device(
+        &self,
+        py: Python<'_>,
+        sequences: Vec<usize>,
+        tokens: Vec<usize>,
+        keys: u64,
+        values: u64,
+        len: usize,
+        dtype: &str,
+        stream: usize,
+    ) -> PyResult<()> {
+        if sequences.len() != tokens.len() {
+            return Err(kvcc_error(format!(
+                "{} sequences but {} token counts",
+                sequences.len(),
+                tokens.len()
+            )));
+        }
+        let rows = DeviceRows {
+            keys,
+            values,
+            len,
+            dtype: device::row_dtype(dtype)?,
+        };
+        let batch: Vec<DeviceAppend> = (sequences.iter().zip(&tokens))
+            .map(|(&sequence, &tokens)| DeviceAppend { sequence, tokens })
+            .collect();
+        let inner = &self.inner;
+        py.detach(|| device::append(lock(inner).cuda()?, stream, rows, &batch))
+    }
+
+    /// One decode step on device memory: f32 `[sequence][q_head][head_dim]`
+    /// queries at `queries`, outputs written to `out` (same shape) and
+    /// `[sequence][q_head]` log-sum-exps to `lse`. Allocates nothing and
+    /// waits for nothing, so it can be captured in a CUDA graph on `stream`.
+    fn attend_device(
+        &self,
+        py: Python<'_>,
+        queries: u64,
+        q_heads: usize,
+        out: u64,
+        lse: u64,
+        stream: usize,
+    ) -> PyResult<()> {
+        let io = StepIo {
+            queries,
+            output: out,
+            lse,
+        };
+        let inner = &self.inner;
+        py.detach(|| device::attend(lock(inner).cuda()?, stream, io, q_heads))
     }
 }
 

@@ -181,11 +181,15 @@ def test_half_precision_inputs_and_outputs():
     assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
 
 
-def test_cuda_is_refused_in_one_place():
-    with pytest.raises(NotImplementedError, match="CUDA live cache is not in this build"):
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")
+def test_cuda_without_a_gpu_is_refused_before_training():
+    with pytest.raises(kvcc.KvccError, match="CUDA driver|no GPU|GPU 0"):
         kvcc.LiveCache("dense_f16", 1, 1, 8, device="cuda")
+
+
+def test_an_unknown_device_is_refused():
     with pytest.raises(kvcc.KvccError, match="no device `tpu`"):
-        kvcc.LiveCache("dense_f16", 1, 1, 8, device="cpu")._native or kvcc._kvcc.check_device("tpu")
+        kvcc._kvcc.check_device("tpu")
 
 
 def test_pages_compress_every_token():

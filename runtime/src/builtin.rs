@@ -1,7 +1,7 @@
 //! The bundled specs, compiled into the binary so `kvcc demo` runs anywhere.
 
 /// (file name, TOML source) of every spec in `specs/`.
-pub const SPECS: [(&str, &str); 6] = [
+pub const SPECS: [(&str, &str); 8] = [
     (
         "specs/dense_f16.toml",
         include_str!("../../specs/dense_f16.toml"),
@@ -17,4 +17,6 @@ pub const SPECS: [(&str, &str); 6] = [
     ),
     ("specs/shard.toml", include_str!("../../specs/shard.toml")),
     ("specs/mosaic.toml", include_str!("../../specs/mosaic.toml")),
+    ("specs/fp8.toml", include_str!("../../specs/fp8.toml")),
+    ("specs/kivi2.toml", include_str!("../../specs/kivi2.toml")),
 ];

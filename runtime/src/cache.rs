@@ -1,7 +1,7 @@
 //! A paged KV cache of one layer: per-tier page pools, per-(kv head) tables and
 //! per-(sequence, kv head) page tables — what executors read through a `CacheView`.
 
-use kvcc_compiler::layout::TierLayout;
+use kvcc_compiler::layout::{TableRole, TierLayout};
 use kvcc_compiler::page::{CacheView, PageHeader, PageRef, TierView};
 use kvcc_compiler::Format;
 
@@ -34,17 +34,24 @@ pub fn train(
     let per_head = tokens * format.head_dim() as usize;
     Ok((0..format.tiers().len())
         .map(|t| {
-            (0..kv_heads)
+            let layout = format.layout(t);
+            let mut heads: Vec<Vec<Vec<f32>>> = (0..kv_heads)
                 .map(|h| {
                     let range = h * per_head..(h + 1) * per_head;
-                    train_tables(
-                        format.layout(t),
-                        &keys[range.clone()],
-                        &values[range],
-                        options,
-                    )
+                    train_tables(layout, &keys[range.clone()], &values[range], options)
                 })
-                .collect()
+                .collect();
+            // A tensor-wide fp8 scale is the largest over the heads (each
+            // head's is its largest magnitude over the format's maximum).
+            for (i, table) in layout.tables.iter().enumerate() {
+                if table.role == (TableRole::Fp8Scale { shared: true }) {
+                    let shared = heads.iter().map(|h| h[i][0]).fold(0.0f32, f32::max);
+                    for head in &mut heads {
+                        head[i][0] = shared;
+                    }
+                }
+            }
+            heads
         })
         .collect())
 }

@@ -143,8 +143,8 @@ fn check_reports_bad_spec_with_file_line_column_and_field_path() {
     // An unsupported value (semantic check) and a wrong type (parse error).
     let cases = [
         (
-            "bits3.toml",
-            "name = \"bad\"\nhead_dim = 64\n\n[[tier]]\nname = \"x\"\nkey.field = [{ kind = \"coeff\", bits = 3, scale = \"item\" }]\nvalue.field = [{ kind = \"dense\", dtype = \"f16\" }]\n",
+            "bits5.toml",
+            "name = \"bad\"\nhead_dim = 64\n\n[[tier]]\nname = \"x\"\nkey.field = [{ kind = \"coeff\", bits = 5, scale = \"item\" }]\nvalue.field = [{ kind = \"dense\", dtype = \"f16\" }]\n",
             ":6:39:",
             "tier[0].key.field[0].bits",
         ),

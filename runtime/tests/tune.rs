@@ -8,6 +8,7 @@ use std::process::Command;
 
 use kvcc_compiler::Format;
 use kvcc_runtime::tune::lookup::{resolve, Source};
+use kvcc_runtime::tune::model;
 use kvcc_runtime::tune::search::Strategy;
 use kvcc_runtime::tune::store::Found;
 use kvcc_runtime::tune::{
@@ -64,7 +65,7 @@ fn candidate(config: KernelConfig, ms: Option<f64>) -> Candidate {
 /// An entry for tier `tier` of `format` whose winner uses `winner_pages`-item
 /// pages; at the spec's page size, 8 warps beat the default.
 fn entry(format: &Format, tier: usize, gpu: &GpuId, winner_pages: u32) -> Entry {
-    let default = KernelConfig::default_for(format);
+    let default = KernelConfig::reference(format);
     let eight_warps = KernelConfig {
         warps: 8,
         ..default
@@ -109,8 +110,11 @@ fn entries_round_trip_and_are_found_by_key() {
     let mut cache = TuneCache::open(&path);
     assert!(cache.entries().is_empty() && cache.problems().is_empty());
     // Nothing tuned: defaults, with one reason for all tiers naming the command.
-    let r = resolve(&cache, &h200(), &f, shape());
-    assert_eq!(r.configs, vec![KernelConfig::default_for(&f); 2]);
+    let r = resolve(&[&cache], &h200(), &f, shape());
+    let modeled: Vec<_> = (0..2)
+        .map(|t| model::config_at(&f, t, h200().target()))
+        .collect();
+    assert_eq!(r.configs, modeled);
     assert_eq!(r.sources[0], r.sources[1]);
     match &r.sources[0] {
         Source::Default { reason } => assert!(
@@ -166,9 +170,9 @@ fn a_winner_that_loses_the_confirmation_leaves_the_default() {
     let dir = tempfile::tempdir().unwrap();
     let mut cache = TuneCache::open(&dir.path().join("t.json"));
     cache.insert(e);
-    let r = resolve(&cache, &h200(), &f, shape());
-    assert_eq!(r.configs[0], KernelConfig::default_for(&f));
-    assert!(matches!(r.sources[0], Source::Tuned { ms, default_ms: Some(d) } if ms == d));
+    let r = resolve(&[&cache], &h200(), &f, shape());
+    assert_eq!(r.configs[0], KernelConfig::reference(&f));
+    assert!(matches!(r.sources[0], Source::Tuned { ms, default_ms: Some(d), .. } if ms == d));
 }
 
 #[test]
@@ -219,8 +223,11 @@ fn a_spec_change_invalidates_the_entry() {
     let edited = spec(4, 64);
     let key = TuneKey::new(&h200(), &edited, 0, shape());
     assert!(matches!(cache.find(&key), Found::Stale(_)));
-    let resolution = resolve(&cache, &h200(), &edited, shape());
-    assert_eq!(resolution.configs[0], KernelConfig::default_for(&edited));
+    let resolution = resolve(&[&cache], &h200(), &edited, shape());
+    assert_eq!(
+        resolution.configs[0],
+        model::config_at(&edited, 0, h200().target())
+    );
     match &resolution.sources[0] {
         Source::Default { reason } => assert!(reason.contains("codegen changed"), "{reason}"),
         other => panic!("stale entry used: {other:?}"),
@@ -245,14 +252,14 @@ fn the_runtime_uses_the_winner_for_its_page_size_and_never_another() {
 
     // Winner at the pages' size: used.
     cache.insert(entry(&f, 0, &h200(), 64));
-    let r = resolve(&cache, &h200(), &f, shape());
+    let r = resolve(&[&cache], &h200(), &f, shape());
     assert_eq!(r.configs[0].warps, 2);
     assert!(matches!(r.sources[0], Source::Tuned { ms, .. } if ms == 0.30));
     assert!(r.notes.is_empty());
 
     // Winner at 128-item pages, pages of 64: the best 64-item candidate, and a note.
     cache.insert(entry(&f, 0, &h200(), 128));
-    let r = resolve(&cache, &h200(), &f, shape());
+    let r = resolve(&[&cache], &h200(), &f, shape());
     assert_eq!(r.configs[0].page_items, 64);
     assert_eq!(r.configs[0].warps, 8);
     assert!(matches!(r.sources[0], Source::Tuned { ms, .. } if ms == 0.35));
@@ -265,14 +272,17 @@ fn the_runtime_uses_the_winner_for_its_page_size_and_never_another() {
     // Re-encoded at 128 items: the same entry (the key does not depend on the
     // spec's page size) gives the winner.
     let f128 = spec(8, 128);
-    let r = resolve(&cache, &h200(), &f128, shape());
+    let r = resolve(&[&cache], &h200(), &f128, shape());
     assert_eq!(r.configs[0].page_items, 128);
     assert_eq!(r.configs[0].warps, 2);
 
     // Pages of 32 items: no candidate at that size, defaults.
     let f32_pages = spec(8, 32);
-    let r = resolve(&cache, &h200(), &f32_pages, shape());
-    assert_eq!(r.configs[0], KernelConfig::default_for(&f32_pages));
+    let r = resolve(&[&cache], &h200(), &f32_pages, shape());
+    assert_eq!(
+        r.configs[0],
+        model::config_at(&f32_pages, 0, h200().target())
+    );
     assert!(
         matches!(&r.sources[0], Source::Default { reason } if reason.contains("32-item pages"))
     );
@@ -305,7 +315,7 @@ fn corrupt_files_are_reported_ignored_and_kept_aside() {
     );
     // Lookups work (defaults) and saving keeps the corrupt file aside.
     let f = spec(8, 64);
-    let r = resolve(&cache, &h200(), &f, shape());
+    let r = resolve(&[&cache], &h200(), &f, shape());
     assert!(matches!(r.sources[0], Source::Default { .. }));
     cache.insert(entry(&f, 0, &h200(), 64));
     cache.save().unwrap();
@@ -384,7 +394,7 @@ fn exported_entries_import_into_another_cache() {
     target.save().unwrap();
     let target = TuneCache::open(&target_path);
     assert_eq!(target.entries().len(), 2);
-    let r = resolve(&target, &h200(), &f, shape());
+    let r = resolve(&[&target], &h200(), &f, shape());
     assert!(r.sources.iter().all(|s| matches!(s, Source::Tuned { .. })));
     assert_eq!(
         r.configs[0].warps, 2,
@@ -460,7 +470,12 @@ fn tune_cache_commands_use_the_environment_path_and_survive_corruption() {
     assert!(dir.path().join("env-cache.json.corrupt").exists());
     let out = kvcc(&["tune-cache", "show", "--json"], &path);
     let shown: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    assert_eq!(shown.as_array().unwrap().len(), 1);
+    assert_eq!(shown["user"]["entries"].as_array().unwrap().len(), 1);
+    // The shipped results are listed beside the user's, each saying whether
+    // it is for this build's code.
+    let shipped_entries = shown["shipped"]["entries"].as_array().unwrap();
+    assert!(!shipped_entries.is_empty());
+    assert!(shipped_entries.iter().all(|e| e["fresh"].is_boolean()));
     let exported = dir.path().join("out.json");
     let out = kvcc(
         &[
@@ -490,4 +505,45 @@ fn tune_without_a_gpu_or_with_a_bad_spec_fails_clearly() {
         assert!(!stderr.contains("panicked"), "{stderr}");
         assert!(stderr.contains("error:"), "{stderr}");
     }
+}
+
+#[test]
+fn shipped_results_serve_any_driver_and_the_users_own_entries_win() {
+    let f = spec(8, 64);
+    let dir = tempfile::tempdir().unwrap();
+    // Results measured on another driver, shipped as text.
+    let path = dir.path().join("measured.json");
+    let mut measured = TuneCache::open(&path);
+    measured.insert(entry(&f, 0, &other_driver(), 64));
+    measured.save().unwrap();
+    let mut shipped = TuneCache::shipped("shipped.json", &std::fs::read_to_string(&path).unwrap());
+    assert!(shipped.problems().is_empty(), "{:?}", shipped.problems());
+    assert!(shipped.save().is_err(), "shipped results are read-only");
+
+    // The user's cache is empty: the shipped winner, marked as shipped.
+    let user = TuneCache::open(&dir.path().join("user.json"));
+    let r = resolve(&[&user, &shipped], &h200(), &f, shape());
+    assert_eq!(r.configs[0].warps, 2);
+    assert!(matches!(r.sources[0], Source::Tuned { shipped: true, .. }));
+    // A user's cache file ignores entries of another driver.
+    assert!(matches!(
+        measured.find(&TuneKey::new(&h200(), &f, 0, shape())),
+        Found::Miss
+    ));
+
+    // The user's own entry comes first.
+    let mut user = user;
+    let mut own = entry(&f, 0, &h200(), 64);
+    own.winner = KernelConfig {
+        warps: 8,
+        ..own.default
+    };
+    user.insert(own);
+    let r = resolve(&[&user, &shipped], &h200(), &f, shape());
+    assert_eq!(r.configs[0].warps, 8);
+    assert!(matches!(r.sources[0], Source::Tuned { shipped: false, .. }));
+
+    // A malformed shipped file is a problem, never a failure.
+    let broken = TuneCache::shipped("broken.json", "{not json");
+    assert!(broken.entries().is_empty() && broken.problems().len() == 1);
 }

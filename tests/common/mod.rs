@@ -293,10 +293,14 @@ mod spec_gen {
 
     #[derive(Clone, Copy)]
     enum Body {
-        Dense(&'static str),
+        /// dtype and (fp8) scale.
+        Dense(&'static str, Option<&'static str>),
         Coeff {
             bits: u32,
             scale: &'static str,
+            zero_point: bool,
+            /// Channels per scale (scale = "group").
+            group: u32,
         },
         Vector(Book),
         /// Radius bits and scale (`None`: the default, page) before a direction codebook.
@@ -389,9 +393,25 @@ mod spec_gen {
                 }
             }
             let fields = match self.body {
-                Body::Dense(dtype) => format!("{{ kind = \"dense\", dtype = \"{dtype}\" }}"),
-                Body::Coeff { bits, scale } => {
-                    format!("{{ kind = \"coeff\", bits = {bits}, scale = \"{scale}\" }}")
+                Body::Dense(dtype, scale) => {
+                    let scale = scale.map(|s| format!(", scale = \"{s}\"")).unwrap_or_default();
+                    format!("{{ kind = \"dense\", dtype = \"{dtype}\"{scale} }}")
+                }
+                Body::Coeff {
+                    bits,
+                    scale,
+                    zero_point,
+                    group,
+                } => {
+                    let mut s = format!("{{ kind = \"coeff\", bits = {bits}, scale = \"{scale}\"");
+                    if scale == "group" {
+                        write!(s, ", group = {group}").unwrap();
+                    }
+                    if zero_point {
+                        s.push_str(", zero_point = true");
+                    }
+                    s.push_str(" }");
+                    s
                 }
                 Body::Vector(book) => book.toml("vector"),
                 Body::Radius { bits, scale, book } => {
@@ -522,13 +542,38 @@ mod spec_gen {
                 kind = 1;
             }
             let body = match kind {
-                0 => Body::Dense(self.rng.pick(&["f16", "bf16", "f32"])),
-                1 => Body::Coeff {
-                    bits: self.rng.pick(&[4, 8]),
-                    scale: self
-                        .rng
-                        .pick(&["item", "page", "page_component", "component"]),
-                },
+                0 => {
+                    let dtype = self.rng.pick(&["f16", "bf16", "f32", "fp8e4m3", "fp8e5m2"]);
+                    let scale = match dtype.starts_with("fp8") {
+                        true => self.rng.pick(&[
+                            None,
+                            Some("tensor"),
+                            Some("head"),
+                            Some("page"),
+                            Some("item"),
+                        ]),
+                        false => None,
+                    };
+                    Body::Dense(dtype, scale)
+                }
+                1 => {
+                    let groups: Vec<u32> = [1, 2, 4, 8, 16, 32]
+                        .into_iter()
+                        .filter(|&g| n.is_multiple_of(g))
+                        .collect();
+                    Body::Coeff {
+                        bits: self.rng.pick(&[2, 3, 4, 8]),
+                        scale: self.rng.pick(&[
+                            "item",
+                            "group",
+                            "page",
+                            "page_component",
+                            "component",
+                        ]),
+                        zero_point: self.rng.coin(),
+                        group: self.rng.pick(&groups),
+                    }
+                }
                 2 => Body::Vector(self.book(n, budget, is_key, max_query_group)),
                 3 => Body::Radius {
                     bits: self.rng.range(1, 16),
@@ -540,7 +585,7 @@ mod spec_gen {
                     Body::Bitmap {
                         group_size,
                         keep: self.rng.range(1, n / group_size),
-                        elem: self.rng.pick(&["f16", "int8"]),
+                        elem: self.rng.pick(&["f16", "int8", "fp8e4m3", "fp8e5m2"]),
                     }
                 }
             };

@@ -11,7 +11,7 @@ use super::suggest::{divisor_suggestions, or_list};
 use crate::back::ptx::Target;
 use crate::back::shared_memory::{TierModel, TILE_RESERVE};
 use crate::layout::schema;
-use crate::spec::{CodecSpec, CodewordKind, FieldSpec, FormatSpec, TransformSpec};
+use crate::spec::{CodecSpec, CodewordKind, CoeffScale, FieldSpec, FormatSpec, TransformSpec};
 
 /// The kernels' shared-memory model is the back end's: its targets' budgets.
 pub use crate::back::shared_memory::{shared_memory_estimate, SHARED_MEMORY_BUDGET};
@@ -31,7 +31,7 @@ pub const RADIUS_BITS_RANGE: (u32, u32) = (1, 16);
 /// Valid codebook `bits`.
 pub const CODEBOOK_BITS_RANGE: (u32, u32) = (1, 12);
 /// Valid coeff `bits`.
-pub const COEFF_BITS: [u32; 2] = [4, 8];
+pub const COEFF_BITS: [u32; 4] = [2, 3, 4, 8];
 /// Valid bitmap `group_size`s.
 pub const BITMAP_GROUP_SIZES: [u32; 3] = [1, 2, 4];
 pub use crate::layout::schema::MASK_WORD_BITS;
@@ -551,18 +551,58 @@ impl Checker {
                         );
                     }
                 }
-                FieldSpec::Coeff { bits, .. } => {
+                FieldSpec::Coeff {
+                    bits, scale, group, ..
+                } => {
                     if !COEFF_BITS.contains(&bits) {
                         self.report(
                             field_at(j, Some("bits")),
-                            format!("coeff bits {bits} is not supported; use 4 or 8"),
+                            format!("coeff bits {bits} is not supported; use 2, 3, 4 or 8"),
                         );
+                    }
+                    match (scale, group) {
+                        (CoeffScale::Group, None) => self.report(
+                            field_at(j, Some("scale")),
+                            "scale = \"group\" needs group = G, the channels sharing one \
+                             scale (e.g. group = 32)"
+                                .to_string(),
+                        ),
+                        (CoeffScale::Group, Some(g)) => {
+                            if dims.n > 0 && (g == 0 || !dims.n.is_multiple_of(g)) {
+                                let suggestions = divisor_suggestions(dims.n, g, None);
+                                self.report(
+                                    field_at(j, Some("group")),
+                                    format!(
+                                        "group {g} does not divide {}; use a divisor of {} \
+                                         such as {suggestions}",
+                                        dims.describe(),
+                                        dims.n
+                                    ),
+                                );
+                            }
+                        }
+                        (_, Some(_)) => self.report(
+                            field_at(j, Some("group")),
+                            "group applies only to scale = \"group\"; remove it or set \
+                             scale = \"group\""
+                                .to_string(),
+                        ),
+                        (_, None) => {}
                     }
                 }
                 FieldSpec::Bitmap {
                     group_size, keep, ..
                 } => self.bitmap(j, &field_at, group_size, keep, dims),
-                FieldSpec::Dense { .. } => {}
+                FieldSpec::Dense { dtype, scale } => {
+                    if scale.is_some() && dtype.fp8().is_none() {
+                        self.report(
+                            field_at(j, Some("scale")),
+                            "a scale applies only to fp8 dtypes (\"fp8e4m3\", \"fp8e5m2\"); \
+                             remove it"
+                                .to_string(),
+                        );
+                    }
+                }
             }
         }
 

@@ -431,14 +431,20 @@ fn missing_key_hint(key: &str, node: &Node<'_, '_>) -> Option<String> {
         ("group_size", _) => "group_size = <a divisor of the codec's dimensions>".into(),
         ("bits", Some("radius")) => "bits = <1..=16>, e.g. 8".into(),
         ("bits", Some("codebook")) => "bits = <1..=12>, e.g. 8".into(),
-        ("bits", Some("coeff")) => "bits = 4 or 8".into(),
+        ("bits", Some("coeff")) => "bits = 2, 3, 4 or 8".into(),
         ("codewords", _) => {
             "codewords = \"direction\" (unit vectors, with a radius) or \"vector\"".into()
         }
-        ("scale", _) => "scale = \"item\", \"page\", \"page_component\" or \"component\"".into(),
+        ("scale", Some("dense")) => "scale = \"tensor\", \"head\", \"page\" or \"item\"".into(),
+        ("scale", Some("radius")) => "scale = \"page\" or \"page_group\"".into(),
+        ("scale", _) => {
+            "scale = \"item\", \"group\", \"page\", \"page_component\" or \"component\"".into()
+        }
+        ("group", _) => "group = <channels per scale, a divisor of the dimensions>".into(),
+        ("zero_point", _) => "zero_point = true (unsigned codes with a zero point) or false".into(),
         ("keep", _) => "keep = <how many groups each item keeps>".into(),
-        ("elem", _) => "elem = \"f16\" or \"int8\"".into(),
-        ("dtype", _) => "dtype = \"f16\", \"bf16\" or \"f32\"".into(),
+        ("elem", _) => "elem = \"f16\", \"int8\", \"fp8e4m3\" or \"fp8e5m2\"".into(),
+        ("dtype", _) => "dtype = \"f16\", \"bf16\", \"f32\", \"fp8e4m3\" or \"fp8e5m2\"".into(),
         ("seed", _) => "seed = <an integer that seeds the random signs>".into(),
         ("rank", _) => "rank = <1..=head_dim>".into(),
         _ => return None,

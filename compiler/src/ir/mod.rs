@@ -150,6 +150,9 @@ pub enum UnaryOp {
     BfloatToFloat,
     /// u32 bits reinterpreted as f32.
     BitsToFloat,
+    /// Low 8 bits of a u32 as an fp8 number -> f32, exactly
+    /// ([`crate::spec::Fp8::decode`]: e4m3 without infinities, NaN kept).
+    Fp8ToFloat(crate::spec::Fp8),
     /// u32 or i32 -> nearest f32.
     ToFloat,
     /// Low `n` bits of a u32 as a two's-complement integer -> i32.

@@ -9,7 +9,7 @@ pub mod schema;
 
 use crate::spec::{
     BasisDtype, BitmapElem, CodecSpec, CodewordKind, CoeffScale, DenseDtype, FieldSpec, FormatSpec,
-    RadiusScale, TableDtype, TransformSpec,
+    Fp8Scale, RadiusScale, TableDtype, TransformSpec,
 };
 pub use schema::{bitmap_elem_bits, BitRange, HeaderScales, ItemSlot, SlotRole, ITEM_SCALE_BITS};
 
@@ -83,6 +83,11 @@ pub enum TableRole {
     PcaMean,
     /// `n` trained per-component coefficient scales.
     ComponentScale,
+    /// `n` trained per-component zero points of asymmetric coefficients.
+    ComponentZero,
+    /// One trained scale of fp8 elements: per (layer, kv head), or
+    /// (`shared`) one value every kv head of a layer holds.
+    Fp8Scale { shared: bool },
     /// `head_dim` signs (+1/-1) of an SRHT.
     SrhtSigns,
 }
@@ -110,16 +115,26 @@ pub enum FieldLayout {
         table: usize,
     },
     Coeff {
-        /// Bit offset of the f16 item scale (scale = item).
+        /// Bit offset of the first f16 item scale (scale = item or group).
         item_scale: Option<u32>,
+        /// Bit offset of the first f16 item zero point (item or group, zero_point).
+        item_zero: Option<u32>,
         offset: u32,
         count: u32,
         bits: u32,
         scale: CoeffScale,
+        /// Unsigned codes with a zero point per scale (`x = code · s + z`).
+        zero_point: bool,
+        /// Channels per item scale: `group`, or `count` for scale = item.
+        group: u32,
         /// First header slot (page: 1, page_component: `count`).
         slot: u32,
+        /// First header zero-point slot (page or page_component, zero_point).
+        zero_slot: u32,
         /// Trained scale table (scale = component).
         table: Option<usize>,
+        /// Trained zero-point table (scale = component, zero_point).
+        zero_table: Option<usize>,
     },
     Bitmap {
         mask_offset: u32,
@@ -135,7 +150,19 @@ pub enum FieldLayout {
         offset: u32,
         count: u32,
         dtype: DenseDtype,
+        scale: Option<DenseScale>,
     },
+}
+
+/// Where an fp8 dense field's scale lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DenseScale {
+    /// Element 0 of a trained table (`tensor` or `head`).
+    Table(usize),
+    /// A page-header slot.
+    Header(u32),
+    /// The f16 item scale at this bit offset.
+    Item(u32),
 }
 
 impl FieldLayout {
@@ -384,10 +411,18 @@ impl CodecLayout {
                     field: index,
                     scales: match field {
                         FieldSpec::Radius { .. } => SlotRole::RadiusCode,
+                        FieldSpec::Dense { .. } => SlotRole::DenseValue,
                         _ => SlotRole::Coefficient,
                     },
                     first,
                     count: scale_count,
+                    zero_points: matches!(
+                        field,
+                        FieldSpec::Coeff {
+                            zero_point: true,
+                            ..
+                        }
+                    ),
                 });
             }
             let at = |role| {
@@ -440,14 +475,14 @@ impl CodecLayout {
                         ),
                     }
                 }
-                FieldSpec::Coeff { bits, scale } => FieldLayout::Coeff {
-                    item_scale: at(SlotRole::ItemScale),
-                    offset: offset(SlotRole::Coefficient),
-                    count: dims,
+                FieldSpec::Coeff {
                     bits,
                     scale,
-                    slot: first,
-                    table: (scale == CoeffScale::Component).then(|| {
+                    zero_point,
+                    group,
+                } => {
+                    let component = scale == CoeffScale::Component;
+                    let table = component.then(|| {
                         add_table(
                             "component_scale",
                             TableRole::ComponentScale,
@@ -455,8 +490,34 @@ impl CodecLayout {
                             TableStorage::F32,
                             TableSource::Trained,
                         )
-                    }),
-                },
+                    });
+                    let zero_table = (component && zero_point).then(|| {
+                        add_table(
+                            "component_zero",
+                            TableRole::ComponentZero,
+                            dims,
+                            TableStorage::F32,
+                            TableSource::Trained,
+                        )
+                    });
+                    FieldLayout::Coeff {
+                        item_scale: at(SlotRole::ItemScale),
+                        item_zero: at(SlotRole::ItemZero),
+                        offset: offset(SlotRole::Coefficient),
+                        count: dims,
+                        bits,
+                        scale,
+                        zero_point,
+                        group: match scale {
+                            CoeffScale::Group => group.expect("checked: group scales have a group"),
+                            _ => dims,
+                        },
+                        slot: first,
+                        zero_slot: first + scale_count / 2,
+                        table,
+                        zero_table,
+                    }
+                }
                 FieldSpec::Bitmap {
                     group_size,
                     keep,
@@ -470,10 +531,23 @@ impl CodecLayout {
                     item_scale: at(SlotRole::ItemScale),
                     elems_offset: offset(SlotRole::BitmapElement),
                 },
-                FieldSpec::Dense { dtype } => FieldLayout::Dense {
+                FieldSpec::Dense { dtype, scale } => FieldLayout::Dense {
                     offset: offset(SlotRole::DenseValue),
                     count: dims,
                     dtype,
+                    scale: scale.map(|scale| match scale {
+                        Fp8Scale::Tensor | Fp8Scale::Head => DenseScale::Table(add_table(
+                            "fp8_scale",
+                            TableRole::Fp8Scale {
+                                shared: scale == Fp8Scale::Tensor,
+                            },
+                            1,
+                            TableStorage::F32,
+                            TableSource::Trained,
+                        )),
+                        Fp8Scale::Page => DenseScale::Header(first),
+                        Fp8Scale::Item => DenseScale::Item(offset(SlotRole::ItemScale)),
+                    }),
                 },
             };
             fields.push(layout);
@@ -520,6 +594,11 @@ impl CodecLayout {
 /// Largest magnitude of a symmetric signed code of `bits` bits (7 for int4).
 pub fn coeff_max(bits: u32) -> i32 {
     (1 << (bits - 1)) - 1
+}
+
+/// Largest unsigned (zero-point) code of `bits` bits: `2^bits - 1`.
+pub fn coeff_levels(bits: u32) -> u32 {
+    (1 << bits) - 1
 }
 
 /// The SRHT sign vector of a seed: a fixed function so that encoder and kernels agree

@@ -6,7 +6,7 @@
 //! encoders, the macro's generated code, the reports) walks the result.
 
 use super::Side;
-use crate::spec::{BitmapElem, CoeffScale, FieldSpec, RadiusScale};
+use crate::spec::{BitmapElem, CoeffScale, FieldSpec, Fp8Scale, RadiusScale};
 
 /// Bits of an f16 scale stored inside an item.
 pub const ITEM_SCALE_BITS: u32 = 16;
@@ -20,8 +20,10 @@ pub enum SlotRole {
     CodebookIndex,
     /// Signed coefficient codes, one per coordinate.
     Coefficient,
-    /// One f16 scale of the item's codes.
+    /// f16 scales of the item's codes: one, or one per channel group.
     ItemScale,
+    /// f16 zero points of the item's codes, one per item scale.
+    ItemZero,
     /// One bit per bitmap group: set when the group is kept.
     MaskBit,
     /// The kept groups' elements, in group order.
@@ -37,6 +39,7 @@ impl SlotRole {
             SlotRole::CodebookIndex => "codeword indices",
             SlotRole::Coefficient => "coefficients",
             SlotRole::ItemScale => "f16 item scale",
+            SlotRole::ItemZero => "f16 item zero point",
             SlotRole::MaskBit => "mask bits",
             SlotRole::BitmapElement => "kept elements",
             SlotRole::DenseValue => "values",
@@ -121,10 +124,23 @@ pub fn field_slots(field: &FieldSpec, dims: u64) -> Option<Vec<(SlotRole, u32, u
         FieldSpec::Codebook {
             group_size, bits, ..
         } => vec![(SlotRole::CodebookIndex, bits, groups(group_size)?)],
-        FieldSpec::Coeff { bits, scale } => {
+        FieldSpec::Coeff {
+            bits,
+            scale,
+            zero_point,
+            group,
+        } => {
             let mut slots = Vec::new();
-            if scale == CoeffScale::Item {
-                slots.push((SlotRole::ItemScale, ITEM_SCALE_BITS, 1));
+            let scales = match scale {
+                CoeffScale::Item => Some(1),
+                CoeffScale::Group => Some(groups(group.unwrap_or(0))?),
+                _ => None,
+            };
+            if let Some(n) = scales {
+                slots.push((SlotRole::ItemScale, ITEM_SCALE_BITS, n));
+                if zero_point {
+                    slots.push((SlotRole::ItemZero, ITEM_SCALE_BITS, n));
+                }
             }
             slots.push((SlotRole::Coefficient, bits, dims));
             slots
@@ -135,14 +151,21 @@ pub fn field_slots(field: &FieldSpec, dims: u64) -> Option<Vec<(SlotRole, u32, u
             elem,
         } => {
             let mut slots = vec![(SlotRole::MaskBit, 1, groups(group_size)?)];
-            if elem == BitmapElem::Int8 {
+            if elem.scaled() {
                 slots.push((SlotRole::ItemScale, ITEM_SCALE_BITS, 1));
             }
             let elems = u64::from(keep).saturating_mul(u64::from(group_size));
             slots.push((SlotRole::BitmapElement, bitmap_elem_bits(elem), elems));
             slots
         }
-        FieldSpec::Dense { dtype } => vec![(SlotRole::DenseValue, dtype.bits(), dims)],
+        FieldSpec::Dense { dtype, scale } => {
+            let mut slots = Vec::new();
+            if scale == Some(Fp8Scale::Item) {
+                slots.push((SlotRole::ItemScale, ITEM_SCALE_BITS, 1));
+            }
+            slots.push((SlotRole::DenseValue, dtype.bits(), dims));
+            slots
+        }
     })
 }
 
@@ -167,18 +190,25 @@ pub fn header_scale_count(field: &FieldSpec, dims: u32) -> u32 {
             RadiusScale::Page => 1,
             RadiusScale::PageGroup => dims / group_size,
         },
-        FieldSpec::Coeff { scale, .. } => match scale {
-            CoeffScale::Page => 1,
-            CoeffScale::PageComponent => dims,
-            CoeffScale::Item | CoeffScale::Component => 0,
-        },
-        FieldSpec::Codebook { .. } | FieldSpec::Bitmap { .. } | FieldSpec::Dense { .. } => 0,
+        FieldSpec::Coeff {
+            scale, zero_point, ..
+        } => {
+            let scales = match scale {
+                CoeffScale::Page => 1,
+                CoeffScale::PageComponent => dims,
+                CoeffScale::Item | CoeffScale::Component | CoeffScale::Group => 0,
+            };
+            // Zero points follow the scales, one each.
+            scales * (1 + u32::from(zero_point))
+        }
+        FieldSpec::Dense { scale, .. } => u32::from(scale == Some(Fp8Scale::Page)),
+        FieldSpec::Codebook { .. } | FieldSpec::Bitmap { .. } => 0,
     }
 }
 
 /// Page-header scale slots `first..first + count` of field `field` of the
 /// `side` codec: the scales of its `scales` slot (one, or one per group or
-/// coordinate).
+/// coordinate), then, for a coeff field with zero points, as many zero points.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct HeaderScales {
     pub side: Side,
@@ -186,12 +216,15 @@ pub struct HeaderScales {
     pub scales: SlotRole,
     pub first: u32,
     pub count: u32,
+    /// The second half of the run holds zero points.
+    pub zero_points: bool,
 }
 
 impl HeaderScales {
     /// The header slot of element `j` of the scaled slot.
     pub fn slot_of(&self, j: u32) -> u32 {
-        if self.count == 1 {
+        let scales = self.count / (1 + u32::from(self.zero_points));
+        if scales == 1 {
             self.first
         } else {
             self.first + j
@@ -202,6 +235,6 @@ impl HeaderScales {
 pub fn bitmap_elem_bits(elem: BitmapElem) -> u32 {
     match elem {
         BitmapElem::F16 => 16,
-        BitmapElem::Int8 => 8,
+        BitmapElem::Int8 | BitmapElem::Fp8e4m3 | BitmapElem::Fp8e5m2 => 8,
     }
 }

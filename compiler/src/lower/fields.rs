@@ -1,10 +1,13 @@
 //! Reading stored fields back as f32: the pieces score and accumulate share.
 
 use crate::ir::builder::ExprBuilder;
+use crate::ir::TableDecl;
 use crate::ir::{BinaryOp, Expr, Handle, UnaryOp};
 use crate::layout::schema::MASK_WORD_BITS;
-use crate::layout::{BitRange, CodecLayout, FieldLayout, SlotRole};
+use crate::layout::{BitRange, CodecLayout, DenseScale, FieldLayout, SlotRole};
 use crate::spec::{BitmapElem, CoeffScale, DenseDtype};
+
+use super::Tables;
 
 /// Element `j` (a constant) of a slot: its raw bits.
 pub fn slot_bits_at(b: &mut ExprBuilder, slot: BitRange, j: u32) -> Handle<Expr> {
@@ -24,8 +27,122 @@ pub fn dense_value(b: &mut ExprBuilder, raw: Handle<Expr>, dtype: DenseDtype) ->
         DenseDtype::F16 => UnaryOp::HalfToFloat,
         DenseDtype::Bf16 => UnaryOp::BfloatToFloat,
         DenseDtype::F32 => UnaryOp::BitsToFloat,
+        DenseDtype::Fp8e4m3 | DenseDtype::Fp8e5m2 => {
+            UnaryOp::Fp8ToFloat(dtype.fp8().expect("an fp8 dtype"))
+        }
     };
     b.unary(op, raw)
+}
+
+/// The trained table of a dense field's scale (`tensor` or `head`), whose
+/// element 0 multiplies every coordinate.
+pub fn dense_table_scale(codec: &CodecLayout, tables: &Tables) -> Option<Handle<TableDecl>> {
+    match *codec.body() {
+        FieldLayout::Dense {
+            scale: Some(DenseScale::Table(t)),
+            ..
+        } => Some(tables.get(t)),
+        _ => None,
+    }
+}
+
+/// A dense field's page or item scale (stored with the page or the item).
+pub fn dense_stored_scale(b: &mut ExprBuilder, codec: &CodecLayout) -> Option<Handle<Expr>> {
+    match *codec.body() {
+        FieldLayout::Dense {
+            scale: Some(DenseScale::Header(slot)),
+            ..
+        } => Some(b.header_scale_at(slot)),
+        FieldLayout::Dense {
+            scale: Some(DenseScale::Item(at)),
+            ..
+        } => {
+            let raw = b.item_bits_at(at, 16);
+            Some(b.unary(UnaryOp::HalfToFloat, raw))
+        }
+        _ => None,
+    }
+}
+
+/// A coefficient code as f32: two's complement, or unsigned (zero point).
+pub fn coeff_code(
+    b: &mut ExprBuilder,
+    raw: Handle<Expr>,
+    bits: u32,
+    zero_point: bool,
+) -> Handle<Expr> {
+    if zero_point {
+        b.to_float(raw)
+    } else {
+        signed_value(b, raw, bits)
+    }
+}
+
+/// The zero point of coordinate `c` (u32) of an asymmetric coeff field, or
+/// `None` for symmetric codes.
+pub fn coeff_zero(
+    b: &mut ExprBuilder,
+    codec: &CodecLayout,
+    tables: &Tables,
+    c: Handle<Expr>,
+) -> Option<Handle<Expr>> {
+    let FieldLayout::Coeff {
+        scale,
+        zero_point,
+        group,
+        zero_slot,
+        zero_table,
+        ..
+    } = *codec.body()
+    else {
+        unreachable!("coeff_zero takes a coeff codec")
+    };
+    if !zero_point {
+        return None;
+    }
+    Some(match scale {
+        CoeffScale::Item | CoeffScale::Group => {
+            let j = b.div_u32(c, group);
+            let raw = slot_bits(b, codec.slot(SlotRole::ItemZero), j);
+            b.unary(UnaryOp::HalfToFloat, raw)
+        }
+        CoeffScale::Page => b.header_scale_at(zero_slot),
+        CoeffScale::PageComponent => {
+            let at = b.add_u32(c, zero_slot);
+            b.header_scale(at)
+        }
+        CoeffScale::Component => b.table(tables.get(zero_table.expect("component zero table")), c),
+    })
+}
+
+/// Coordinate `c` (u32) of a coeff field with every scale and zero point read
+/// where it is stored: `code · s (+ z)`, the zero point by one fma.
+pub fn coeff_coordinate(
+    b: &mut ExprBuilder,
+    codec: &CodecLayout,
+    tables: &Tables,
+    c: Handle<Expr>,
+) -> Handle<Expr> {
+    let FieldLayout::Coeff {
+        bits,
+        scale,
+        zero_point,
+        table,
+        ..
+    } = *codec.body()
+    else {
+        unreachable!("coeff_coordinate takes a coeff codec")
+    };
+    let raw = slot_bits(b, codec.slot(SlotRole::Coefficient), c);
+    let x = coeff_code(b, raw, bits, zero_point);
+    let s = match scale {
+        CoeffScale::Component => b.table(tables.get(table.expect("component scale table")), c),
+        _ => coeff_scale(b, codec, c).expect("stored scale"),
+    };
+    match coeff_zero(b, codec, tables, c) {
+        Some(z) => b.fma(x, s, z),
+        None => b.binary(BinaryOp::Multiply, x, s),
+    }
 }
 
 /// Raw `bits`-wide two's-complement bits as f32.
@@ -59,6 +176,8 @@ pub fn bitmap_element(
     match elem {
         BitmapElem::F16 => dense_value(b, raw, DenseDtype::F16),
         BitmapElem::Int8 => signed_value(b, raw, 8),
+        BitmapElem::Fp8e4m3 => dense_value(b, raw, DenseDtype::Fp8e4m3),
+        BitmapElem::Fp8e5m2 => dense_value(b, raw, DenseDtype::Fp8e5m2),
     }
 }
 
@@ -123,11 +242,19 @@ pub fn coeff_scale(
     codec: &CodecLayout,
     c: Handle<Expr>,
 ) -> Option<Handle<Expr>> {
-    let FieldLayout::Coeff { scale, slot, .. } = *codec.body() else {
+    let FieldLayout::Coeff {
+        scale, slot, group, ..
+    } = *codec.body()
+    else {
         unreachable!("coeff_scale takes a coeff codec")
     };
     match scale {
         CoeffScale::Item => Some(item_scale(b, codec)),
+        CoeffScale::Group => {
+            let j = b.div_u32(c, group);
+            let raw = slot_bits(b, codec.slot(SlotRole::ItemScale), j);
+            Some(b.unary(UnaryOp::HalfToFloat, raw))
+        }
         CoeffScale::Page => Some(b.header_scale_at(slot)),
         CoeffScale::PageComponent => {
             let at = b.add_u32(c, slot);

@@ -1,15 +1,15 @@
 //! Key codec -> query prologue (transform, LUTs) and per-item score ⟨q, k⟩.
 
 use super::fields::{
-    bitmap_element, bitmap_slot, codeword_start, coeff_scale, dense_value, item_scale,
-    signed_value, slot_bits_at,
+    bitmap_element, bitmap_slot, codeword_start, coeff_code, coeff_coordinate, coeff_scale,
+    dense_stored_scale, dense_table_scale, dense_value, item_scale, signed_value, slot_bits_at,
 };
-use super::transform::{array, dot, dot_with_table, elementwise, fwht, project};
+use super::transform::{array, dot, dot_with_table, elementwise, fwht, project, scaled_by_one};
 use super::Tables;
 use crate::ir::builder::ExprBuilder;
 use crate::ir::{Arena, ArrayDecl, BinaryOp, Function, Handle, Kernel, KeyProgram, Stage};
 use crate::layout::{CodecLayout, FieldLayout, SlotRole, TransformLayout};
-use crate::spec::{BitmapElem, CoeffScale, RadiusScale};
+use crate::spec::{CoeffScale, RadiusScale};
 
 /// Query-side arrays the score reads.
 struct QueryArrays {
@@ -58,8 +58,16 @@ pub fn lower(
     let mut lut = None;
     let body = codec.body();
     let transformed = match *body {
+        FieldLayout::Dense { .. } if dense_table_scale(codec, tables).is_some() => {
+            // A trained fp8 scale folds into the query once.
+            let scaled = array(arrays, "key.query_scaled".into(), n);
+            let table = dense_table_scale(codec, tables).expect("a table scale");
+            stages.push(scaled_by_one(n, transformed, scaled, table));
+            scaled
+        }
         FieldLayout::Coeff {
             scale: CoeffScale::Component,
+            zero_point: false,
             table,
             ..
         } => {
@@ -109,11 +117,11 @@ pub fn lower(
     };
     KeyProgram {
         prologue: Kernel { stages },
-        score: score(codec, &query_arrays),
+        score: score(codec, &query_arrays, tables),
     }
 }
 
-fn score(codec: &CodecLayout, q: &QueryArrays) -> Function {
+fn score(codec: &CodecLayout, q: &QueryArrays, tables: &Tables) -> Function {
     let mut function = Function::default();
     let mut b = ExprBuilder::new(&mut function.exprs);
     let b = &mut b;
@@ -154,6 +162,46 @@ fn score(codec: &CodecLayout, q: &QueryArrays) -> Function {
                     factor = b.binary(BinaryOp::Multiply, factor, s);
                 }
                 acc = b.binary(BinaryOp::Multiply, acc, factor);
+            }
+            acc
+        }
+        FieldLayout::Coeff {
+            count,
+            bits,
+            scale: CoeffScale::Group,
+            zero_point: false,
+            group,
+            ..
+        } => {
+            // Per group: the codes' dot product with the query, times the
+            // group's scale once.
+            let codes = codec.slot(SlotRole::Coefficient);
+            let mut acc = zero;
+            for j in 0..count / group {
+                let mut part = zero;
+                for c in j * group..(j + 1) * group {
+                    let raw = slot_bits_at(b, codes, c);
+                    let x = coeff_code(b, raw, bits, false);
+                    let qc = b.shared_at(q.transformed, c);
+                    part = b.fma(x, qc, part);
+                }
+                let c = b.u32(j * group);
+                let s = coeff_scale(b, codec, c).expect("group scale");
+                acc = b.fma(part, s, acc);
+            }
+            acc
+        }
+        FieldLayout::Coeff {
+            count,
+            zero_point: true,
+            ..
+        } => {
+            let mut acc = zero;
+            for c in 0..count {
+                let c_literal = b.u32(c);
+                let x = coeff_coordinate(b, codec, tables, c_literal);
+                let qc = b.shared_at(q.transformed, c);
+                acc = b.fma(x, qc, acc);
             }
             acc
         }
@@ -200,7 +248,7 @@ fn score(codec: &CodecLayout, q: &QueryArrays) -> Function {
                 let contribution = b.select(kept, part, zero);
                 acc = b.binary(BinaryOp::Add, acc, contribution);
             }
-            if elem == BitmapElem::Int8 {
+            if elem.scaled() {
                 let s = item_scale(b, codec);
                 acc = b.binary(BinaryOp::Multiply, acc, s);
             }
@@ -215,7 +263,11 @@ fn score(codec: &CodecLayout, q: &QueryArrays) -> Function {
                 let qc = b.shared_at(q.transformed, c);
                 acc = b.fma(x, qc, acc);
             }
-            acc
+            // A page or item scale multiplies the dot product once.
+            match dense_stored_scale(b, codec) {
+                Some(s) => b.binary(BinaryOp::Multiply, acc, s),
+                None => acc,
+            }
         }
         FieldLayout::Radius { .. } => unreachable!("body() is never a radius"),
     };

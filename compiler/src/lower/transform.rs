@@ -156,6 +156,20 @@ pub fn elementwise(
     })
 }
 
+/// `output[i] = input[i] · table[0]`, for `n` elements (one trained scale).
+pub fn scaled_by_one(
+    n: u32,
+    input: Handle<ArrayDecl>,
+    output: Handle<ArrayDecl>,
+    table: Handle<TableDecl>,
+) -> Stage {
+    Stage::build(n, |b, i| {
+        let x = b.shared(input, i);
+        let s = b.table_at(table, 0);
+        vec![(output, i, b.binary(BinaryOp::Multiply, x, s))]
+    })
+}
+
 /// Declares a shared array.
 pub fn array(arrays: &mut Arena<ArrayDecl>, name: String, len: u32) -> Handle<ArrayDecl> {
     arrays.append(ArrayDecl { name, len })

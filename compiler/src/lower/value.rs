@@ -1,15 +1,15 @@
 //! Value codec -> per-item, per-channel accumulate and the inverse-transform epilogue.
 
 use super::fields::{
-    bitmap_element, bitmap_slot, codeword_start, coeff_scale, dense_value, item_scale,
-    signed_value, slot_bits,
+    bitmap_element, bitmap_slot, codeword_start, coeff_coordinate, dense_stored_scale,
+    dense_table_scale, dense_value, item_scale, slot_bits,
 };
-use super::transform::{array, elementwise, fwht, reconstruct};
+use super::transform::{array, elementwise, fwht, reconstruct, scaled_by_one};
 use super::Tables;
 use crate::ir::builder::ExprBuilder;
 use crate::ir::{Arena, ArrayDecl, BinaryOp, Function, Input, Kernel, ValueProgram};
 use crate::layout::{CodecLayout, FieldLayout, SlotRole, TransformLayout};
-use crate::spec::{BitmapElem, CoeffScale, RadiusScale};
+use crate::spec::RadiusScale;
 
 pub fn lower(
     codec: &CodecLayout,
@@ -20,8 +20,15 @@ pub fn lower(
     let n = codec.dims;
     let accumulator = array(arrays, "value.accumulator".into(), n);
     let output = array(arrays, "value.output".into(), head_dim);
+    // A trained fp8 scale multiplies the accumulator once where nothing
+    // transforms it; otherwise every coordinate as it is read.
+    let table_scale = dense_table_scale(codec, tables);
+    let epilogue_scale = table_scale.filter(|_| codec.transform == TransformLayout::Identity);
     let stages = match codec.transform {
-        TransformLayout::Identity => vec![elementwise(n, accumulator, output, None)],
+        TransformLayout::Identity => vec![match epilogue_scale {
+            Some(table) => scaled_by_one(n, accumulator, output, table),
+            None => elementwise(n, accumulator, output, None),
+        }],
         TransformLayout::Hadamard | TransformLayout::Srht { .. } => {
             let signs = match codec.transform {
                 TransformLayout::Srht { signs, .. } => Some(tables.get(signs)),
@@ -44,14 +51,16 @@ pub fn lower(
     };
     ValueProgram {
         dims: n,
-        accumulate: accumulate(codec, tables),
+        accumulate: accumulate(codec, tables, epilogue_scale.is_none()),
         epilogue: Kernel { stages },
         accumulator,
         output,
     }
 }
 
-fn accumulate(codec: &CodecLayout, tables: &Tables) -> Function {
+/// Coordinate `Input::Channel` of the stored value; `table_scale`: times a
+/// dense field's trained scale too.
+fn accumulate(codec: &CodecLayout, tables: &Tables, table_scale: bool) -> Function {
     let mut function = Function::default();
     let mut b = ExprBuilder::new(&mut function.exprs);
     let b = &mut b;
@@ -92,19 +101,7 @@ fn accumulate(codec: &CodecLayout, tables: &Tables) -> Function {
                 Some(_) => unreachable!("radius() returns a radius"),
             }
         }
-        FieldLayout::Coeff {
-            bits, scale, table, ..
-        } => {
-            let raw = slot_bits(b, codec.slot(SlotRole::Coefficient), c);
-            let x = signed_value(b, raw, bits);
-            let s = match scale {
-                CoeffScale::Component => {
-                    b.table(tables.get(table.expect("component scale table")), c)
-                }
-                _ => coeff_scale(b, codec, c).expect("stored scale"),
-            };
-            b.binary(BinaryOp::Multiply, x, s)
-        }
+        FieldLayout::Coeff { .. } => coeff_coordinate(b, codec, tables, c),
         FieldLayout::Bitmap {
             group_size, elem, ..
         } => {
@@ -112,7 +109,7 @@ fn accumulate(codec: &CodecLayout, tables: &Tables) -> Function {
             let t = b.rem_u32(c, group_size);
             let (kept, slot) = bitmap_slot(b, codec, group);
             let mut e = bitmap_element(b, codec, slot, t);
-            if elem == BitmapElem::Int8 {
+            if elem.scaled() {
                 let s = item_scale(b, codec);
                 e = b.binary(BinaryOp::Multiply, e, s);
             }
@@ -121,7 +118,15 @@ fn accumulate(codec: &CodecLayout, tables: &Tables) -> Function {
         }
         FieldLayout::Dense { dtype, .. } => {
             let raw = slot_bits(b, codec.slot(SlotRole::DenseValue), c);
-            dense_value(b, raw, dtype)
+            let x = dense_value(b, raw, dtype);
+            let stored = dense_stored_scale(b, codec);
+            let trained = dense_table_scale(codec, tables)
+                .filter(|_| table_scale)
+                .map(|t| b.table_at(t, 0));
+            match stored.or(trained) {
+                Some(s) => b.binary(BinaryOp::Multiply, x, s),
+                None => x,
+            }
         }
         FieldLayout::Radius { .. } => unreachable!("body() is never a radius"),
     };

@@ -35,6 +35,13 @@ pub fn shared_reads(exprs: &Arena<Expr>) -> HashSet<Handle<ArrayDecl>> {
         .collect()
 }
 
+/// Whether a program reads a table per item (a VQ codebook row, say): such
+/// reads are latency-bound gathers, which both the PTX plan (one channel per
+/// lane) and the runtime's cost model (smaller CTAs) account for.
+pub fn reads_tables(exprs: &Arena<Expr>) -> bool {
+    exprs.iter().any(|(_, e)| matches!(e, Expr::Table { .. }))
+}
+
 /// Per expression: whether its value depends on an expression that `source`
 /// holds for (the sources themselves included).
 pub fn depends_on(exprs: &Arena<Expr>, source: impl Fn(&Expr) -> bool) -> Vec<bool> {

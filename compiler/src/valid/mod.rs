@@ -446,7 +446,10 @@ fn check_expr(
                     let max = range.map_or(32, |r| u64::from(64 - r.hi.leading_zeros()));
                     (Scalar::U32, Some(Range::new(0, max.min(32))))
                 }
-                UnaryOp::HalfToFloat | UnaryOp::BfloatToFloat | UnaryOp::BitsToFloat => {
+                UnaryOp::HalfToFloat
+                | UnaryOp::BfloatToFloat
+                | UnaryOp::BitsToFloat
+                | UnaryOp::Fp8ToFloat(_) => {
                     need(ty == Scalar::U32, "u32")?;
                     (Scalar::F32, None)
                 }

@@ -9,7 +9,8 @@ Per context: the prompt is prefilled once per cache (not timed), then
 `--new-tokens` greedy steps are timed (the device synchronized before and
 after); tokens/s is batch x steps / seconds. The greedy tokens of the two
 caches are compared too (equal for dense_f16; a compressed spec may
-diverge).
+diverge). On CUDA the kvcc cache skips its per-step NaN/Inf scans unless
+`--check-finite` (each scan waits for the GPU; the default cache does none).
 """
 
 from __future__ import annotations
@@ -48,11 +49,27 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
-def run(model, prompt, cache, attn, steps, device):
+def sdpa_backends(names):
+    """A context limiting SDPA to `names` (flash, efficient, cudnn, math), or
+    torch's own choice for `auto`."""
+    import contextlib
+
+    if names == "auto":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    table = {
+        "flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+        "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH,
+    }
+    return sdpa_kernel([table[n] for n in names.split(",")])
+
+
+def run(model, prompt, cache, attn, steps, device, backends="auto"):
     """Prefill, then `steps` greedy decode steps; returns (tokens, seconds of the steps)."""
     model.config._attn_implementation = attn
     arg = {hf.cache_argument(model): cache}
-    with torch.no_grad():
+    with torch.no_grad(), sdpa_backends(backends):
         out = model(input_ids=prompt, use_cache=True, **arg)
         token = out.logits[:, -1:].argmax(-1)
         tokens = [token]
@@ -82,6 +99,12 @@ def main(argv=None):
     parser.add_argument("--tier", default=None)
     parser.add_argument("--caches", default="sdpa,kvcc", help="which of sdpa,kvcc to time")
     parser.add_argument("--tiny", action="store_true", help="a small CPU-sized model and contexts")
+    parser.add_argument("--check-finite", action="store_true", help="scan kvcc's inputs for NaN/Inf")
+    parser.add_argument(
+        "--sdpa-backend", default="auto",
+        help="SDPA kernels for the default cache: auto (torch's choice) or a list of "
+        "flash,efficient,cudnn,math",
+    )
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args(argv)
     if args.tiny:
@@ -103,11 +126,14 @@ def main(argv=None):
     tier = fmt.tiers[fmt.tier_index(args.tier)]
 
     def kvcc_cache(tokens):
-        return hf.KvccCache(model.config, spec=fmt, tier=args.tier, batch=args.batch, max_tokens=tokens)
+        return hf.KvccCache(
+            model.config, spec=fmt, tier=args.tier, batch=args.batch, max_tokens=tokens,
+            check_finite=args.check_finite or device.type == "cpu",
+        )
 
     warm = torch.randint(0, args.vocab, (args.batch, 80)).to(device)
     if "sdpa" in caches:
-        run(model, warm, DynamicCache(config=model.config), "sdpa", 3, device)
+        run(model, warm, DynamicCache(config=model.config), "sdpa", 3, device, args.sdpa_backend)
     if "kvcc" in caches:
         run(model, warm, kvcc_cache(128), "kvcc", 3, device)
     rows = []
@@ -118,11 +144,15 @@ def main(argv=None):
         row = {
             "context": context, "batch": args.batch, "spec": args.spec, "tier": tier,
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "layers": args.layers, "heads": args.heads, "kv_heads": args.kv_heads,
+            "dtype": str(args.dtype).removeprefix("torch."), "new_tokens": args.new_tokens,
+            "sdpa_backend": args.sdpa_backend,
         }
         tokens = {}
         if "sdpa" in caches:
             tokens["sdpa"], seconds = run(
-                model, prompt, DynamicCache(config=model.config), "sdpa", args.new_tokens, device
+                model, prompt, DynamicCache(config=model.config), "sdpa", args.new_tokens, device,
+                args.sdpa_backend,
             )
             row["sdpa_tokens_per_s"] = steps / seconds
         if "kvcc" in caches:
@@ -137,6 +167,11 @@ def main(argv=None):
             f"{k} {v:.4g}" for k, v in row.items() if k.endswith("per_s") or k == "same_tokens"
         ), flush=True)
     print()
+    print(
+        f"{rows[0]['device'] if rows else device}: Llama {args.layers} layers, {args.heads} query / "
+        f"{args.kv_heads} kv heads of 128, {rows[0]['dtype'] if rows else ''}, batch {args.batch}, "
+        f"{args.new_tokens} new tokens; SDPA backend {args.sdpa_backend}"
+    )
     print(f"| context | default cache + SDPA tok/s | kvcc {args.spec}/{tier} tok/s | speedup | same tokens |")
     print("|---:|---:|---:|---:|---:|")
     for r in rows:

@@ -31,7 +31,7 @@ struct Cli {
 enum CacheAction {
     /// Print the cache's location.
     Path,
-    /// One line per entry.
+    /// One line per entry: the user's, then the results shipped with kvcc.
     Show {
         #[arg(long)]
         json: bool,
@@ -398,15 +398,21 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             match action {
                 CacheAction::Path => println!("{}", cache.path().display()),
                 CacheAction::Show { json } => {
+                    let shipped = kvcc_runtime::tune::shipped::cache();
                     if json {
-                        println!("{}", serde_json::to_string_pretty(cache.entries())?);
+                        let entries = serde_json::json!({
+                            "user": { "path": cache.path(), "entries": cache.entries() },
+                            "shipped": {
+                                "path": shipped.path(),
+                                "entries": shipped.entries().iter().map(|e| serde_json::json!({
+                                    "fresh": kvcc_runtime::tune::shipped::is_fresh(e),
+                                    "entry": e,
+                                })).collect::<Vec<_>>(),
+                            },
+                        });
+                        println!("{}", serde_json::to_string_pretty(&entries)?);
                     } else {
-                        println!(
-                            "tune cache {}: {} entries\n{}",
-                            cache.path().display(),
-                            cache.entries().len(),
-                            cli::tune::render_summary(cache.entries().iter().map(|e| (e, None)))
-                        );
+                        println!("{}", cli::tune::show(&cache, shipped));
                     }
                 }
                 CacheAction::Export { file, gpu } => {

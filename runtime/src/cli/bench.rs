@@ -26,6 +26,7 @@ use crate::cuda::{FormatKernels, Gpu};
 use crate::table::Table;
 use crate::tune::config::with_page_items;
 use crate::tune::lookup::{self, Source};
+use crate::tune::model;
 use crate::tune::KernelConfig;
 
 #[derive(Debug, Clone)]
@@ -66,6 +67,9 @@ pub struct BenchRow {
     /// The tier's kernel configuration, and whether it came from the tune cache.
     pub config: String,
     pub tuned: bool,
+    /// Where the configuration came from: `tuned` (the user's tune cache),
+    /// `shipped` (the results shipped with kvcc) or `model` (the cost model).
+    pub source: &'static str,
     pub max_rel_error: f64,
     pub sdpa_ms: Option<f64>,
     pub speedup_vs_sdpa: Option<f64>,
@@ -154,13 +158,13 @@ pub fn run(
             for &context in &options.contexts {
                 progress(&format!("{}/{name} @{context}", format.name()));
                 let shape = options.shape.bucket(context);
-                // Tuned: pages encoded at the page size the tuner chose, as a
-                // user re-encoding on its advice would have them.
-                let items = options
-                    .tuned
-                    .then(|| lookup::tuned_page_items(&gpu.id(), format, tier, shape))
-                    .flatten()
-                    .unwrap_or(format.spec().page.items);
+                // Pages encoded at the page size the tuner chose, else the cost
+                // model's, as a cache built for this GPU would have them.
+                let items = if options.tuned {
+                    lookup::page_items(&gpu.id(), gpu.machine(), format, tier, shape)
+                } else {
+                    model::page_items(format, tier, shape, gpu.machine())
+                };
                 let (paged, source, reference) = match pages.entry(items) {
                     Entry::Occupied(e) => e.into_mut(),
                     Entry::Vacant(e) => {
@@ -180,7 +184,7 @@ pub fn run(
                 let resolution = if options.tuned {
                     lookup::resolve_default(&gpu.id(), paged, shape)
                 } else {
-                    lookup::defaults(paged, "--no-tune")
+                    lookup::defaults(paged, &gpu.id(), "--no-tune")
                 };
                 let at = match loaded
                     .iter()
@@ -230,6 +234,11 @@ pub fn run(
                     splits: steps[0].splits.clone(),
                     config: resolution.configs[tier].to_string(),
                     tuned: matches!(resolution.sources[tier], Source::Tuned { .. }),
+                    source: match resolution.sources[tier] {
+                        Source::Tuned { shipped: false, .. } => "tuned",
+                        Source::Tuned { shipped: true, .. } => "shipped",
+                        Source::Default { .. } => "model",
+                    },
                     max_rel_error: error,
                     sdpa_ms,
                     speedup_vs_sdpa: sdpa_ms.map(|s| s / timing.ms),
@@ -287,7 +296,7 @@ pub fn render(report: &BenchReport) -> String {
             format!("{:.2}x", r.bar),
             opt(r.flashinfer_ms, 4),
             format!("{:.1e}", r.max_rel_error),
-            format!("{}{}", r.config, if r.tuned { " (tuned)" } else { "" }),
+            format!("{} ({})", r.config, r.source),
         ]);
     }
     let baseline = report

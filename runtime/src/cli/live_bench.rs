@@ -225,6 +225,7 @@ pub fn run(
                     pages_per_tier: batch * kv_heads * pages,
                     context,
                     q_heads,
+                    fixed_plan: false,
                 };
                 let mut live =
                     DeviceLiveCache::new(gpu.clone(), format, &live_options, tables.clone())?;

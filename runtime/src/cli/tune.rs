@@ -9,7 +9,7 @@ use serde::Serialize;
 use crate::builtin::SPECS;
 use crate::table::Table;
 use crate::tune::sweep::{Origin, Tuned};
-use crate::tune::{Entry, TuneCache};
+use crate::tune::{shipped, Entry, TuneCache};
 
 /// A spec file, or a bundled spec by name (`dense_f16`, `spherical`, …).
 pub fn load_spec(name: &str) -> Result<Format, Box<dyn std::error::Error>> {
@@ -126,9 +126,7 @@ pub fn render_candidates(entry: &Entry) -> String {
 }
 
 /// One line per entry: default vs winner, and the spread of the candidates.
-pub fn render_summary<'a>(
-    entries: impl IntoIterator<Item = (&'a Entry, Option<Origin>)>,
-) -> String {
+pub fn render_summary<'a>(entries: impl IntoIterator<Item = (&'a Entry, String)>) -> String {
     let mut table = Table::new(&[
         "format",
         "tier",
@@ -163,12 +161,7 @@ pub fn render_summary<'a>(
             e.spread()
                 .map_or("-".into(), |(lo, hi)| format!("{lo:.4}..{hi:.4}")),
             e.winner.to_string(),
-            match origin {
-                Some(Origin::Cached) => "cache hit, no sweep".into(),
-                Some(Origin::Swept) => "swept".into(),
-                Some(Origin::ReplacedStale) => "swept, replaced a stale entry".into(),
-                None => format!("codegen {}", e.key.codegen),
-            },
+            origin,
         ]);
     }
     table.to_string()
@@ -188,8 +181,41 @@ pub fn render(cache: &TuneCache, results: &[Tuned]) -> String {
         swept,
         results.len() - swept
     ));
-    out.push_str(&render_summary(
-        results.iter().map(|t| (&t.entry, Some(t.origin))),
-    ));
+    out.push_str(&render_summary(results.iter().map(|t| {
+        let origin = match t.origin {
+            Origin::Cached => "cache hit, no sweep",
+            Origin::Swept => "swept",
+            Origin::ReplacedStale => "swept, replaced a stale entry",
+        };
+        (&t.entry, origin.to_string())
+    })));
     out
+}
+
+/// Where each entry the runtime may use comes from: the user's cache, then
+/// the shipped results, with whether a shipped entry is for this build's
+/// code (stale ones are ignored).
+pub fn show(user: &TuneCache, shipped: &TuneCache) -> String {
+    let own = user.entries().iter().map(|e| {
+        (
+            e,
+            format!("{} (codegen {})", user.path().display(), e.key.codegen),
+        )
+    });
+    let theirs = shipped.entries().iter().map(|e| {
+        let status = match shipped::is_fresh(e) {
+            Some(true) => "shipped",
+            Some(false) => "shipped, stale (codegen changed): ignored",
+            None => "shipped, not a bundled tier: ignored",
+        };
+        (e, status.to_string())
+    });
+    format!(
+        "tune cache {}: {} entries; shipped with kvcc ({}): {} entries, the user's first\n{}",
+        user.path().display(),
+        user.entries().len(),
+        shipped.path().display(),
+        shipped.entries().len(),
+        render_summary(own.chain(theirs))
+    )
 }

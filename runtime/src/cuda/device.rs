@@ -22,6 +22,12 @@ pub struct Gpu {
 impl Gpu {
     /// GPU 0, or why there is none.
     pub fn open() -> Result<Gpu, CudaError> {
+        Gpu::open_ordinal(0)
+    }
+
+    /// GPU `ordinal` in its primary context (the one CUDA's runtime, and so
+    /// torch, uses), or why there is none.
+    pub fn open_ordinal(ordinal: usize) -> Result<Gpu, CudaError> {
         // Probing the library first keeps cudarc from panicking on machines without it.
         // SAFETY: only tries to dlopen libcuda.
         if !unsafe { cudarc::driver::sys::is_culib_present() } {
@@ -31,7 +37,13 @@ impl Gpu {
         if count == 0 {
             return Err(CudaError::NoDevice);
         }
-        let context = CudaContext::new(0).during(|| "creating a context on GPU 0".into())?;
+        if ordinal >= count as usize {
+            return Err(CudaError::Shape(format!(
+                "there is no GPU {ordinal}: the driver reports {count}"
+            )));
+        }
+        let context = CudaContext::new(ordinal)
+            .during(|| format!("retaining the primary context of GPU {ordinal}"))?;
         // Without this, every buffer argument of every launch records and
         // waits on events (cudarc's multi-stream bookkeeping): a dozen driver
         // calls before each kernel starts, GPU idle meanwhile.
@@ -86,5 +98,13 @@ impl Gpu {
     /// The PTX target to generate for this GPU.
     pub fn target(&self) -> Target {
         self.id().target()
+    }
+
+    /// What the tuning cost model knows of this GPU.
+    pub fn machine(&self) -> crate::tune::model::Machine {
+        crate::tune::model::Machine {
+            target: self.target(),
+            multiprocessors: self.multiprocessors,
+        }
     }
 }

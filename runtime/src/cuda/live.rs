@@ -13,9 +13,9 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
-use cudarc::driver::sys::CUevent_flags;
+use cudarc::driver::sys::{self, CUevent_flags};
 use cudarc::driver::{
-    CudaEvent, CudaFunction, CudaModule, CudaSlice, CudaStream, CudaView, PushKernelArg,
+    CudaEvent, CudaFunction, CudaModule, CudaSlice, CudaStream, CudaView, DevicePtr, PushKernelArg,
 };
 use cudarc::nvrtc::Ptx;
 use kvcc_compiler::back::ptx::{self, abi};
@@ -24,6 +24,7 @@ use kvcc_compiler::Format;
 
 use super::encode::PageEncoders;
 use super::resident::SideLaunch;
+use super::resident::StepIo;
 use super::{CudaError, DeviceCache, DeviceDecode, During, FormatKernels, Gpu};
 use crate::cache::Tables;
 use crate::encode::TrainOptions;
@@ -44,8 +45,13 @@ pub struct DeviceLiveOptions {
     pub pages_per_tier: usize,
     /// The context the kernels' configurations are looked up for (tune cache).
     pub context: usize,
-    /// Query heads the decode kernels are generated for (a multiple of kv_heads).
+    /// Query heads the decode kernels are generated for (a multiple of
+    /// kv_heads); [`DeviceLiveCache::attend_into`] reloads them for others.
     pub q_heads: usize,
+    /// Decode steps planned once for capacity (`max_sequences`, full pools)
+    /// with every tier launched, instead of re-planned whenever a page fills:
+    /// a step captured in a CUDA graph then stays valid across appends.
+    pub fixed_plan: bool,
 }
 
 /// One sequence's exact pages, per kv head: what an append plans on a copy
@@ -121,10 +127,23 @@ pub struct DeviceLiveCache {
     format: Format,
     serving: ServingFormat,
     kernels: FormatKernels,
-    append_kernel: (CudaFunction, abi::AppendKernel),
+    /// What the kernels were loaded for: the tuned configurations and the
+    /// query group (reloaded for another group by `attend_into`).
+    configs: Vec<crate::tune::KernelConfig>,
+    group: u32,
+    /// One append kernel per row dtype, in `abi::RowDtype::ALL` order.
+    append_kernels: Vec<(CudaFunction, abi::AppendKernel)>,
     encoders: PageEncoders,
     device: DeviceCache,
     decode: Mutex<Option<DeviceDecode>>,
+    /// `Some(most pages of a row per tier)` when steps are planned for capacity.
+    fixed: Option<Vec<u32>>,
+    /// Steps and kernels replaced while a CUDA graph may still hold their
+    /// buffers and functions: kept until the cache is dropped.
+    retired: Vec<(Option<DeviceDecode>, Option<FormatKernels>)>,
+    /// Ordering against a caller's stream (`on_stream`).
+    enter: CudaEvent,
+    leave: CudaEvent,
     tables: Tables,
     policy: CachePolicy,
     kv_heads: usize,
@@ -199,19 +218,26 @@ impl DeviceLiveCache {
         );
         let mut configs = lookup::resolve_default(&gpu.id(), &serving.format, shape).configs;
         let items = format.spec().page.items;
-        for config in &mut configs {
+        for (tier, config) in configs.iter_mut().enumerate() {
             if config.page_items != items {
-                *config = crate::tune::KernelConfig::default_for(&serving.format);
+                *config = crate::tune::model::config_at(&serving.format, tier, gpu.target());
             }
         }
         let kernels = FormatKernels::load_configs(&gpu, &serving.format, &configs, group)?;
         let exact_layout = serving.format.layout(serving.exact_tier);
-        let (append_ptx, append) = ptx::write_append(format.name(), exact_layout, gpu.target())
-            .map_err(|e| LiveError::Device(e.to_string()))?;
-        let module = (gpu.context.load_module(Ptx::from_src(append_ptx)))
-            .during(|| format!("loading the append kernel of {}", format.name()))?;
-        let function = (module.load_function(&append.name))
-            .during(|| format!("finding kernel {}", append.name))?;
+        let mut modules = Vec::new();
+        let mut append_kernels = Vec::new();
+        for input in abi::RowDtype::ALL {
+            let (append_ptx, append) =
+                ptx::write_append(format.name(), exact_layout, input, gpu.target())
+                    .map_err(|e| LiveError::Device(e.to_string()))?;
+            let module = (gpu.context.load_module(Ptx::from_src(append_ptx)))
+                .during(|| format!("loading the append kernel of {}", format.name()))?;
+            let function = (module.load_function(&append.name))
+                .during(|| format!("finding kernel {}", append.name))?;
+            modules.push(module);
+            append_kernels.push((function, append));
+        }
         let encoders = PageEncoders::load(&gpu, format, exact_layout)?;
         let items = items as usize;
         let exact_pages_per_row = policy.sinks.div_ceil(items) + policy.window.div_ceil(items) + 2;
@@ -220,8 +246,17 @@ impl DeviceLiveCache {
         let mut all_tables: Vec<&[Vec<Vec<f32>>]> = tables.iter().map(Vec::as_slice).collect();
         let exact_tables = vec![Vec::new(); kv_heads];
         all_tables.push(&exact_tables);
-        let device =
-            DeviceCache::with_capacity(&gpu, &kernels, kv_heads, &capacities, &all_tables)?;
+        let device = DeviceCache::with_capacity(
+            &gpu,
+            &kernels,
+            kv_heads,
+            options.max_sequences,
+            &capacities,
+            &all_tables,
+        )?;
+        // A row's compressed pages are bounded by the pool, its exact ones by the policy.
+        let mut row_pages = vec![options.pages_per_tier as u32; tiers];
+        row_pages.push(exact_pages_per_row as u32);
         let lists =
             (gpu.stream.alloc_zeros::<u32>(4)).during(|| "allocating append lists".into())?;
         let side = (gpu.stream.fork()).during(|| "creating the side stream".into())?;
@@ -231,14 +266,21 @@ impl DeviceLiveCache {
             .during(|| "creating an event".into())
         };
         let (side_ready, side_done) = (event()?, event()?);
+        let (enter, leave) = (event()?, event()?);
         Ok(DeviceLiveCache {
             format: format.clone(),
             serving,
             kernels,
-            append_kernel: (function, append),
+            configs,
+            group,
+            append_kernels,
             encoders,
             device,
             decode: Mutex::new(None),
+            fixed: options.fixed_plan.then_some(row_pages),
+            retired: Vec::new(),
+            enter,
+            leave,
             tables,
             policy,
             kv_heads,
@@ -253,7 +295,7 @@ impl DeviceLiveCache {
             side_ready,
             side_done,
             beside: AtomicBool::new(false),
-            _modules: vec![module],
+            _modules: modules,
             gpu,
         })
     }
@@ -360,17 +402,102 @@ impl DeviceLiveCache {
             }
         }
         let new: Vec<(usize, usize)> = batch.iter().map(|a| (a.sequence, a.tokens)).collect();
-        self.run_append(keys, values, &new)
+        let stream = &self.gpu.stream;
+        let (keys, values) = (keys.device_ptr(stream).0, values.device_ptr(stream).0);
+        self.run_append(keys, values, abi::RowDtype::F32, &new)
+    }
+
+    /// Appends tokens whose K/V lie in device memory the caller owns (a
+    /// framework's tensors): `keys` and `values` hold, for each entry of
+    /// `batch` in order, `[kv_head][token][head_dim]` rows of `input`.
+    /// Nothing is checked for NaN here (the caller's tensors are not read on
+    /// the host); rows are rounded to the exact dtype as the CPU rounds them.
+    ///
+    /// # Safety
+    /// `keys` and `values` must be device pointers of this cache's context,
+    /// each to `len` readable elements of `input` that stay unchanged until
+    /// the work enqueued now is done (order the caller's stream with
+    /// [`on_stream`](Self::on_stream)).
+    pub unsafe fn append_rows(
+        &mut self,
+        keys: sys::CUdeviceptr,
+        values: sys::CUdeviceptr,
+        len: usize,
+        input: abi::RowDtype,
+        batch: &[DeviceAppend],
+    ) -> Result<(), LiveError> {
+        self.check_batch(batch.iter().map(|a| a.sequence))?;
+        let new: Vec<(usize, usize)> = batch.iter().map(|a| (a.sequence, a.tokens)).collect();
+        self.check_rows(len, &new)?;
+        self.run_append(keys, values, input, &new)
+    }
+
+    /// Adds sequences whose prompts lie in device memory (see
+    /// [`append_rows`](Self::append_rows)): `tokens[i]` tokens of new
+    /// sequence `i`, `[sequence][kv_head][token][head_dim]` in `keys` and
+    /// `values`. Returns their indices.
+    ///
+    /// # Safety
+    /// As for [`append_rows`](Self::append_rows).
+    pub unsafe fn prefill_rows(
+        &mut self,
+        keys: sys::CUdeviceptr,
+        values: sys::CUdeviceptr,
+        len: usize,
+        input: abi::RowDtype,
+        tokens: &[usize],
+    ) -> Result<Vec<usize>, LiveError> {
+        let first = self.books.sequences.len();
+        self.check_room(tokens.len())?;
+        let new: Vec<(usize, usize)> = (tokens.iter().enumerate())
+            .map(|(i, &n)| (first + i, n))
+            .collect();
+        self.check_rows(len, &new)?;
+        self.run_append(keys, values, input, &new)?;
+        Ok((first..first + tokens.len()).collect())
+    }
+
+    /// Refuses device K/V whose length is not the batch's rows.
+    fn check_rows(&self, len: usize, new: &[(usize, usize)]) -> Result<(), LiveError> {
+        let rows: usize = new.iter().map(|&(_, n)| n * self.kv_heads).sum();
+        let d = self.format.head_dim() as usize;
+        if len != rows * d {
+            return Err(LiveError::Device(format!(
+                "keys and values hold {len} values each; the batch's {rows} rows need {}",
+                rows * d
+            )));
+        }
+        Ok(())
+    }
+
+    fn check_room(&self, new: usize) -> Result<(), LiveError> {
+        let total = self.books.sequences.len() + new;
+        if total > self.max_sequences {
+            return Err(LiveError::Device(format!(
+                "{total} sequences would exceed the cache's {} (max_sequences)",
+                self.max_sequences
+            )));
+        }
+        Ok(())
     }
 
     /// Plans `new` (sequence, tokens) in batch order, then runs the rounds
-    /// over source rows `[entry][kv_head][token]` of `keys`/`values`.
+    /// over source rows `[entry][kv_head][token]` of `keys`/`values`
+    /// (elements of `input`).
     fn run_append(
         &mut self,
-        keys: &CudaView<f32>,
-        values: &CudaView<f32>,
+        keys: sys::CUdeviceptr,
+        values: sys::CUdeviceptr,
+        input: abi::RowDtype,
         new: &[(usize, usize)],
     ) -> Result<(), LiveError> {
+        if capturing(&self.gpu.stream)? {
+            return Err(LiveError::Device(
+                "an append cannot be captured in a CUDA graph (it is planned on the host): \
+                 append outside the graph and replay the captured attend"
+                    .into(),
+            ));
+        }
         let plan = self.plan(new)?;
         let rounds = &plan.rounds;
         let lists_len: usize = rounds
@@ -418,14 +545,14 @@ impl DeviceLiveCache {
             at += 2 * r.headers.len();
             let jobs_at = at;
             at += 3 * r.jobs.len();
-            let (function, kernel) = &self.append_kernel;
+            let (function, kernel) = &self.append_kernels[input as usize];
             let launch = kernel.launch(r.rows.len() as u32, r.headers.len() as u32);
             let (row_count, header_count) = (r.rows.len() as u32, r.headers.len() as u32);
             if row_count + header_count > 0 {
                 let mut args = stream.launch_builder(function);
                 args.arg(self.device.pool_mut(exact))
-                    .arg(keys)
-                    .arg(values)
+                    .arg(&keys)
+                    .arg(&values)
                     .arg(&rows)
                     .arg(&row_count)
                     .arg(&headers)
@@ -625,7 +752,11 @@ impl DeviceLiveCache {
                 (stream.memcpy_htod(data, &mut part)).during(|| "uploading K/V".into())?;
             }
         }
-        let result = self.run_append(&staged[0].slice(0..len), &staged[1].slice(0..len), &new);
+        let (keys, values) = (
+            staged[0].device_ptr(&stream).0,
+            staged[1].device_ptr(&stream).0,
+        );
+        let result = self.run_append(keys, values, abi::RowDtype::F32, &new);
         self.staged = Some(staged);
         result
     }
@@ -635,8 +766,7 @@ impl DeviceLiveCache {
     pub fn set_queries(&self, queries: &[f32], q_heads: usize) -> Result<(), LiveError> {
         let mut slot = self.decode.lock().expect("decode lock");
         if !matches!(&*slot, Some(step) if step.q_heads == q_heads) {
-            let step = DeviceDecode::new(&self.gpu, &self.kernels, &self.device, q_heads, None);
-            *slot = Some(step?);
+            *slot = Some(self.new_step(q_heads)?);
         }
         let step = slot.as_mut().expect("a step was just made");
         if !step.planned_for(&self.device) {
@@ -644,6 +774,121 @@ impl DeviceLiveCache {
         }
         step.set_queries(&self.gpu, &self.kernels, &self.device, queries)?;
         Ok(())
+    }
+
+    /// A decode step for `q_heads` query heads: planned for capacity when
+    /// the cache is (`fixed_plan`), else for the current page lists.
+    fn new_step(&self, q_heads: usize) -> Result<DeviceDecode, CudaError> {
+        let (gpu, kernels, device) = (&self.gpu, &self.kernels, &self.device);
+        match &self.fixed {
+            Some(rows) => DeviceDecode::fixed(
+                gpu,
+                kernels,
+                device,
+                q_heads,
+                rows.clone(),
+                self.max_sequences,
+            ),
+            None => DeviceDecode::new(gpu, kernels, device, q_heads, None),
+        }
+    }
+
+    /// Runs `work` ordered after everything enqueued so far on `stream` (a
+    /// framework's current stream), and makes `stream` wait for all the work
+    /// it enqueued, the side stream's included: events, no host wait, so a
+    /// call made while `stream` is being captured into a CUDA graph is
+    /// captured too (the cache's streams join the capture and leave it
+    /// again).
+    ///
+    /// # Safety
+    /// `stream` must be a live stream of this cache's context (the device's
+    /// primary context, which torch uses) for the whole call.
+    pub unsafe fn on_stream<T>(
+        &mut self,
+        stream: sys::CUstream,
+        work: impl FnOnce(&mut Self) -> Result<T, LiveError>,
+    ) -> Result<T, LiveError> {
+        // SAFETY: the caller keeps the stream alive for the call; the
+        // wrapper does not destroy it.
+        let outer = unsafe { self.gpu.context.wrap_borrowed_stream(stream) };
+        (self.enter.record(&outer))
+            .and_then(|()| self.gpu.stream.wait(&self.enter))
+            .during(|| "ordering the cache after the caller's stream".into())?;
+        let result = work(self);
+        self.join_side()?;
+        (self.leave.record(&self.gpu.stream))
+            .and_then(|()| outer.wait(&self.leave))
+            .during(|| "ordering the caller's stream after the cache".into())?;
+        result
+    }
+
+    /// One decode step over every sequence on device buffers the caller
+    /// owns (`io`): no allocation, no host copy, no host wait once a step
+    /// for `q_heads` exists, so it can be captured in a CUDA graph. With
+    /// `fixed_plan`, a captured step stays valid while appends fill and
+    /// compress pages; it attends the sequences present when it was captured
+    /// (re-capture after a prefill or release). The first call for a new
+    /// number of query heads (re)loads kernels and plans, outside a capture.
+    ///
+    /// # Safety
+    /// `io`'s pointers must be device buffers of this cache's context of
+    /// `sequences * q_heads * head_dim` (queries, output) and
+    /// `sequences * q_heads` (log-sum-exp) f32 each, alive until the step is
+    /// done.
+    pub unsafe fn attend_into(&mut self, io: StepIo, q_heads: usize) -> Result<(), LiveError> {
+        let kv_heads = self.kv_heads;
+        if q_heads == 0 || !q_heads.is_multiple_of(kv_heads.max(1)) {
+            return Err(
+                kvcc_compiler::back::interp::DecodeError::Grouping { q_heads, kv_heads }.into(),
+            );
+        }
+        let capturing = capturing(&self.gpu.stream)?;
+        let group = (q_heads / kv_heads) as u32;
+        let slot = self.decode.get_mut().expect("decode lock");
+        let ready = matches!(&*slot, Some(step) if step.q_heads == q_heads && step.planned_for(&self.device));
+        if !ready || group != self.group {
+            if capturing {
+                return Err(LiveError::Device(format!(
+                    "the first decode step for {q_heads} query heads (or after the page \
+                     structure changed, without fixed_plan) plans and loads kernels: run it \
+                     once before capturing"
+                )));
+            }
+            if group != self.group {
+                let kernels = FormatKernels::load_configs(
+                    &self.gpu,
+                    &self.serving.format,
+                    &self.configs,
+                    group,
+                )?;
+                let old = std::mem::replace(&mut self.kernels, kernels);
+                let step = self.decode.get_mut().expect("decode lock").take();
+                self.retired.push((step, Some(old)));
+                self.group = group;
+            }
+            let slot = self.decode.get_mut().expect("decode lock");
+            match slot.as_mut() {
+                Some(step) if step.q_heads == q_heads => {
+                    step.replan(&self.gpu, &self.kernels, &self.device)?
+                }
+                _ => {
+                    let step = self.new_step(q_heads)?;
+                    let old = self.decode.get_mut().expect("decode lock").replace(step);
+                    self.retired.push((old, None));
+                }
+            }
+        }
+        self.join_side()?;
+        let step =
+            (self.decode.get_mut().expect("decode lock").as_mut()).expect("a step was just made");
+        step.launch_io(&self.gpu, &self.kernels, &self.device, None, Some(io))?;
+        Ok(())
+    }
+
+    /// Bumped by every change of the page lists (a page allocated,
+    /// compressed or released).
+    pub fn generation(&self) -> u64 {
+        self.device.generation()
     }
 
     /// Enqueues one decode step over every sequence with the queries set
@@ -694,6 +939,16 @@ impl DeviceLiveCache {
     }
 }
 
+/// Whether `stream` is being captured into a CUDA graph.
+fn capturing(stream: &CudaStream) -> Result<bool, CudaError> {
+    let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+    // SAFETY: writes one status; the stream is alive (borrowed).
+    unsafe { sys::cuStreamIsCapturing(stream.cu_stream(), &mut status) }
+        .result()
+        .during(|| "asking whether the stream is captured".into())?;
+    Ok(status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+}
+
 /// A page of `tier`, or the capacity error.
 fn allocate(pool: &mut PagePool, tier: usize, format: &Format) -> Result<u32, LiveError> {
     if pool.available(tier) == 0 {
@@ -731,13 +986,7 @@ impl LiveKv for DeviceLiveCache {
 
     fn prefill(&mut self, sequences: &[SequenceKv]) -> Result<Vec<usize>, LiveError> {
         let first = self.books.sequences.len();
-        if first + sequences.len() > self.max_sequences {
-            return Err(LiveError::Device(format!(
-                "{} sequences would exceed the cache's {} (max_sequences)",
-                first + sequences.len(),
-                self.max_sequences
-            )));
-        }
+        self.check_room(sequences.len())?;
         let entries: Vec<(usize, &[f32], &[f32])> = (sequences.iter().enumerate())
             .map(|(i, s)| (first + i, s.keys, s.values))
             .collect();

@@ -10,11 +10,14 @@ pub mod measure;
 mod resident;
 mod tensor_map;
 
+/// The driver crate this API's device types come from (`CudaSlice`,
+/// `CudaView`, raw pointers of `DevicePtr`).
+pub use cudarc;
 pub use device::Gpu;
 pub use encode::PageEncoders;
 pub use kernels::FormatKernels;
 pub use live::{DeviceAppend, DeviceLiveCache, DeviceLiveOptions};
-pub use resident::{DeviceCache, DeviceDecode};
+pub use resident::{DeviceCache, DeviceDecode, StepIo};
 
 use cudarc::driver::DriverError;
 

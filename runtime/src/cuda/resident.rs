@@ -5,8 +5,8 @@ use std::ffi::c_void;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use cudarc::driver::{
-    sys, CudaEvent, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DriverError,
-    LaunchConfig, PushKernelArg,
+    sys, CudaEvent, CudaFunction, CudaSlice, CudaStream, DevicePtr, DriverError, LaunchConfig,
+    PushKernelArg,
 };
 use kvcc_compiler::back::interp::{Interpreter, Options as InterpOptions};
 use kvcc_compiler::back::ptx::abi;
@@ -80,11 +80,16 @@ impl DeviceCache {
     }
 
     /// An empty cache (no sequence) whose tier `t` pool holds `pool_pages[t]`
-    /// pages (zeroed), with `tables` (`[tier][kv_head][table]`).
+    /// pages (zeroed), with `tables` (`[tier][kv_head][table]`), for at most
+    /// `max_sequences` sequences. Its page lists are allocated for that
+    /// capacity (every page of a pool listed once), so their device addresses
+    /// never change: a decode step captured in a CUDA graph keeps reading the
+    /// lists that later appends rewrite.
     pub fn with_capacity(
         gpu: &Gpu,
         kernels: &FormatKernels,
         kv_heads: usize,
+        max_sequences: usize,
         pool_pages: &[usize],
         tables: &[&[Vec<Vec<f32>>]],
     ) -> Result<DeviceCache, CudaError> {
@@ -103,6 +108,16 @@ impl DeviceCache {
         }
         let mut cache =
             DeviceCache::with_pools(gpu, kernels, kv_heads, pools, pool_pages.to_vec(), tables)?;
+        for &pages in pool_pages {
+            let alloc = |len: usize| {
+                (gpu.stream.alloc_zeros::<u32>(len.max(1)))
+                    .during(|| format!("allocating page lists of {len} entries"))
+            };
+            cache
+                .page_offsets
+                .push(alloc(max_sequences * kv_heads + 1)?);
+            cache.page_ids.push(alloc(pages)?);
+        }
         cache.set_page_lists(gpu, &[])?;
         Ok(cache)
     }
@@ -223,6 +238,16 @@ impl DeviceCache {
         &mut self.pools[tier]
     }
 
+    /// Pages tier `tier`'s pool holds.
+    pub fn pool_pages(&self, tier: usize) -> usize {
+        self.pool_pages[tier]
+    }
+
+    /// Bumped by every change of the page lists.
+    pub fn generation(&self) -> u64 {
+        self.generation
+    }
+
     /// What a page encoder reads and writes: the `source` tier's pool, the
     /// `target` tier's pool and the target's tables (`abi::TableBuffer`).
     pub(crate) fn encode_buffers(
@@ -269,12 +294,28 @@ pub struct SideLaunch<'a> {
     pub done: &'a CudaEvent,
 }
 
+/// Device buffers a decode step reads its queries from and writes its
+/// results to when they are not the step's own (a framework's tensors):
+/// `f32[sequences][q_heads][head_dim]` queries and output,
+/// `f32[sequences][q_heads]` log-sum-exp.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StepIo {
+    pub queries: sys::CUdeviceptr,
+    pub output: sys::CUdeviceptr,
+    pub lse: sys::CUdeviceptr,
+}
+
 /// Query, partial and output buffers of decode steps over one `DeviceCache`.
 pub struct DeviceDecode {
     /// The cache this step was prepared for (`DeviceCache::id`), and the
     /// generation of its page lists the splits were planned for.
     cache: u64,
     generation: u64,
+    /// `Some((most pages of any row per tier, most sequences))`: splits and
+    /// buffers planned once for capacity and every tier launched, so the
+    /// step stays valid (and a captured one replays right) whatever the
+    /// page lists and the number of sequences become.
+    fixed: Option<(Vec<u32>, usize)>,
     pub q_heads: usize,
     /// Splits asked for per tier (`None`: the kernels' own, else one wave).
     requested: Option<Vec<u32>>,
@@ -349,6 +390,7 @@ impl DeviceDecode {
         let mut decode = DeviceDecode {
             cache: cache.id,
             generation: u64::MAX,
+            fixed: None,
             q_heads,
             requested: splits,
             splits: Vec::new(),
@@ -365,6 +407,35 @@ impl DeviceDecode {
         Ok(decode)
     }
 
+    /// A step planned for capacity rather than for the current page lists:
+    /// at most `max_sequences` sequences, no row of tier `t` holding more
+    /// than `row_pages[t]` pages. Every tier's kernel launches with the same
+    /// splits whatever the lists hold (CTAs past a row's pages write empty
+    /// partials) and the buffers are sized once, so appends that fill or
+    /// compress pages leave the step, and a CUDA graph that captured it,
+    /// valid; a launch covers the sequences the cache holds then.
+    pub fn fixed(
+        gpu: &Gpu,
+        kernels: &FormatKernels,
+        cache: &DeviceCache,
+        q_heads: usize,
+        row_pages: Vec<u32>,
+        max_sequences: usize,
+    ) -> Result<DeviceDecode, CudaError> {
+        if row_pages.len() != kernels.decode.len() {
+            return Err(CudaError::Shape(format!(
+                "{} row capacities for {} tiers",
+                row_pages.len(),
+                kernels.decode.len()
+            )));
+        }
+        let mut step = DeviceDecode::new(gpu, kernels, cache, q_heads, None)?;
+        let row_pages = row_pages.into_iter().map(|p| p.max(1)).collect();
+        step.fixed = Some((row_pages, max_sequences.max(1)));
+        step.replan(gpu, kernels, cache)?;
+        Ok(step)
+    }
+
     /// Plans the splits for the cache's current page lists and grows the
     /// buffers to its sequences; a step launches only once planned for the
     /// cache's generation.
@@ -375,11 +446,17 @@ impl DeviceDecode {
         cache: &DeviceCache,
     ) -> Result<(), CudaError> {
         self.check_cache(cache)?;
-        let rows = (cache.sequences * cache.kv_heads).max(1) as u32;
+        // A fixed step plans for its most sequences, every tier as if its
+        // rows could be full.
+        let (row_pages_max, sequences) = match &self.fixed {
+            Some((rows, most)) => (rows.clone(), *most),
+            None => (cache.row_pages_max.clone(), cache.sequences),
+        };
+        let rows = (sequences * cache.kv_heads).max(1) as u32;
         let splits: Vec<u32> = match &self.requested {
             Some(s) => s
                 .iter()
-                .zip(&cache.row_pages_max)
+                .zip(&row_pages_max)
                 .map(|(&s, &max)| if max == 0 { 0 } else { s.clamp(1, max) })
                 .collect(),
             // One full wave: as many CTAs as the GPU holds at once (occupancy
@@ -391,7 +468,7 @@ impl DeviceDecode {
                 for (((function, kernel), &max), preferred) in kernels
                     .decode
                     .iter()
-                    .zip(&cache.row_pages_max)
+                    .zip(&row_pages_max)
                     .zip(&kernels.splits)
                 {
                     if let Some(s) = preferred {
@@ -417,7 +494,7 @@ impl DeviceDecode {
         };
         let (slot_bases, slot_count) = abi::slot_bases(&splits);
         let layout = kernels.merge.1.partials;
-        let rows_out = cache.sequences * self.q_heads;
+        let rows_out = sequences * self.q_heads;
         let d = kernels.format.head_dim() as usize;
         let stream = &gpu.stream;
         let grow = |buffer: &mut CudaSlice<f32>, len: usize, what: &'static str| {
@@ -428,7 +505,7 @@ impl DeviceDecode {
             Ok::<(), CudaError>(())
         };
         grow(&mut self.queries, rows_out * d, "queries")?;
-        let records = layout.len(cache.sequences, self.q_heads, slot_count as usize);
+        let records = layout.len(sequences, self.q_heads, slot_count as usize);
         grow(&mut self.partials, records, "partials")?;
         grow(&mut self.output, rows_out * d, "the output")?;
         grow(&mut self.lse, rows_out, "the log-sum-exp")?;
@@ -450,15 +527,16 @@ impl DeviceDecode {
         }
     }
 
-    /// Whether the splits were planned for the cache's current page lists.
+    /// Whether the splits were planned for the cache's current page lists
+    /// (a fixed step: for its number of sequences).
     pub fn planned_for(&self, cache: &DeviceCache) -> bool {
-        self.cache == cache.id && self.generation == cache.generation
+        self.cache == cache.id && (self.fixed.is_some() || self.generation == cache.generation)
     }
 
     /// [`check_cache`](Self::check_cache), and planned for its page lists.
     fn check_planned(&self, cache: &DeviceCache) -> Result<(), CudaError> {
         self.check_cache(cache)?;
-        match cache.generation == self.generation {
+        match self.planned_for(cache) {
             true => Ok(()),
             false => Err(CudaError::Shape(
                 "the device cache's page lists changed since the decode step was planned".into(),
@@ -518,7 +596,29 @@ impl DeviceDecode {
         cache: &DeviceCache,
         side: Option<SideLaunch>,
     ) -> Result<(), CudaError> {
+        self.launch_io(gpu, kernels, cache, side, None)
+    }
+
+    /// [`launch_beside`](Self::launch_beside) reading the queries from and
+    /// writing the output and log-sum-exp to `io`'s buffers instead of the
+    /// step's own (`None`: the step's). Nothing is allocated, copied from the
+    /// host or waited for: the launches can be captured in a CUDA graph.
+    pub fn launch_io(
+        &mut self,
+        gpu: &Gpu,
+        kernels: &FormatKernels,
+        cache: &DeviceCache,
+        side: Option<SideLaunch>,
+        io: Option<StepIo>,
+    ) -> Result<(), CudaError> {
         self.check_planned(cache)?;
+        let stream = &gpu.stream;
+        let own = StepIo {
+            queries: self.queries.device_ptr(stream).0,
+            output: self.output.device_ptr(stream).0,
+            lse: self.lse.device_ptr(stream).0,
+        };
+        let io = io.unwrap_or(own);
         let scale = 1.0 / (kernels.format.head_dim() as f32).sqrt();
         let (q_heads, kv_heads, sequences) = (
             self.q_heads as u32,
@@ -554,7 +654,7 @@ impl DeviceDecode {
                 .arg(&cache.page_offsets[t])
                 .arg(&cache.page_ids[t])
                 .arg(&cache.tables[t])
-                .arg(&self.queries)
+                .arg(&io.queries)
                 .arg(&mut self.partials)
                 .arg(&q_heads)
                 .arg(&kv_heads)
@@ -582,7 +682,7 @@ impl DeviceDecode {
             // After a wait on another stream the merge follows that wait,
             // not one kernel: no programmatic dependent launch.
             let dependent = gpu.target().dependent_launches() && side.is_none();
-            self.launch_merge(gpu, function, launch, dependent)
+            self.launch_merge(gpu, function, launch, dependent, io)
                 .during(|| format!("launching {}", kernel.name))?;
         }
         Ok(())
@@ -600,12 +700,12 @@ impl DeviceDecode {
         function: &CudaFunction,
         launch: abi::Launch,
         dependent: bool,
+        io: StepIo,
     ) -> Result<(), DriverError> {
         let stream = &gpu.stream;
         stream.context().bind_to_thread()?;
         let (partials, _reading) = self.partials.device_ptr(stream);
-        let (output, _writing) = self.output.device_ptr_mut(stream);
-        let (lse, _writing_lse) = self.lse.device_ptr_mut(stream);
+        let (output, lse) = (io.output, io.lse);
         let (q_heads, slot_count) = (self.q_heads as u32, self.slot_count);
         // abi::MERGE_PARAMS in order: three pointers, two u32.
         let mut params: [*mut c_void; 5] = [

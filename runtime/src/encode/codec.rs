@@ -5,13 +5,14 @@
 //! schema (`CodecLayout::slots`) alone says where those values go.
 
 use kvcc_compiler::layout::bits::{read_bits, write_bits};
-use kvcc_compiler::layout::{CodecLayout, FieldLayout, SlotRole};
+use kvcc_compiler::layout::{CodecLayout, DenseScale, FieldLayout, SlotRole};
 use kvcc_compiler::spec::{CodewordKind, CoeffScale, RadiusScale};
 
 use super::ops::{
     best_direction, bitmap_decode, bitmap_encode, coeff_item_scale, coeff_scale, dense_bits,
-    dense_value, f16_bits, f16_value, max_abs, nearest, quantize, radius_code, radius_of,
-    radius_value, scale_or_one, signed,
+    dense_value, f16_bits, f16_value, fp8_scale, half_scale, half_zero_point_scale, max_abs,
+    min_max, nearest, quantize, quantize_unsigned, radius_code, radius_of, radius_value,
+    scale_or_one, signed, unsigned_value, zero_point_scale,
 };
 
 /// The element values of one item's slots, by role (a codec has one slot per role).
@@ -181,44 +182,117 @@ fn set_page_scales(
                 count,
                 bits,
                 scale,
+                zero_point,
                 slot,
+                zero_slot,
                 ..
-            } => match scale {
-                CoeffScale::Page => {
-                    scales[slot as usize] = coeff_scale(max_abs(items.iter().flatten()), bits);
-                }
-                CoeffScale::PageComponent => {
-                    for c in 0..count as usize {
-                        let max = max_abs(items.iter().map(|x| &x[c]));
-                        scales[slot as usize + c] = coeff_scale(max, bits);
+            } => {
+                let mut set = |j: usize, values: &mut dyn Iterator<Item = &f32>| {
+                    if zero_point {
+                        let (lo, hi) = min_max(values);
+                        let (s, z) = zero_point_scale(lo, hi, bits);
+                        scales[slot as usize + j] = s;
+                        scales[zero_slot as usize + j] = z;
+                    } else {
+                        scales[slot as usize + j] = coeff_scale(max_abs(values), bits);
                     }
+                };
+                match scale {
+                    CoeffScale::Page => set(0, &mut items.iter().flatten()),
+                    CoeffScale::PageComponent => {
+                        for c in 0..count as usize {
+                            set(c, &mut items.iter().map(|x| &x[c]));
+                        }
+                    }
+                    CoeffScale::Item | CoeffScale::Group | CoeffScale::Component => {}
                 }
-                CoeffScale::Item | CoeffScale::Component => {}
-            },
+            }
+            FieldLayout::Dense {
+                dtype,
+                scale: Some(DenseScale::Header(slot)),
+                ..
+            } => {
+                let format = dtype.fp8().expect("checked: only fp8 fields have scales");
+                scales[slot as usize] = fp8_scale(max_abs(items.iter().flatten()), format);
+            }
             _ => {}
         }
     }
 }
 
-/// The scale that multiplies coefficient `c` of a coeff field.
+/// The scale that multiplies coefficient `c` of a coeff field, and its zero
+/// point (0 for symmetric codes); `item` holds the item's (or its groups')
+/// scales and zero points.
 fn coeff_factor(
     field: &FieldLayout,
     tables: &[Vec<f32>],
     scales: &[f32],
-    item_scale: Option<f32>,
+    item: &[(f32, f32)],
     c: usize,
-) -> f32 {
+) -> (f32, f32) {
     let FieldLayout::Coeff {
-        scale, slot, table, ..
+        scale,
+        zero_point,
+        group,
+        slot,
+        zero_slot,
+        table,
+        zero_table,
+        ..
     } = *field
     else {
         unreachable!("called for coeff fields")
     };
+    // Header zero-point slots exist only with zero points.
+    let header = |at: u32| if zero_point { scales[at as usize] } else { 0.0 };
     match scale {
-        CoeffScale::Item => item_scale.expect("item scale stored"),
-        CoeffScale::Page => scales[slot as usize],
-        CoeffScale::PageComponent => scales[slot as usize + c],
-        CoeffScale::Component => tables[table.expect("component table")][c],
+        CoeffScale::Item | CoeffScale::Group => item[c / group as usize],
+        CoeffScale::Page => (scales[slot as usize], header(zero_slot)),
+        CoeffScale::PageComponent => (scales[slot as usize + c], header(zero_slot + c as u32)),
+        CoeffScale::Component => (
+            tables[table.expect("component table")][c],
+            zero_table.map_or(0.0, |t| tables[t][c]),
+        ),
+    }
+}
+
+/// The item's (or its channel groups') scales and zero points of a coeff
+/// field stored in the item.
+fn item_scales(field: &FieldLayout, x: &[f32]) -> Vec<(f32, f32)> {
+    let FieldLayout::Coeff {
+        bits,
+        scale,
+        zero_point,
+        group,
+        ..
+    } = *field
+    else {
+        unreachable!("called for coeff fields")
+    };
+    if !scale.in_item() {
+        return Vec::new();
+    }
+    x.chunks(group as usize)
+        .map(|values| match zero_point {
+            true => {
+                let (lo, hi) = min_max(values);
+                half_zero_point_scale(lo, hi, bits)
+            }
+            false => (coeff_item_scale(values, bits), 0.0),
+        })
+        .collect()
+}
+
+/// The scale of a dense field's fp8 elements (1 without one).
+fn dense_factor(field: &FieldLayout, tables: &[Vec<f32>], scales: &[f32], item: f32) -> f32 {
+    match *field {
+        FieldLayout::Dense { scale, .. } => match scale {
+            None => 1.0,
+            Some(DenseScale::Table(t)) => tables[t][0],
+            Some(DenseScale::Header(slot)) => scales[slot as usize],
+            Some(DenseScale::Item(_)) => item,
+        },
+        _ => unreachable!("called for dense fields"),
     }
 }
 
@@ -254,16 +328,28 @@ fn encode_field(
             out.set(SlotRole::CodebookIndex, codes.to_vec());
         }
         FieldLayout::Coeff {
-            item_scale, bits, ..
+            bits, zero_point, ..
         } => {
-            let item_s = item_scale.map(|_| coeff_item_scale(x, bits));
-            if let Some(s) = item_s {
-                out.set(SlotRole::ItemScale, vec![f16_bits(s)]);
+            let item = item_scales(field, x);
+            if !item.is_empty() {
+                out.set(
+                    SlotRole::ItemScale,
+                    item.iter().map(|p| f16_bits(p.0)).collect(),
+                );
+                if zero_point {
+                    out.set(
+                        SlotRole::ItemZero,
+                        item.iter().map(|p| f16_bits(p.1)).collect(),
+                    );
+                }
             }
-            let quantized = x
-                .iter()
-                .enumerate()
-                .map(|(c, &v)| quantize(v, coeff_factor(field, tables, scales, item_s, c), bits));
+            let quantized = x.iter().enumerate().map(|(c, &v)| {
+                let (s, z) = coeff_factor(field, tables, scales, &item, c);
+                match zero_point {
+                    true => quantize_unsigned(v, s, z, bits),
+                    false => quantize(v, s, bits),
+                }
+            });
             out.set(SlotRole::Coefficient, quantized.collect());
         }
         FieldLayout::Bitmap {
@@ -286,9 +372,23 @@ fn encode_field(
             out.set(SlotRole::MaskBit, mask);
             out.set(SlotRole::BitmapElement, elems);
         }
-        FieldLayout::Dense { dtype, .. } => {
-            let stored = x.iter().map(|&v| dense_bits(dtype, v));
-            out.set(SlotRole::DenseValue, stored.collect());
+        FieldLayout::Dense { dtype, scale, .. } => {
+            let item = match (scale, dtype.fp8()) {
+                (Some(DenseScale::Item(_)), Some(format)) => {
+                    let s = half_scale(max_abs(x), format.max());
+                    out.set(SlotRole::ItemScale, vec![f16_bits(s)]);
+                    s
+                }
+                _ => 1.0,
+            };
+            let stored: Vec<u32> = match scale {
+                None => x.iter().map(|&v| dense_bits(dtype, v)).collect(),
+                Some(_) => {
+                    let s = dense_factor(field, tables, scales, item);
+                    x.iter().map(|&v| dense_bits(dtype, v / s)).collect()
+                }
+            };
+            out.set(SlotRole::DenseValue, stored);
         }
     }
 }
@@ -325,15 +425,32 @@ pub fn decode_item(
         ref field @ FieldLayout::Coeff {
             item_scale: at,
             bits,
+            zero_point,
             ..
         } => {
-            let item_s = at.map(|_| item_scale());
+            let item: Vec<(f32, f32)> = match at {
+                None => Vec::new(),
+                Some(_) => {
+                    let s = stored.get(SlotRole::ItemScale).iter();
+                    let z: Vec<u32> = match zero_point {
+                        true => stored.get(SlotRole::ItemZero).to_vec(),
+                        false => vec![0; s.len()],
+                    };
+                    s.zip(z)
+                        .map(|(&s, z)| (f16_value(s), f16_value(z)))
+                        .collect()
+                }
+            };
             for (c, (v, &code)) in x
                 .iter_mut()
                 .zip(stored.get(SlotRole::Coefficient))
                 .enumerate()
             {
-                *v = signed(code, bits) * coeff_factor(field, tables, scales, item_s, c);
+                let (s, z) = coeff_factor(field, tables, scales, &item, c);
+                *v = match zero_point {
+                    true => unsigned_value(code, s, z),
+                    false => signed(code, bits) * s,
+                };
             }
         }
         FieldLayout::Bitmap {
@@ -349,9 +466,17 @@ pub fn decode_item(
             );
             bitmap_decode(mask, elems, group_size as usize, elem, scale, &mut x);
         }
-        FieldLayout::Dense { dtype, .. } => {
+        ref field @ FieldLayout::Dense { dtype, scale, .. } => {
+            let item = match scale {
+                Some(DenseScale::Item(_)) => item_scale(),
+                _ => 1.0,
+            };
+            let s = dense_factor(field, tables, scales, item);
             for (v, &raw) in x.iter_mut().zip(stored.get(SlotRole::DenseValue)) {
-                *v = dense_value(dtype, raw);
+                *v = match scale {
+                    Some(_) => dense_value(dtype, raw) * s,
+                    None => dense_value(dtype, raw),
+                };
             }
         }
         FieldLayout::Radius { .. } => unreachable!("body() is never a radius"),

@@ -9,8 +9,8 @@
 //! with constant sizes, which is what lets the compiler unroll them.
 
 use half::{bf16, f16};
-use kvcc_compiler::layout::coeff_max;
-use kvcc_compiler::spec::{BitmapElem, DenseDtype};
+use kvcc_compiler::layout::{coeff_levels, coeff_max};
+use kvcc_compiler::spec::{BitmapElem, DenseDtype, Fp8};
 
 pub use crate::math::hadamard::{fwht_normalized, srht_forward, srht_inverse};
 pub use crate::math::kmeans::{best_direction, nearest, Dim, Fixed};
@@ -173,24 +173,104 @@ pub fn coeff_item_scale(y: &[f32], bits: u32) -> f32 {
     half_scale(max_abs(y), coeff_max(bits) as f32)
 }
 
-/// A dense coordinate as stored.
+/// A dense coordinate as stored (fp8: the code of `v`, already divided by
+/// its scale).
 #[inline]
 pub fn dense_bits(dtype: DenseDtype, v: f32) -> u32 {
     match dtype {
         DenseDtype::F16 => f16_bits(v),
         DenseDtype::Bf16 => bf16_bits(v),
         DenseDtype::F32 => v.to_bits(),
+        DenseDtype::Fp8e4m3 => Fp8::E4m3.encode(v),
+        DenseDtype::Fp8e5m2 => Fp8::E5m2.encode(v),
     }
 }
 
-/// A stored dense coordinate as a number.
+/// A stored dense coordinate as a number (fp8: before its scale).
 #[inline]
 pub fn dense_value(dtype: DenseDtype, raw: u32) -> f32 {
     match dtype {
         DenseDtype::F16 => f16_value(raw),
         DenseDtype::Bf16 => bf16_value(raw),
         DenseDtype::F32 => f32::from_bits(raw),
+        DenseDtype::Fp8e4m3 => Fp8::E4m3.decode(raw),
+        DenseDtype::Fp8e5m2 => Fp8::E5m2.decode(raw),
     }
+}
+
+/// The page or trained scale of fp8 elements whose inputs reach `max_abs`:
+/// the largest maps to the format's largest finite number.
+#[inline]
+pub fn fp8_scale(max_abs: f32, format: Fp8) -> f32 {
+    scale_or_one(max_abs / format.max())
+}
+
+/// Smallest and largest of `values` in `f32::total_cmp` order (-0 below +0);
+/// `(+inf, -inf)` for none.
+#[inline]
+pub fn min_max<'v>(values: impl IntoIterator<Item = &'v f32>) -> (f32, f32) {
+    values
+        .into_iter()
+        .fold((f32::INFINITY, f32::NEG_INFINITY), |(lo, hi), &v| {
+            (
+                if v.total_cmp(&lo).is_lt() { v } else { lo },
+                if v.total_cmp(&hi).is_gt() { v } else { hi },
+            )
+        })
+}
+
+/// `range` widened to cover `values` ([`min_max`]'s order): the range of a
+/// page measured item by item.
+#[inline]
+pub fn widen_range<'v>(range: (f32, f32), values: impl IntoIterator<Item = &'v f32>) -> (f32, f32) {
+    let (lo, hi) = min_max(values);
+    (
+        if lo.total_cmp(&range.0).is_lt() {
+            lo
+        } else {
+            range.0
+        },
+        if hi.total_cmp(&range.1).is_gt() {
+            hi
+        } else {
+            range.1
+        },
+    )
+}
+
+/// The f32 scale and zero point of unsigned `bits`-bit codes over
+/// `[lo, hi]` (a page's, or a component's over a page or the training
+/// data): `z = lo`, `s = (hi - lo) / (2^bits - 1)` (1 when 0); `(1, 0)`
+/// when nothing was measured.
+#[inline]
+pub fn zero_point_scale(lo: f32, hi: f32, bits: u32) -> (f32, f32) {
+    if lo > hi {
+        return (1.0, 0.0);
+    }
+    (scale_or_one((hi - lo) / coeff_levels(bits) as f32), lo)
+}
+
+/// The f16 scale and zero point stored in an item (or per channel group)
+/// for unsigned `bits`-bit codes over `[lo, hi]`: `z = f16(lo)`, then
+/// `half_scale(hi - z, 2^bits - 1)`. Returns `(s, z)` as f32.
+#[inline]
+pub fn half_zero_point_scale(lo: f32, hi: f32, bits: u32) -> (f32, f32) {
+    let max = f16::MAX.to_f32();
+    let z = f16::from_f32(lo.clamp(-max, max)).to_f32();
+    (half_scale(hi - z, coeff_levels(bits) as f32), z)
+}
+
+/// `(x - zero) / scale` rounded to an unsigned `bits`-bit code.
+#[inline]
+pub fn quantize_unsigned(x: f32, scale: f32, zero: f32, bits: u32) -> u32 {
+    let levels = coeff_levels(bits) as f32;
+    ((x - zero) / scale).round().clamp(0.0, levels) as u32
+}
+
+/// The number an unsigned code stands for: `code · s + z`, one rounding.
+#[inline]
+pub fn unsigned_value(code: u32, scale: f32, zero: f32) -> f32 {
+    (code as f32).mul_add(scale, zero)
 }
 
 /// A bitmap item: keeps the `elems.len() / g` groups of `y` (groups of `g`)
@@ -215,15 +295,16 @@ pub fn bitmap_encode(
     for &j in kept.iter() {
         mask[j / 32] |= 1 << (j % 32);
     }
-    let scale = (elem == BitmapElem::Int8).then(|| {
+    let scale = elem.scaled().then(|| {
         let max = max_abs(kept.iter().flat_map(|&j| &y[j * g..(j + 1) * g]));
-        half_scale(max, coeff_max(8) as f32)
+        half_scale(max, elem.code_max())
     });
     for (e, out) in elems.iter_mut().enumerate() {
         let v = y[kept[e / g] * g + e % g];
-        *out = match scale {
-            Some(s) => quantize(v, s, 8),
-            None => f16_bits(v),
+        *out = match (scale, elem.fp8()) {
+            (Some(s), Some(format)) => format.encode(v / s),
+            (Some(s), None) => quantize(v, s, 8),
+            (None, _) => f16_bits(v),
         };
     }
     scale
@@ -247,6 +328,8 @@ pub fn bitmap_decode(
                 *v = match elem {
                     BitmapElem::F16 => f16_value(raw),
                     BitmapElem::Int8 => signed(raw, 8) * scale,
+                    BitmapElem::Fp8e4m3 => Fp8::E4m3.decode(raw) * scale,
+                    BitmapElem::Fp8e5m2 => Fp8::E5m2.decode(raw) * scale,
                 };
             }
             slot += 1;

@@ -2,11 +2,12 @@
 
 use half::f16;
 use kvcc_compiler::layout::{
-    srht_signs, CodecLayout, FieldLayout, TableRole, TableStorage, TierLayout, TransformLayout,
+    srht_signs, CodecLayout, DenseScale, FieldLayout, TableRole, TableStorage, TierLayout,
+    TransformLayout,
 };
 use kvcc_compiler::spec::{CodewordKind, CoeffScale};
 
-use super::ops::{coeff_scale, max_abs};
+use super::ops::{coeff_scale, fp8_scale, max_abs, min_max, zero_point_scale};
 use super::transform;
 use crate::math::kmeans::{kmeans, spherical_kmeans, KMeansOptions};
 use crate::math::pca::fit_pca;
@@ -126,11 +127,35 @@ fn fit_fields(
                 bits,
                 scale: CoeffScale::Component,
                 table: Some(table),
+                zero_table,
                 ..
             } => {
-                tables[table] = (0..count as usize)
-                    .map(|c| coeff_scale(max_abs(items.iter().map(|x| &x[c])), bits))
-                    .collect();
+                let component = |c: usize| items.iter().map(move |x| &x[c]);
+                match zero_table {
+                    None => {
+                        tables[table] = (0..count as usize)
+                            .map(|c| coeff_scale(max_abs(component(c)), bits))
+                            .collect();
+                    }
+                    Some(zero_table) => {
+                        let (s, z): (Vec<f32>, Vec<f32>) = (0..count as usize)
+                            .map(|c| {
+                                let (lo, hi) = min_max(component(c));
+                                zero_point_scale(lo, hi, bits)
+                            })
+                            .unzip();
+                        tables[table] = s;
+                        tables[zero_table] = z;
+                    }
+                }
+            }
+            FieldLayout::Dense {
+                dtype,
+                scale: Some(DenseScale::Table(table)),
+                ..
+            } => {
+                let format = dtype.fp8().expect("checked: only fp8 fields have scales");
+                tables[table] = vec![fp8_scale(max_abs(items.iter().flatten()), format)];
             }
             _ => {}
         }

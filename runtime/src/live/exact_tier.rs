@@ -31,7 +31,7 @@ pub fn serving_format(format: &Format, exact: ExactDtype) -> Result<ServingForma
     };
     let codec = || CodecSpec {
         transform: Default::default(),
-        fields: vec![FieldSpec::Dense { dtype }],
+        fields: vec![FieldSpec::Dense { dtype, scale: None }],
     };
     let mut spec = format.spec().clone();
     spec.tiers.push(TierSpec {

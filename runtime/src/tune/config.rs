@@ -42,9 +42,10 @@ pub struct KernelConfig {
 }
 
 impl KernelConfig {
-    /// What the runtime launches without a tuned entry: the backend's default
-    /// options at the spec's page size.
-    pub fn default_for(format: &Format) -> KernelConfig {
+    /// The backend's default options at the spec's page size: the kernel the
+    /// tune key's code hash covers, and the base the cost model
+    /// ([`super::model`]) changes.
+    pub fn reference(format: &Format) -> KernelConfig {
         let options = Options::default();
         KernelConfig {
             page_items: format.spec().page.items,
@@ -169,7 +170,7 @@ mod tests {
     fn a_configuration_refuses_pages_of_another_size() {
         let config = KernelConfig {
             page_items: 128,
-            ..KernelConfig::default_for(&format())
+            ..KernelConfig::reference(&format())
         };
         assert!(config.check_pages(128).is_ok());
         let err = config.check_pages(64).unwrap_err();
@@ -188,7 +189,7 @@ mod tests {
         let f = format();
         let config = KernelConfig {
             page_items: 32,
-            ..KernelConfig::default_for(&f)
+            ..KernelConfig::reference(&f)
         };
         let paged = config.paged_format(&f).unwrap();
         assert_eq!(paged.spec().page.items, 32);

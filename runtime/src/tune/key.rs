@@ -119,7 +119,7 @@ impl TuneKey {
 /// re-encoding at the tuned size must still find the entry).
 pub const HASHED_PAGE_SIZES: [u32; 5] = [16, 32, 64, 128, 256];
 
-/// FNV-1a (64-bit) over the PTX of the tier's default kernel at each of
+/// FNV-1a (64-bit) over the PTX of the tier's reference kernel at each of
 /// [`HASHED_PAGE_SIZES`] the spec accepts, for `target` and `query_group`: any
 /// change in the format's layout or IR, or in the backend's code generation,
 /// changes it. Page sizes the spec refuses and kernels that fail to generate
@@ -136,7 +136,7 @@ pub fn codegen_hash(format: &Format, tier: usize, target: Target, query_group: u
         let ptx = with_page_items(format, items)
             .map_err(|e| e.to_string())
             .and_then(|paged| {
-                let config = KernelConfig::default_for(&paged);
+                let config = KernelConfig::reference(&paged);
                 let options = config.options(target, query_group);
                 ptx::write_tier(&paged.tiers()[tier], query_group, &options)
                     .map(|k| k.ptx)

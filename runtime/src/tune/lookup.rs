@@ -1,17 +1,20 @@
 //! What the runtime launches: per tier, the tuned configuration for the pages'
-//! page size when the cache has one for this GPU, code and shape, else the
-//! defaults, with the reason (printed once per process by [`report_once`]).
+//! page size when a tune cache has one for this GPU, code and shape — the
+//! user's cache first, then the results that ship with kvcc — else the cost
+//! model's ([`super::model`]), with the reason (printed once per process by
+//! [`report_once`]).
 
 use std::collections::HashSet;
 use std::sync::{Mutex, OnceLock};
 
 use kvcc_compiler::Format;
 
+use super::model::{self, Machine};
 use super::store::{Found, TuneCache};
-use super::{GpuId, KernelConfig, ShapeBucket, TuneKey};
+use super::{shipped, GpuId, KernelConfig, ShapeBucket, TuneKey};
 
-/// Environment variable that turns lookups off (`KVCC_TUNE=off`): defaults,
-/// silently, e.g. to time the defaults against tuned kernels.
+/// Environment variable that turns lookups off (`KVCC_TUNE=off`): the cost
+/// model's defaults, silently, e.g. to time them against tuned kernels.
 pub const SWITCH_VARIABLE: &str = "KVCC_TUNE";
 
 /// Where a tier's configuration came from.
@@ -21,6 +24,8 @@ pub enum Source {
         /// The tuned time and the default's, at the tuned shape.
         ms: f64,
         default_ms: Option<f64>,
+        /// From the results shipped with kvcc, not the user's cache.
+        shipped: bool,
     },
     Default {
         reason: String,
@@ -36,12 +41,32 @@ pub struct Resolution {
     pub notes: Vec<String>,
 }
 
+/// The first cache of `caches` (in order of precedence) with an entry for
+/// `key`, or the first stale entry when none has a fresh one.
+fn find<'a>(caches: &[&'a TuneCache], key: &TuneKey) -> (Found<'a>, bool) {
+    let mut stale = None;
+    for cache in caches {
+        match cache.find(key) {
+            Found::Hit(entry) => return (Found::Hit(entry), cache.is_shipped()),
+            Found::Stale(entry) => {
+                stale.get_or_insert(entry);
+            }
+            Found::Miss => {}
+        }
+    }
+    (stale.map_or(Found::Miss, Found::Stale), false)
+}
+
 /// Configurations for every tier of `format`, whose pages hold
-/// `format.spec().page.items` items, at `shape` on `gpu`. Never returns a
-/// configuration for another page size.
-pub fn resolve(cache: &TuneCache, gpu: &GpuId, format: &Format, shape: ShapeBucket) -> Resolution {
+/// `format.spec().page.items` items, at `shape` on `gpu`, from the first of
+/// `caches` that has it. Never returns a configuration for another page size.
+pub fn resolve(
+    caches: &[&TuneCache],
+    gpu: &GpuId,
+    format: &Format,
+    shape: ShapeBucket,
+) -> Resolution {
     let pages = format.spec().page.items;
-    let default = KernelConfig::default_for(format);
     let mut resolution = Resolution {
         configs: Vec::new(),
         sources: Vec::new(),
@@ -51,7 +76,9 @@ pub fn resolve(cache: &TuneCache, gpu: &GpuId, format: &Format, shape: ShapeBuck
     for tier in 0..format.tiers().len() {
         let key = TuneKey::new(gpu, format, tier, shape);
         let what = format!("{}/{} ({shape}) on {}", key.format, key.tier, gpu.name);
-        let (config, source) = match cache.find(&key) {
+        let default = model::config_at(format, tier, gpu.target());
+        let (found, shipped) = find(caches, &key);
+        let (config, source) = match found {
             Found::Hit(entry) => match entry.best_at(pages) {
                 Some((config, ms)) => {
                     if entry.winner.page_items != pages {
@@ -67,6 +94,7 @@ pub fn resolve(cache: &TuneCache, gpu: &GpuId, format: &Format, shape: ShapeBuck
                         Source::Tuned {
                             ms,
                             default_ms: entry.default_ms(),
+                            shipped,
                         },
                     )
                 }
@@ -74,7 +102,7 @@ pub fn resolve(cache: &TuneCache, gpu: &GpuId, format: &Format, shape: ShapeBuck
                     default,
                     Source::Default {
                         reason: format!(
-                            "{what}: the tuned entry has no candidate with {pages}-item pages; using defaults"
+                            "{what}: the tuned entry has no candidate with {pages}-item pages; using the cost model's defaults"
                         ),
                     },
                 ),
@@ -83,7 +111,7 @@ pub fn resolve(cache: &TuneCache, gpu: &GpuId, format: &Format, shape: ShapeBuck
                 default,
                 Source::Default {
                     reason: format!(
-                        "{what}: the tuned entry is for other generated code (codegen changed); using defaults — rerun `kvcc tune`"
+                        "{what}: the tuned entry is for other generated code (codegen changed); using the cost model's defaults — rerun `kvcc tune`"
                     ),
                 },
             ),
@@ -101,7 +129,7 @@ pub fn resolve(cache: &TuneCache, gpu: &GpuId, format: &Format, shape: ShapeBuck
         .map(|&t| format.spec().tiers[t].name.as_str())
         .collect();
     let miss = format!(
-        "{} ({shape}) on {}: tier {} not tuned; using defaults — run `kvcc tune --spec {} --batch {} --q-heads {} --kv-heads {} --ctx {}`",
+        "{} ({shape}) on {}: tier {} not tuned; using the cost model's defaults — run `kvcc tune --spec {} --batch {} --q-heads {} --kv-heads {} --ctx {}`",
         format.name(),
         gpu.name,
         names.join(", "),
@@ -119,11 +147,13 @@ pub fn resolve(cache: &TuneCache, gpu: &GpuId, format: &Format, shape: ShapeBuck
     resolution
 }
 
-/// The defaults for every tier, for `reason`.
-pub fn defaults(format: &Format, reason: &str) -> Resolution {
+/// The cost model's defaults for every tier at the pages' size, for `reason`.
+pub fn defaults(format: &Format, gpu: &GpuId, reason: &str) -> Resolution {
     let tiers = format.tiers().len();
     Resolution {
-        configs: vec![KernelConfig::default_for(format); tiers],
+        configs: (0..tiers)
+            .map(|tier| model::config_at(format, tier, gpu.target()))
+            .collect(),
         sources: vec![
             Source::Default {
                 reason: reason.to_string()
@@ -160,21 +190,23 @@ fn default_cache() -> &'static TuneCache {
     })
 }
 
-/// The page size the default cache's winner for `tier` at `shape` uses, if
-/// there is a (fresh) entry: what to encode pages with to get the tuned speed.
-pub fn tuned_page_items(
+/// The page size to encode `tier`'s pages with when the caller chooses it:
+/// the tuned winner's (the user's cache, then the shipped results), else the
+/// cost model's ([`model::page_items`]).
+pub fn page_items(
     gpu: &GpuId,
+    machine: Machine,
     format: &Format,
     tier: usize,
     shape: ShapeBucket,
-) -> Option<u32> {
-    if lookups_disabled() {
-        return None;
+) -> u32 {
+    if !lookups_disabled() {
+        let key = TuneKey::new(gpu, format, tier, shape);
+        if let (Found::Hit(entry), _) = find(&[default_cache(), shipped::cache()], &key) {
+            return entry.winner.page_items;
+        }
     }
-    match default_cache().find(&TuneKey::new(gpu, format, tier, shape)) {
-        Found::Hit(entry) => Some(entry.winner.page_items),
-        _ => None,
-    }
+    model::page_items(format, tier, shape, machine)
 }
 
 /// Whether `KVCC_TUNE=off` turned lookups off.
@@ -183,13 +215,13 @@ pub fn lookups_disabled() -> bool {
 }
 
 /// The runtime's lookup: the default cache file (read once per process, its
-/// problems reported once), or defaults when lookups are off.
+/// problems reported once), then the shipped results, or the cost model's
+/// defaults when lookups are off.
 pub fn resolve_default(gpu: &GpuId, format: &Format, shape: ShapeBucket) -> Resolution {
     if lookups_disabled() {
-        return defaults(format, &format!("{SWITCH_VARIABLE}=off"));
+        return defaults(format, gpu, &format!("{SWITCH_VARIABLE}=off"));
     }
-    let cache = default_cache();
-    let resolution = resolve(cache, gpu, format, shape);
+    let resolution = resolve(&[default_cache(), shipped::cache()], gpu, format, shape);
     for source in &resolution.sources {
         if let Source::Default { reason } = source {
             report_once(reason);

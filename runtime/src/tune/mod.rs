@@ -8,15 +8,20 @@
 //! - [`search`]: the candidate space and the search over it (exhaustive or
 //!   coordinate descent), independent of how a candidate is measured.
 //! - [`store`]: the on-disk cache of every candidate's timing, export/import.
+//! - [`model`]: the defaults, from a cost model of the decode step.
+//! - [`shipped`]: the tune results that ship with kvcc.
 //! - [`lookup`]: what the runtime launches with: the tuned winner for the
-//!   pages' page size, or the defaults (saying why, once).
+//!   pages' page size (the user's cache, then the shipped results), or the
+//!   model's defaults (saying why, once).
 //! - [`sweep`]: measuring candidates on the GPU (checked against the
 //!   interpreter before any time counts).
 
 pub mod config;
 pub mod key;
 pub mod lookup;
+pub mod model;
 pub mod search;
+pub mod shipped;
 pub mod store;
 pub mod sweep;
 

@@ -155,6 +155,9 @@ pub struct TuneCache {
     problems: Vec<String>,
     /// The file on disk could not be parsed: saving moves it aside first.
     corrupt: bool,
+    /// The results shipped with kvcc: matched on the GPU's name and compute
+    /// capability whatever its driver, and never written.
+    shipped: bool,
 }
 
 /// Entries whose key matches `key` (replaced) or not (added).
@@ -216,6 +219,34 @@ impl TuneCache {
         cache
     }
 
+    /// Entries parsed from `text` (shipped with kvcc, named `label`): problems
+    /// are listed as for a file, and [`find`](Self::find) ignores the driver
+    /// version.
+    pub fn shipped(label: &str, text: &str) -> TuneCache {
+        let mut cache = TuneCache {
+            path: PathBuf::from(label),
+            shipped: true,
+            ..TuneCache::default()
+        };
+        match parse(text) {
+            Ok((entries, problems)) => {
+                cache.entries = entries;
+                cache.problems = problems
+                    .into_iter()
+                    .map(|p| format!("shipped tune results {label}: {p}"))
+                    .collect();
+            }
+            Err(problem) => cache.problems.push(format!(
+                "shipped tune results {label}: {problem}; ignoring them"
+            )),
+        }
+        cache
+    }
+
+    pub fn is_shipped(&self) -> bool {
+        self.shipped
+    }
+
     pub fn path(&self) -> &Path {
         &self.path
     }
@@ -227,10 +258,23 @@ impl TuneCache {
     }
 
     pub fn find(&self, key: &TuneKey) -> Found<'_> {
-        if let Some(e) = self.entries.iter().find(|e| &e.key == key) {
+        // Shipped results were measured on one driver; kernels time the same
+        // on the next, and a user who re-tunes gets their own entry first.
+        let matches = |e: &Entry| {
+            let mut theirs = e.key.clone();
+            if self.shipped {
+                theirs.gpu.driver_version = key.gpu.driver_version;
+            }
+            theirs
+        };
+        if let Some(e) = self.entries.iter().find(|e| &matches(e) == key) {
             return Found::Hit(e);
         }
-        match self.entries.iter().find(|e| key.same_but_codegen(&e.key)) {
+        match self
+            .entries
+            .iter()
+            .find(|e| key.same_but_codegen(&matches(e)))
+        {
             Some(e) => Found::Stale(e),
             None => Found::Miss,
         }
@@ -280,6 +324,12 @@ impl TuneCache {
     /// Writes the cache to its path, merged over what is there now (another
     /// process may have tuned other tiers meanwhile; this cache's entries win).
     pub fn save(&mut self) -> Result<(), TuneError> {
+        if self.shipped {
+            return Err(TuneError::Io {
+                path: self.path.display().to_string(),
+                message: "the shipped tune results are read-only".into(),
+            });
+        }
         let on_disk = TuneCache::open(&self.path);
         if on_disk.corrupt || self.corrupt {
             if self.path.exists() {

@@ -14,7 +14,7 @@ use kvcc_compiler::Format;
 use super::config::with_page_items;
 use super::search::{search, Measured, Space, Strategy};
 use super::store::{Candidate, Confirmation, Entry, Found, SweepRecord, TuneCache};
-use super::{KernelConfig, TuneKey};
+use super::{model, shipped, KernelConfig, TuneKey};
 use crate::cache::PagedCache;
 use crate::cuda::measure::{
     decode_steps, source_cache, time_steps, upload_copies, DecodeShape, Reference, StepPlan,
@@ -170,7 +170,14 @@ pub fn tune(
                 Found::Stale(_) => Origin::ReplacedStale,
                 _ => Origin::Swept,
             };
-            let seeds = cache.related_winners(&key);
+            // The shipped winner for this very key seeds the search as well:
+            // another machine's best is a good start on this one.
+            let mut seeds = cache.related_winners(&key);
+            if let Found::Hit(entry) = shipped::cache().find(&key) {
+                if !seeds.contains(&entry.winner) {
+                    seeds.push(entry.winner);
+                }
+            }
             let mut sweep = Sweep {
                 gpu,
                 format,
@@ -211,7 +218,10 @@ impl Sweep<'_> {
         progress: &mut dyn FnMut(Progress),
     ) -> Result<Entry, Box<dyn std::error::Error>> {
         let started = Instant::now();
-        let default = KernelConfig::default_for(self.format);
+        // The search starts from, and is confirmed against, what the runtime
+        // launches untuned.
+        let shape = self.options.shape.bucket(self.context);
+        let default = model::config(self.format, self.tier, shape, self.gpu.machine());
         let target = self.gpu.target();
         let group = (self.options.shape.q_heads / self.options.shape.kv_heads) as u32;
         let module = &self.format.tiers()[self.tier];

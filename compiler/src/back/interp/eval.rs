@@ -91,6 +91,7 @@ pub(crate) fn unary(op: UnaryOp, v: Value) -> Value {
         }
         (UnaryOp::BfloatToFloat, Value::U32(x)) => Value::F32(f32::from_bits((x & 0xFFFF) << 16)),
         (UnaryOp::BitsToFloat, Value::U32(x)) => Value::F32(f32::from_bits(x)),
+        (UnaryOp::Fp8ToFloat(format), Value::U32(x)) => Value::F32(format.decode(x)),
         (UnaryOp::ToFloat, Value::U32(x)) => Value::F32(x as f32),
         (UnaryOp::ToFloat, Value::I32(x)) => Value::F32(x as f32),
         (UnaryOp::SignExtend(bits), Value::U32(x)) => {

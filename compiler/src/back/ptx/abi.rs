@@ -158,9 +158,13 @@ pub const APPEND_PARAMS: [Param; 7] = [
     param(
         "keys",
         ParamType::Pointer,
-        "f32[source rows][head_dim]: new keys, one row per (token, kv head)",
+        "[source rows][head_dim] of the kernel's row dtype (f32, f16 or bf16): new keys, one row per (token, kv head)",
     ),
-    param("values", ParamType::Pointer, "f32[source rows][head_dim]: the new values"),
+    param(
+        "values",
+        ParamType::Pointer,
+        "[source rows][head_dim] of the row dtype: the new values",
+    ),
     param(
         "rows",
         ParamType::Pointer,
@@ -179,11 +183,41 @@ pub const APPEND_PARAMS: [Param; 7] = [
     ),
 ];
 
+/// Element type of the new K/V rows an append kernel reads: one kernel per
+/// dtype, so rows arrive in the model's own dtype and are rounded once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum RowDtype {
+    F32,
+    F16,
+    Bf16,
+}
+
+impl RowDtype {
+    pub const ALL: [RowDtype; 3] = [RowDtype::F32, RowDtype::F16, RowDtype::Bf16];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            RowDtype::F32 => "f32",
+            RowDtype::F16 => "f16",
+            RowDtype::Bf16 => "bf16",
+        }
+    }
+
+    pub fn bytes(self) -> u32 {
+        match self {
+            RowDtype::F32 => 4,
+            RowDtype::F16 | RowDtype::Bf16 => 2,
+        }
+    }
+}
+
 /// A live cache's append kernel: grid `max(rows, header_count)` CTAs.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AppendKernel {
     pub name: String,
     pub threads: u32,
+    /// What its `keys` and `values` rows hold.
+    pub rows: RowDtype,
 }
 
 impl AppendKernel {
@@ -542,7 +576,7 @@ impl DenseSource {
                 ) => match dtype {
                     DenseDtype::F16 => Some(SourceDtype::F16),
                     DenseDtype::Bf16 => Some(SourceDtype::Bf16),
-                    DenseDtype::F32 => None,
+                    DenseDtype::F32 | DenseDtype::Fp8e4m3 | DenseDtype::Fp8e5m2 => None,
                 },
                 _ => None,
             }

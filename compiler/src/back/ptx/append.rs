@@ -1,10 +1,14 @@
-//! The append kernel of a live cache: new K/V rows (f32) rounded into the
-//! item slots of exact pages (a dense f16 or bf16 tier), and the headers of the
-//! pages they fill rewritten. The runtime picks every row's slot and every
-//! header's count; the kernel only moves and rounds (`cvt.rn`, ties to even,
-//! as the CPU's exact rows round).
+//! The append kernel of a live cache: new K/V rows (f32, f16 or bf16: one
+//! kernel per row dtype) rounded into the item slots of exact pages (a dense
+//! f16 or bf16 tier), and the headers of the pages they fill rewritten. The
+//! runtime picks every row's slot and every header's count; the kernel only
+//! moves and rounds: rows of the pages' own dtype are copied, others widened
+//! to f32 (exact) and rounded once (`cvt.rn`, ties to even, as the CPU's exact
+//! rows round from f32).
 
-use super::abi::{AppendKernel, DenseSource, ParamType, SourceDtype, APPEND_PARAMS, SHARED_SYMBOL};
+use super::abi::{
+    AppendKernel, DenseSource, ParamType, RowDtype, SourceDtype, APPEND_PARAMS, SHARED_SYMBOL,
+};
 use super::builder::{Axis, Cmp, Global, Kernel, U32, U64};
 use crate::layout::Side;
 
@@ -23,8 +27,14 @@ fn threads(head_dim: u32) -> u32 {
 }
 
 /// The append kernel of exact pages laid out as `rows`, whose headers name
-/// tier `tier` (one CTA per row, and per header update), and its launch facts.
-pub fn append(rows: &DenseSource, tier: u32, name: &str) -> (String, AppendKernel) {
+/// tier `tier` (one CTA per row, and per header update), reading new rows of
+/// `input`, and its launch facts.
+pub fn append(
+    rows: &DenseSource,
+    tier: u32,
+    input: RowDtype,
+    name: &str,
+) -> (String, AppendKernel) {
     let threads = threads(rows.head_dim);
     let mut k = Kernel::new(name, threads, SHARED_SYMBOL);
     let mut params = APPEND_PARAMS.iter();
@@ -64,19 +74,40 @@ pub fn append(rows: &DenseSource, tier: u32, name: &str) -> (String, AppendKerne
         let (offset, stride) = rows.stream(side);
         let source = k.ld_pointer(&source);
         let first = k.mul(source_index, d);
-        let source_row = k.global_index(source, first, 4);
+        let source_row = k.global_index(source, first, input.bytes());
         let stream = Global::at(page_base).plus(i64::from(offset));
         let item_base = k.global_index(stream.base, item, stride);
         let item_at = Global::at(item_base).plus(stream.offset);
         for c0 in (0..d).step_by(threads as usize) {
             let c = k.add(tid, c0);
             let inside = k.setp(Cmp::Lt, c, d);
-            let from = Global::at(k.global_index(source_row, c, 4));
+            let from = Global::at(k.global_index(source_row, c, input.bytes()));
             let to = k.global_index(item_at.base, c, 2);
             let to = Global::at(to).plus(item_at.offset);
             let dtype = rows.dtype;
             k.guarded(inside, true, |k| {
-                let x = k.ld_global_nc(from);
+                let x = match input {
+                    RowDtype::F32 => k.ld_global_nc(from),
+                    RowDtype::F16 | RowDtype::Bf16 => {
+                        let half = k.ld_global_nc_narrow(from, 16);
+                        match (input, dtype) {
+                            (RowDtype::F16, SourceDtype::F16)
+                            | (RowDtype::Bf16, SourceDtype::Bf16) => {
+                                let bits = k.low16(half);
+                                k.st_global_b16(to, bits);
+                                return;
+                            }
+                            (RowDtype::F16, _) => {
+                                let bits = k.low16(half);
+                                k.f16_to_f32(bits)
+                            }
+                            _ => {
+                                let wide = k.shl(half, 16u32);
+                                k.bitcast(wide)
+                            }
+                        }
+                    }
+                };
                 let bits = match dtype {
                     SourceDtype::Bf16 => k.f32_to_bf16(x),
                     SourceDtype::F16 => k.f32_to_f16(x),
@@ -109,6 +140,7 @@ pub fn append(rows: &DenseSource, tier: u32, name: &str) -> (String, AppendKerne
         AppendKernel {
             name: name.to_string(),
             threads,
+            rows: input,
         },
     )
 }

@@ -63,6 +63,12 @@ impl Target {
         self == Target::Sm90
     }
 
+    /// Whether `cvt.rn.f16x2.{e4m3,e5m2}x2` exists (sm_89+): fp8 pairs widen
+    /// to exact f16 pairs in one instruction.
+    pub fn fp8_conversions(self) -> bool {
+        self == Target::Sm90
+    }
+
     /// Whether a kernel may launch before the one it follows has finished
     /// (programmatic dependent launch): the merge then waits for the decode
     /// kernels' partials in place of the launch gap.
@@ -300,17 +306,23 @@ pub fn write_tier(
 }
 
 /// The append module of a live cache whose exact rows are `layout`'s pages
-/// (a dense f16 or bf16 tier, see [`abi::DenseSource::of_layout`]).
+/// (a dense f16 or bf16 tier, see [`abi::DenseSource::of_layout`]), reading
+/// new rows of `input` (the f32 kernel keeps the plain name).
 pub fn write_append(
     format_name: &str,
     layout: &crate::layout::TierLayout,
+    input: abi::RowDtype,
     target: Target,
 ) -> Result<(String, abi::AppendKernel), NotExact> {
     let rows = abi::DenseSource::of_layout(layout).ok_or_else(|| NotExact {
         tier: layout.name.clone(),
     })?;
-    let name = format!("kvcc_{}_append", identifier(format_name));
-    let (entry, kernel) = append::append(&rows, layout.index, &name);
+    let suffix = match input {
+        abi::RowDtype::F32 => String::new(),
+        other => format!("_from_{}", other.name()),
+    };
+    let name = format!("kvcc_{}_append{suffix}", identifier(format_name));
+    let (entry, kernel) = append::append(&rows, layout.index, input, &name);
     let ptx = builder::module(PTX_VERSION, target.name(), abi::SHARED_SYMBOL, &[entry]);
     Ok((ptx, kernel))
 }

@@ -9,11 +9,11 @@ use super::abi::{
     tensor_map_slot, DecodeKernel, PartialLayout, TableBuffer, TensorMap, SWIZZLE_LINE,
 };
 use super::streams::{shared_stride, Stream, CHUNK};
-use super::tensor_cores::{Element, MmaPlan};
+use super::tensor_cores::MmaPlan;
 use super::{Error, Options};
 use crate::ir::{ArrayDecl, Expr, Handle, Module, Stage};
 use crate::layout::{round_up, Side, TierLayout};
-use crate::proc::{depends_on, operands, shared_reads};
+use crate::proc::{depends_on, operands, reads_tables, shared_reads};
 
 /// Extra bytes after each tile buffer: an unaligned item reader may load the
 /// 32-bit word after the last item's last byte.
@@ -278,8 +278,7 @@ impl Plan {
         // Table reads (VQ codebook rows) stay one per channel in a pair, and
         // a warp's pair spreads each load instruction over twice the rows:
         // measured 1% slower on shard/pca64_vq, so such programs stay single.
-        let reads_table =
-            (module.value.accumulate.exprs.iter()).any(|(_, e)| matches!(e, Expr::Table { .. }));
+        let reads_table = reads_tables(&module.value.accumulate.exprs);
         let pack = match (
             reads_table,
             quads_pay(&module.value.accumulate.exprs, value.align()),
@@ -308,9 +307,10 @@ impl Plan {
             })
             .collect();
 
+        let fp8 = options.target.fp8_conversions();
         let mut mma = options
             .tensor_cores
-            .then(|| super::tensor_cores::plan(module, group_max, tile_items, &key, &value))
+            .then(|| super::tensor_cores::plan(module, group_max, tile_items, &key, &value, fp8))
             .flatten();
         // Swizzled tensor copies where the tensor cores' 16-byte fragment
         // loads are the only reads of both streams (they swizzle their
@@ -324,10 +324,10 @@ impl Plan {
             // Bitmap sides (gathered or staged rows) are read otherwise.
             let keys = tensor_rows(&key)
                 && m.key_rows.gather.is_none()
-                && (m.score.as_ref()).is_some_and(|s| s.key == Element::Half && s.spread_chunks());
+                && (m.score.as_ref()).is_some_and(|s| s.key.is_half() && s.spread_chunks());
             let values = tensor_rows(&value)
                 && m.value_rows.gather.is_none()
-                && m.channel.element == Element::Half
+                && m.channel.element.is_half()
                 && m.value_aligned
                 && m.channel.scale.is_none();
             keys && values
@@ -344,7 +344,7 @@ impl Plan {
                 value.buffer_offset + value.capacity(tile_items) + SLACK,
                 SWIZZLE_ALIGN,
             );
-            mma = super::tensor_cores::plan(module, group_max, tile_items, &key, &value);
+            mma = super::tensor_cores::plan(module, group_max, tile_items, &key, &value, fp8);
         }
         // A tensor-core score reads its query once, into registers before the
         // page loop: the score program's arrays need not outlive the prologue.

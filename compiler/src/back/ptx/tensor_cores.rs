@@ -34,7 +34,7 @@ use crate::ir::{ArrayDecl, BinaryOp, Expr, Function, Handle, Input, Literal, Mod
 use crate::layout::{
     bitmap_elem_bits, round_up, CodecLayout, FieldLayout, SlotRole, TransformLayout,
 };
-use crate::spec::BitmapElem;
+use crate::spec::{BitmapElem, Fp8};
 
 /// The key row chunk lane `quad` loads as its `c`-th is a lane part plus
 /// this constant part: `quad` plus `4 · c`, or `spread` (swizzled rows)
@@ -74,6 +74,9 @@ pub enum Element {
     Half,
     /// A `bits`-wide integer (4 or 8), two's complement when `signed`.
     Int { bits: u32, signed: bool },
+    /// An fp8 byte, widened to an exact f16 by `cvt.rn.f16x2.{e4m3,e5m2}x2`
+    /// (sm_89+), two at a time: it then enters as [`Element::Half`] does.
+    Fp8(Fp8),
 }
 
 impl Element {
@@ -81,7 +84,13 @@ impl Element {
         match self {
             Element::Half => 16,
             Element::Int { bits, .. } => bits,
+            Element::Fp8(_) => 8,
         }
+    }
+
+    /// Whether the element enters the `mma` as an f16 (stored or widened).
+    pub fn is_half(self) -> bool {
+        matches!(self, Element::Half | Element::Fp8(_))
     }
 }
 
@@ -333,7 +342,7 @@ impl MmaScore {
     /// integers (4-bit codes enter as 8-bit integers, 16 times the code).
     pub fn register_elements(&self) -> u32 {
         match self.key {
-            Element::Half => 2,
+            Element::Half | Element::Fp8(_) => 2,
             Element::Int { .. } => 4,
         }
     }
@@ -372,7 +381,7 @@ impl MmaScore {
     /// f16 parts in one, integer keys as three bytes in two.
     pub fn query_tiles(&self) -> u32 {
         match self.key {
-            Element::Half => 1,
+            Element::Half | Element::Fp8(_) => 1,
             Element::Int { .. } => 2,
         }
     }
@@ -400,14 +409,17 @@ impl MmaScore {
 }
 
 /// The tensor-core plan when `module`'s values qualify, with the score when
-/// its key does too; tiles are whole token tiles.
+/// its key does too; tiles are whole token tiles. `fp8`: the target widens
+/// fp8 pairs to f16 in one instruction (else fp8 elements do not qualify).
 pub fn plan(
     module: &Module,
     group_max: u32,
     tile_items: u32,
     key: &Stream,
     value: &Stream,
+    fp8: bool,
 ) -> Option<MmaPlan> {
+    let allowed = |e: Element| fp8 || !matches!(e, Element::Fp8(_));
     let value_dims = module.value.dims;
     let (channel, value_rows) = match gather(&module.layout.value, value_dims, value) {
         Some(g) => (
@@ -421,7 +433,10 @@ pub fn plan(
                 false => Rows::staged(g),
             },
         ),
-        None => (scaled_channel(&module.value.accumulate)?, Rows::of(value)),
+        None => (
+            scaled_channel(&module.value.accumulate).filter(|c| allowed(c.element))?,
+            Rows::of(value),
+        ),
     };
     let group_bits = 2 * value_dims / TILE * channel.element.bits();
     let value_offset = channel.base / 8;
@@ -465,7 +480,8 @@ pub fn plan(
         Some((score, rows)) => (Some(score), rows),
         None => {
             let rows = Rows::of(key);
-            let score = dot_product(&module.key.score).filter(|s| fits_rows(s, &rows, true));
+            let score = dot_product(&module.key.score)
+                .filter(|s| allowed(s.key) && fits_rows(s, &rows, true));
             (score, rows)
         }
     };
@@ -620,6 +636,10 @@ fn element_at(f: &Function, h: Handle<Expr>) -> Option<(Element, Handle<Expr>)> 
     match op {
         UnaryOp::HalfToFloat => match bits(arg)? {
             (offset, 16) => Some((Element::Half, offset)),
+            _ => None,
+        },
+        UnaryOp::Fp8ToFloat(format) => match bits(arg)? {
+            (offset, 8) => Some((Element::Fp8(format), offset)),
             _ => None,
         },
         UnaryOp::ToFloat => {

@@ -167,6 +167,8 @@ impl Operation {
             UnaryOp::BitsToFloat => 4,
             UnaryOp::ToFloat => 5,
             UnaryOp::SignExtend(bits) => 6 + u16::from(bits),
+            UnaryOp::Fp8ToFloat(crate::spec::Fp8::E4m3) => 100,
+            UnaryOp::Fp8ToFloat(crate::spec::Fp8::E5m2) => 101,
         })
     }
 

@@ -7,6 +7,7 @@ use cranelift_codegen::ir::{self, types, BlockArg, Endianness, InstBuilder, MemF
 use super::{Fx, Operation, Val};
 use crate::back::interp::eval;
 use crate::ir::{Scalar, UnaryOp};
+use crate::spec::Fp8;
 
 impl Fx<'_> {
     /// A unary operation on an operand of type `ty`.
@@ -69,6 +70,7 @@ impl Fx<'_> {
                 self.bitcast(vector, Scalar::F32, bits)
             }
             UnaryOp::BitsToFloat => self.bitcast(vector, Scalar::F32, x),
+            UnaryOp::Fp8ToFloat(format) => self.fp8_to_float(format, x, vector),
             UnaryOp::ToFloat if ty == Scalar::U32 => self.b.ins().fcvt_from_uint(f32_ty, x),
             UnaryOp::ToFloat => self.b.ins().fcvt_from_sint(f32_ty, x),
             UnaryOp::SignExtend(32) => x,
@@ -126,6 +128,42 @@ impl Fx<'_> {
         let sign = self.b.ins().ishl(sign, thirty_one);
         let bits = self.b.ins().bor(value, sign);
         self.bitcast(vector, Scalar::F32, bits)
+    }
+
+    /// An fp8 code in the low 8 bits -> f32, exactly as `Fp8::decode`, through
+    /// the binary16 it widens to: e5m2 is the high byte of an f16 (infinities
+    /// and NaNs included); e4m3's exponent and mantissa moved down one bit are
+    /// an f16 of 2^-8 its value (subnormals too), so the f16 times 256 is
+    /// exact, and its one NaN pattern is selected apart.
+    fn fp8_to_float(&mut self, format: Fp8, x: ir::Value, vector: bool) -> ir::Value {
+        let byte = self.int(vector, 0xFF);
+        let x = self.b.ins().band(x, byte);
+        match format {
+            Fp8::E5m2 => {
+                let eight = self.iconst(8);
+                let half = self.b.ins().ishl(x, eight);
+                self.half_to_float(half, vector)
+            }
+            Fp8::E4m3 => {
+                let [seven, eight] = [7, 8].map(|n| self.iconst(n));
+                let k = self.int(vector, 0x7F);
+                let magnitude = self.b.ins().band(x, k);
+                let shifted = self.b.ins().ishl(magnitude, seven);
+                let k = self.int(vector, 0x80);
+                let sign = self.b.ins().band(x, k);
+                let sign = self.b.ins().ishl(sign, eight);
+                let half = self.b.ins().bor(shifted, sign);
+                let v = self.half_to_float(half, vector);
+                let k = self.float(vector, 256.0);
+                let v = self.b.ins().fmul(v, k);
+                let v = self.bitcast(vector, Scalar::U32, v);
+                let k = self.int(vector, 0x7F);
+                let is_nan = self.b.ins().icmp(IntCC::Equal, magnitude, k);
+                let nan = self.int(vector, 0x7FC0_0000);
+                let bits = self.choose(vector, Scalar::U32, is_nan, nan, v);
+                self.bitcast(vector, Scalar::F32, bits)
+            }
+        }
     }
 
     /// The unsigned f32 bits of every binary16 `magnitude` (exponent and
@@ -221,6 +259,56 @@ mod tests {
                 let want = half::f16::from_bits(input[k] as u16).to_f32().to_bits();
                 assert_eq!(output[k], want, "vector lane {k}: {:#06x}", input[k]);
                 assert_eq!(output[4 + k], want, "scalar: {:#06x}", input[k]);
+            }
+        }
+    }
+
+    /// Every fp8 code of both formats, with garbage above bit 7, through the
+    /// vector and scalar conversions, bit for bit against `Fp8::decode`
+    /// (NaNs as NaNs).
+    #[test]
+    fn fp8_to_float_is_exact_for_every_code() {
+        use crate::spec::Fp8;
+        for format in [Fp8::E4m3, Fp8::E5m2] {
+            let mut jit = Jit::new(&[]).expect("host JIT");
+            let id = jit
+                .define("fp8", &[types::I64, types::I64], 4, |fx, args| {
+                    let (input, output) = (args[0], args[1]);
+                    let x = fx.b.ins().load(types::I32X4, writable(), input, 0);
+                    let op = UnaryOp::Fp8ToFloat(format);
+                    let v = fx.unary(op, Scalar::U32, Val::Vector(x));
+                    let v = fx.vector(v, Scalar::F32);
+                    fx.b.ins().store(writable(), v, output, 0);
+                    for k in 0..4 {
+                        let x = fx.b.ins().load(types::I32, writable(), input, 4 * k);
+                        let v = fx.unary(op, Scalar::U32, Val::Uniform(x));
+                        let v = fx.scalar(v);
+                        fx.b.ins().store(writable(), v, output, 16 + 4 * k);
+                    }
+                    fx.b.ins().return_(&[]);
+                })
+                .expect("compiles");
+            let (_code, [address]) = jit.finish([id]).expect("links");
+            // SAFETY: the function just defined, of this signature, alive with `_code`.
+            let convert: unsafe extern "C" fn(*const u32, *mut u32) =
+                unsafe { std::mem::transmute(address) };
+            for first in (0..256u32).step_by(4) {
+                let input: [u32; 4] = std::array::from_fn(|k| {
+                    (first + k as u32) | [0, 0xDEAD_0100, 0x100, 0xFF00][k]
+                });
+                let mut output = [0u32; 8];
+                // SAFETY: 4 u32 in, 8 out, as the function reads and writes.
+                unsafe { convert(input.as_ptr(), output.as_mut_ptr()) };
+                for k in 0..4 {
+                    let want = format.decode(input[k]);
+                    for got in [output[k], output[4 + k]].map(f32::from_bits) {
+                        assert!(
+                            got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()),
+                            "{format:?} {:#x}: {got} against {want}",
+                            input[k]
+                        );
+                    }
+                }
             }
         }
     }

@@ -53,6 +53,10 @@ impl Kernel {
     pub fn red_shared_max(&mut self, at: Shared, value: Reg<U32>) {
         self.line(format_args!("red.shared.max.u32 {at}, {value}"));
     }
+    /// Atomic `*at = min(*at, value)` in shared memory, no result.
+    pub fn red_shared_min(&mut self, at: Shared, value: Reg<U32>) {
+        self.line(format_args!("red.shared.min.u32 {at}, {value}"));
+    }
     /// An L2 cache policy for every line an access touches (sm_80+).
     pub fn l2_policy(&mut self, evict: Evict) -> Reg<U64> {
         let d = self.reg();

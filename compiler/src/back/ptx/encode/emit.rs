@@ -6,6 +6,7 @@
 //! casts saturate and send NaN to 0, f16/bf16 round to nearest even.
 
 use super::super::builder::{Cmp, Global, Kernel, Op, Pred, Reg, Shared, F32, U32, U64};
+use crate::spec::Fp8;
 
 /// The registers every phase addresses from.
 pub struct Ctx {
@@ -202,4 +203,118 @@ pub fn coeff_scale(k: &mut Kernel, max_abs: Reg<F32>, bits: u32) -> Reg<F32> {
 /// Largest magnitude of a symmetric `bits`-bit code.
 pub fn coeff_max(bits: u32) -> i32 {
     crate::layout::coeff_max(bits)
+}
+
+/// Largest unsigned (zero-point) code of `bits` bits.
+pub fn coeff_levels(bits: u32) -> u32 {
+    crate::layout::coeff_levels(bits)
+}
+
+/// The bits of `v` as a key whose unsigned order is `f32::total_cmp`'s
+/// (negative numbers' bits inverted, non-negative ones' sign set).
+pub fn order_key(k: &mut Kernel, v: Reg<F32>) -> Reg<U32> {
+    let bits: Reg<U32> = k.bitcast(v);
+    let sign = k.shr(bits, 31u32);
+    let mask = k.sub(0u32, sign);
+    let mask = k.or(mask, 0x8000_0000u32);
+    k.xor(bits, mask)
+}
+
+/// The float of an [`order_key`].
+pub fn from_order_key(k: &mut Kernel, key: Reg<U32>) -> Reg<F32> {
+    let top = k.shr(key, 31u32);
+    let mask = k.sub(top, 1u32);
+    let mask = k.or(mask, 0x8000_0000u32);
+    let bits = k.xor(key, mask);
+    k.bitcast(bits)
+}
+
+/// The order key of `f32::INFINITY` (where a minimum starts) and of
+/// `f32::NEG_INFINITY` (where a maximum starts).
+pub const KEY_INFINITY: u32 = 0xFF80_0000;
+pub const KEY_NEG_INFINITY: u32 = 0x007F_FFFF;
+
+/// `zero_point_scale(lo, hi, bits)` for a measured range: `(s, z)`.
+pub fn zero_point_scale(
+    k: &mut Kernel,
+    lo: Reg<F32>,
+    hi: Reg<F32>,
+    bits: u32,
+) -> (Reg<F32>, Reg<F32>) {
+    let range = k.sub(hi, lo);
+    let s = k.div_f32(range, coeff_levels(bits) as f32);
+    (scale_or_one(k, s), lo)
+}
+
+/// `half_zero_point_scale(lo, hi, bits)`: the scale and zero point (f32) and
+/// their stored f16 bits, `(s, s bits, z, z bits)`.
+pub fn half_zero_point_scale(
+    k: &mut Kernel,
+    lo: Reg<F32>,
+    hi: Reg<F32>,
+    bits: u32,
+) -> (Reg<F32>, Reg<U32>, Reg<F32>, Reg<U32>) {
+    let max = half::f16::MAX.to_f32();
+    let lo = clamp(k, lo, -max, max);
+    let h = k.f32_to_f16(lo);
+    let z = k.f16_to_f32(h);
+    let z_bits = k.widen16(h);
+    let range = k.sub(hi, z);
+    let (s, s_bits) = half_scale(k, range, coeff_levels(bits) as f32);
+    (s, s_bits, z, z_bits)
+}
+
+/// `quantize_unsigned(x, scale, zero, bits)`.
+pub fn quantize_unsigned(
+    k: &mut Kernel,
+    x: Reg<F32>,
+    scale: Reg<F32>,
+    zero: Reg<F32>,
+    bits: u32,
+) -> Reg<U32> {
+    let levels = coeff_levels(bits) as f32;
+    let t = k.sub(x, zero);
+    let t = k.div_f32(t, scale);
+    let t = round(k, t);
+    let t = clamp(k, t, 0.0, levels);
+    k.f32_to_u32_trunc(t)
+}
+
+/// `fp8_scale(max_abs, format)`.
+pub fn fp8_scale(k: &mut Kernel, max_abs: Reg<F32>, format: Fp8) -> Reg<F32> {
+    let s = k.div_f32(max_abs, format.max());
+    scale_or_one(k, s)
+}
+
+/// `Fp8::encode(v)`, step for step on the f32 bits.
+pub fn fp8_encode(k: &mut Kernel, format: Fp8, v: Reg<F32>) -> Reg<U32> {
+    let (man_bits, bias, max_code) = format.encoding();
+    let bits: Reg<U32> = k.bitcast(v);
+    let sign = k.shr(bits, 24u32);
+    let sign = k.and(sign, 0x80u32);
+    let a = k.and(bits, 0x7FFF_FFFFu32);
+    let nan = k.setp(Cmp::Gt, a, 0x7F80_0000u32);
+    // Subnormal results: the magnitude in steps, to the nearest even integer.
+    let magnitude: Reg<F32> = k.bitcast(a);
+    let steps = k.mul(magnitude, format.subnormal_steps());
+    let small = k.f32_to_u32_even(steps);
+    // Normal results: rebiased exponent and kept mantissa, rounded up when
+    // the dropped bits are over half, or half and the kept ones odd.
+    let drop = 23 - man_bits;
+    let rest = k.and(a, (1u32 << drop) - 1);
+    let kept = k.shr(a, drop);
+    let odd = k.and(kept, 1u32);
+    let over = k.setp(Cmp::Gt, rest, 1u32 << (drop - 1));
+    let tie = k.setp(Cmp::Eq, rest, 1u32 << (drop - 1));
+    let odd = k.setp(Cmp::Eq, odd, 1u32);
+    let tie_up = k.and_pred(tie, odd);
+    let up = k.or_pred(over, tie_up);
+    let up = k.selp(1u32, 0u32, up);
+    let normal = k.sub(kept, (127 - bias) << man_bits);
+    let normal = k.add(normal, up);
+    let is_small = k.setp(Cmp::Lt, a, format.min_normal_bits());
+    let code = k.selp(small, normal, is_small);
+    let code = k.min(code, max_code);
+    let code = k.selp(0x7Fu32, code, nan);
+    k.or(sign, code)
 }

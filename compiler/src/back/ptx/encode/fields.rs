@@ -7,11 +7,13 @@
 use super::super::abi::TableBuffer;
 use super::super::builder::{Cmp, Kernel, Reg, F32, U32};
 use super::emit::{
-    assign_if, coeff_scale, for_each, half_scale, item_bit, magnitude_bits, quantize, radius_code,
-    scale_or_one, serial, split, write_bits, Ctx,
+    assign_if, coeff_scale, for_each, fp8_encode, fp8_scale, from_order_key, half_scale,
+    half_zero_point_scale, item_bit, magnitude_bits, order_key, quantize, quantize_unsigned,
+    radius_code, scale_or_one, serial, split, write_bits, zero_point_scale, Ctx, KEY_INFINITY,
+    KEY_NEG_INFINITY,
 };
 use super::plan::Plan;
-use crate::layout::{CodecLayout, FieldLayout, SlotRole};
+use crate::layout::{CodecLayout, DenseScale, FieldLayout, SlotRole};
 use crate::spec::{BitmapElem, CodewordKind, CoeffScale, DenseDtype, RadiusScale};
 
 /// Group sizes up to this keep their coordinates in registers and unroll
@@ -217,6 +219,54 @@ pub fn page_maxima(k: &mut Kernel, ctx: &Ctx, plan: &Plan, codec: &CodecLayout, 
             FieldLayout::Coeff {
                 count: dims,
                 scale,
+                zero_point: true,
+                slot,
+                zero_slot,
+                ..
+            } if matches!(scale, CoeffScale::Page | CoeffScale::PageComponent) => {
+                // Largest order keys at the scale slots, largest inverted
+                // keys (the smallest) at the zero-point slots.
+                k.comment(&format!("{}: coefficient page ranges", codec.side.name()));
+                let tasks = k.mul(count, dims);
+                for_each(k, ctx, tasks, |k, w| {
+                    let at = ctx.shared_word(k, plan.x, w);
+                    let v = k.ld_shared(at);
+                    let key = order_key(k, v);
+                    let inverted = k.xor(key, u32::MAX);
+                    let c = match scale {
+                        CoeffScale::PageComponent => k.rem_u32(w, dims),
+                        _ => k.mov(0u32),
+                    };
+                    let target = k.add(c, slot);
+                    let at = ctx.shared_word(k, plan.scales, target);
+                    k.red_shared_max(at, key);
+                    let target = k.add(c, zero_slot);
+                    let at = ctx.shared_word(k, plan.scales, target);
+                    k.red_shared_max(at, inverted);
+                });
+            }
+            FieldLayout::Dense {
+                count: dims,
+                scale: Some(DenseScale::Header(slot)),
+                ..
+            } => {
+                k.comment(&format!("{}: fp8 page maximum", codec.side.name()));
+                let tasks = k.mul(count, dims);
+                let local = k.mov(0u32);
+                for_each(k, ctx, tasks, |k, w| {
+                    let at = ctx.shared_word(k, plan.x, w);
+                    let v = k.ld_shared(at);
+                    let m = magnitude_bits(k, v);
+                    let larger = k.max(local, m);
+                    k.assign(local, larger);
+                });
+                let target = k.mov(slot);
+                let at = ctx.shared_word(k, plan.scales, target);
+                k.red_shared_max(at, local);
+            }
+            FieldLayout::Coeff {
+                count: dims,
+                scale,
                 slot,
                 ..
             } if matches!(scale, CoeffScale::Page | CoeffScale::PageComponent) => {
@@ -255,6 +305,52 @@ pub fn page_maxima(k: &mut Kernel, ctx: &Ctx, plan: &Plan, codec: &CodecLayout, 
 /// `coeff_scale`). The caller synchronizes.
 pub fn finish_scales(k: &mut Kernel, ctx: &Ctx, plan: &Plan, codec: &CodecLayout) {
     for field in &codec.fields {
+        if let FieldLayout::Coeff {
+            count,
+            bits,
+            scale,
+            zero_point: true,
+            slot,
+            zero_slot,
+            ..
+        } = *field
+        {
+            let slots = match scale {
+                CoeffScale::Page => 1,
+                CoeffScale::PageComponent => count,
+                _ => continue,
+            };
+            for_each(k, ctx, slots, |k, w| {
+                let target = k.add(w, slot);
+                let at_scale = ctx.shared_word(k, plan.scales, target);
+                let target = k.add(w, zero_slot);
+                let at_zero = ctx.shared_word(k, plan.scales, target);
+                let hi: Reg<U32> = k.ld_shared(at_scale);
+                let lo: Reg<U32> = k.ld_shared(at_zero);
+                let lo = k.xor(lo, u32::MAX);
+                let (hi, lo) = (from_order_key(k, hi), from_order_key(k, lo));
+                let (s, z) = zero_point_scale(k, lo, hi, bits);
+                k.st_shared(at_scale, s);
+                k.st_shared(at_zero, z);
+            });
+            continue;
+        }
+        if let FieldLayout::Dense {
+            dtype,
+            scale: Some(DenseScale::Header(slot)),
+            ..
+        } = *field
+        {
+            let format = dtype.fp8().expect("checked: only fp8 fields have scales");
+            for_each(k, ctx, 1u32, |k, w| {
+                let target = k.add(w, slot);
+                let at = ctx.shared_word(k, plan.scales, target);
+                let m: Reg<F32> = k.ld_shared(at);
+                let s = fp8_scale(k, m, format);
+                k.st_shared(at, s);
+            });
+            continue;
+        }
         let (slot, slots, bits) = match *field {
             FieldLayout::Radius {
                 groups,
@@ -277,7 +373,7 @@ pub fn finish_scales(k: &mut Kernel, ctx: &Ctx, plan: &Plan, codec: &CodecLayout
             } => match scale {
                 CoeffScale::Page => (slot, 1, Some(bits)),
                 CoeffScale::PageComponent => (slot, count, Some(bits)),
-                CoeffScale::Item | CoeffScale::Component => continue,
+                CoeffScale::Item | CoeffScale::Group | CoeffScale::Component => continue,
             },
             _ => continue,
         };
@@ -348,27 +444,64 @@ pub fn pack_items(
             }
             FieldLayout::Coeff {
                 item_scale,
+                item_zero,
                 bits,
                 scale,
+                zero_point,
+                group,
                 slot,
+                zero_slot,
                 table,
+                zero_table,
                 ..
             } => {
+                let groups = dims / group;
                 if let Some(offset) = item_scale {
                     k.comment(&format!("{side}: f16 item scales"));
-                    for_each(k, ctx, count, |k, item| {
+                    let tasks = k.mul(count, groups);
+                    for_each(k, ctx, tasks, |k, w| {
+                        let (item, j) = split(k, w, groups);
+                        let first = k.mul(item, dims);
+                        let first = k.mad_lo(j, group, first);
+                        // Smallest and largest order keys, or the largest magnitude.
+                        let lo = k.mov(KEY_INFINITY);
+                        let hi = k.mov(KEY_NEG_INFINITY);
                         let m = k.mov(0.0f32);
-                        let row = k.mul(item, dims);
-                        serial(k, dims, |k, c| {
-                            let i = k.add(row, c);
+                        serial(k, group, |k, c| {
+                            let i = k.add(first, c);
                             let at = ctx.shared_word(k, plan.x, i);
                             let v: Reg<F32> = k.ld_shared(at);
-                            let a = k.abs_f32(v);
-                            let larger = k.max(m, a);
-                            k.assign(m, larger);
+                            if zero_point {
+                                let key = order_key(k, v);
+                                let smaller = k.min(lo, key);
+                                k.assign(lo, smaller);
+                                let larger = k.max(hi, key);
+                                k.assign(hi, larger);
+                            } else {
+                                let a = k.abs_f32(v);
+                                let larger = k.max(m, a);
+                                k.assign(m, larger);
+                            }
                         });
-                        let q = super::emit::coeff_max(bits) as f32;
-                        store_item_scale(k, ctx, plan, stride, item, m, q, offset);
+                        let at = k.mad_lo(item, plan.item_groups, j);
+                        let (s, s_bits) = if zero_point {
+                            let (lo, hi) = (from_order_key(k, lo), from_order_key(k, hi));
+                            let (s, s_bits, z, z_bits) = half_zero_point_scale(k, lo, hi, bits);
+                            let zero_at = ctx.shared_word(k, plan.item_zeros, at);
+                            k.st_shared(zero_at, z);
+                            let offset = item_zero.expect("zero points stored");
+                            let bit = k.mad_lo(j, 16u32, offset);
+                            let bit = item_bit(k, item, stride, bit);
+                            write_bits(k, ctx, plan.image, bit, 16, z_bits);
+                            (s, s_bits)
+                        } else {
+                            half_scale(k, m, super::emit::coeff_max(bits) as f32)
+                        };
+                        let scale_at = ctx.shared_word(k, plan.item_scales, at);
+                        k.st_shared(scale_at, s);
+                        let bit = k.mad_lo(j, 16u32, offset);
+                        let bit = item_bit(k, item, stride, bit);
+                        write_bits(k, ctx, plan.image, bit, 16, s_bits);
                     });
                     k.bar_sync();
                 }
@@ -379,9 +512,33 @@ pub fn pack_items(
                     let (item, c) = split(k, w, dims);
                     let at = ctx.shared_word(k, plan.x, w);
                     let v = k.ld_shared(at);
+                    let zero: Option<Reg<F32>> = zero_point.then(|| match scale {
+                        CoeffScale::Item | CoeffScale::Group => {
+                            let j = k.div_u32(c, group);
+                            let at = k.mad_lo(item, plan.item_groups, j);
+                            let at = ctx.shared_word(k, plan.item_zeros, at);
+                            k.ld_shared(at)
+                        }
+                        CoeffScale::Page => {
+                            let target = k.mov(zero_slot);
+                            let at = ctx.shared_word(k, plan.scales, target);
+                            k.ld_shared(at)
+                        }
+                        CoeffScale::PageComponent => {
+                            let target = k.add(c, zero_slot);
+                            let at = ctx.shared_word(k, plan.scales, target);
+                            k.ld_shared(at)
+                        }
+                        CoeffScale::Component => {
+                            let t = zero_table.expect("component zero points have a table");
+                            ctx.table_value(k, tables.offsets[t], c)
+                        }
+                    });
                     let factor: Reg<F32> = match scale {
-                        CoeffScale::Item => {
-                            let at = ctx.shared_word(k, plan.item_scales, item);
+                        CoeffScale::Item | CoeffScale::Group => {
+                            let j = k.div_u32(c, group);
+                            let at = k.mad_lo(item, plan.item_groups, j);
+                            let at = ctx.shared_word(k, plan.item_scales, at);
                             k.ld_shared(at)
                         }
                         CoeffScale::Page => {
@@ -399,7 +556,10 @@ pub fn pack_items(
                             ctx.table_value(k, tables.offsets[t], c)
                         }
                     };
-                    let code = quantize(k, v, factor, bits);
+                    let code = match zero {
+                        Some(z) => quantize_unsigned(k, v, factor, z, bits),
+                        None => quantize(k, v, factor, bits),
+                    };
                     let bit = k.mad_lo(c, range.width, range.offset);
                     let bit = item_bit(k, item, stride, bit);
                     write_bits(k, ctx, plan.image, bit, range.width, code);
@@ -426,7 +586,25 @@ pub fn pack_items(
                     item_scale,
                 },
             ),
-            FieldLayout::Dense { dtype, .. } => {
+            FieldLayout::Dense { dtype, scale, .. } => {
+                if let (Some(DenseScale::Item(offset)), Some(format)) = (scale, dtype.fp8()) {
+                    k.comment(&format!("{side}: f16 item scales of fp8 values"));
+                    for_each(k, ctx, count, |k, item| {
+                        let m = k.mov(0.0f32);
+                        let row = k.mul(item, dims);
+                        serial(k, dims, |k, c| {
+                            let i = k.add(row, c);
+                            let at = ctx.shared_word(k, plan.x, i);
+                            let v: Reg<F32> = k.ld_shared(at);
+                            let a = k.abs_f32(v);
+                            let larger = k.max(m, a);
+                            k.assign(m, larger);
+                        });
+                        let q = format.max();
+                        store_item_scale(k, ctx, plan, stride, item, item, m, q, offset);
+                    });
+                    k.bar_sync();
+                }
                 k.comment(&format!("{side}: dense values"));
                 let range = codec.slot(SlotRole::DenseValue);
                 let tasks = k.mul(count, dims);
@@ -444,6 +622,29 @@ pub fn pack_items(
                             k.widen16(h)
                         }
                         DenseDtype::F32 => k.bitcast(v),
+                        DenseDtype::Fp8e4m3 | DenseDtype::Fp8e5m2 => {
+                            let format = dtype.fp8().expect("an fp8 dtype");
+                            let s: Option<Reg<F32>> = scale.map(|scale| match scale {
+                                DenseScale::Table(t) => {
+                                    let zero = k.mov(0u32);
+                                    ctx.table_value(k, tables.offsets[t], zero)
+                                }
+                                DenseScale::Header(slot) => {
+                                    let target = k.mov(slot);
+                                    let at = ctx.shared_word(k, plan.scales, target);
+                                    k.ld_shared(at)
+                                }
+                                DenseScale::Item(_) => {
+                                    let at = ctx.shared_word(k, plan.item_scales, item);
+                                    k.ld_shared(at)
+                                }
+                            });
+                            let v = match s {
+                                Some(s) => k.div_f32(v, s),
+                                None => v,
+                            };
+                            fp8_encode(k, format, v)
+                        }
                     };
                     let bit = k.mad_lo(c, range.width, range.offset);
                     let bit = item_bit(k, item, stride, bit);
@@ -463,13 +664,14 @@ fn store_item_scale(
     ctx: &Ctx,
     plan: &Plan,
     stride: u32,
+    at: Reg<U32>,
     item: Reg<U32>,
     m: Reg<F32>,
     q: f32,
     offset: u32,
 ) {
     let (s, bits) = half_scale(k, m, q);
-    let at = ctx.shared_word(k, plan.item_scales, item);
+    let at = ctx.shared_word(k, plan.item_scales, at);
     k.st_shared(at, s);
     let bit = k.mad_lo(item, 8 * stride, offset);
     write_bits(k, ctx, plan.image, bit, 16, bits);
@@ -560,7 +762,8 @@ fn bitmap(k: &mut Kernel, ctx: &Ctx, plan: &Plan, codec: &CodecLayout, count: Re
                     assign_if(k, m, larger, kept);
                 }
             });
-            store_item_scale(k, ctx, plan, stride, item, m, 127.0, offset);
+            let q = elem.code_max();
+            store_item_scale(k, ctx, plan, stride, item, item, m, q, offset);
         });
         k.bar_sync();
     }
@@ -581,7 +784,7 @@ fn bitmap(k: &mut Kernel, ctx: &Ctx, plan: &Plan, codec: &CodecLayout, count: Re
             let earlier: Reg<U32> = k.ld_shared(at);
             k.add_to(position, position, earlier);
         });
-        let scale: Option<Reg<F32>> = (elem == BitmapElem::Int8).then(|| {
+        let scale: Option<Reg<F32>> = elem.scaled().then(|| {
             let at = ctx.shared_word(k, plan.item_scales, item);
             k.ld_shared(at)
         });
@@ -590,9 +793,13 @@ fn bitmap(k: &mut Kernel, ctx: &Ctx, plan: &Plan, codec: &CodecLayout, count: Re
         let e0 = k.mul(position, g);
         for t in 0..g {
             let v: Reg<F32> = k.ld_shared(x0.plus(4 * i64::from(t)));
-            let raw = match scale {
-                Some(s) => quantize(k, v, s, 8),
-                None => {
+            let raw = match (scale, elem.fp8()) {
+                (Some(s), Some(format)) => {
+                    let v = k.div_f32(v, s);
+                    fp8_encode(k, format, v)
+                }
+                (Some(s), None) => quantize(k, v, s, 8),
+                (None, _) => {
                     let h = k.f32_to_f16(v);
                     k.widen16(h)
                 }

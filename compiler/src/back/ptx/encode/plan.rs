@@ -1,7 +1,7 @@
 //! How many items an encode CTA holds at once, and where its shared-memory
 //! regions lie.
 
-use crate::layout::{round_up, CodecLayout, FieldLayout, TierLayout};
+use crate::layout::{round_up, CodecLayout, FieldLayout, SlotRole, TierLayout};
 
 /// Items per chunk when a page does not fit at once: chunks then start on
 /// 16-byte boundaries of every stream, whatever the item stride.
@@ -21,12 +21,27 @@ pub struct Plan {
     pub codes: u32,
     /// `chunk * groups` f32: radii, or bitmap group energies.
     pub aux: u32,
-    /// `chunk` f32: item scales.
+    /// `chunk * item_groups` f32: item scales (one per item, or per channel
+    /// group of a coeff field).
     pub item_scales: u32,
+    /// `chunk * item_groups` f32: the item scales' zero points (where a codec
+    /// has them; else it aliases `item_scales` and is never used).
+    pub item_zeros: u32,
+    /// Item scales per item (the larger side's).
+    pub item_groups: u32,
     /// The chunk's items as packed in the stream, `round16(chunk * stride)` bytes.
     pub image: u32,
     /// Total bytes.
     pub bytes: u32,
+}
+
+/// Scales a codec stores in each item: one per channel group of a coeff
+/// field's group scale, else one.
+pub fn item_groups(codec: &CodecLayout) -> u32 {
+    match *codec.body() {
+        FieldLayout::Coeff { count, group, .. } => count / group,
+        _ => 1,
+    }
 }
 
 /// Groups of a codec's body (codebook or bitmap), or 0.
@@ -44,6 +59,7 @@ impl Plan {
         let dims = codecs.iter().map(|c| c.dims).max().unwrap_or(0);
         let groups = codecs.iter().map(|c| groups(c)).max().unwrap_or(0);
         let stride = codecs.iter().map(|c| c.stride).max().unwrap_or(0);
+        let item_groups = codecs.iter().map(|c| item_groups(c)).max().unwrap_or(1);
         let mut at = 0;
         let mut region = |bytes: u32| {
             let start = at;
@@ -54,7 +70,15 @@ impl Plan {
         let x = region(4 * chunk * dims);
         let codes = region(4 * chunk * groups);
         let aux = region(4 * chunk * groups);
-        let item_scales = region(4 * chunk);
+        let item_scales = region(4 * chunk * item_groups);
+        // Only codecs with item zero points have a region for them.
+        let zeros = codecs
+            .iter()
+            .any(|c| c.find_slot(SlotRole::ItemZero).is_some());
+        let item_zeros = match zeros {
+            true => region(4 * chunk * item_groups),
+            false => item_scales,
+        };
         let image = region(chunk * stride);
         Plan {
             chunk,
@@ -63,6 +87,8 @@ impl Plan {
             codes,
             aux,
             item_scales,
+            item_zeros,
+            item_groups,
             image,
             bytes: at,
         }

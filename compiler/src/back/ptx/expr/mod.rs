@@ -16,6 +16,7 @@
 use super::builder::{Arith, Cmp, Global, Kernel, Op, Pred, Reg, Shared, F32, S32, U32, U64};
 use crate::ir::{Arena, BinaryOp, Expr, Handle, Input, Literal, UnaryOp};
 use crate::proc::{known_zeros, operands, significant_bits};
+use crate::spec::Fp8;
 use crate::valid::Range;
 
 mod reads;
@@ -638,6 +639,10 @@ fn unary(k: &mut Kernel, op: UnaryOp, arg: Val) -> Val {
             let x = materialize_u32(k, x);
             f(k.bitcast(x))
         }
+        (UnaryOp::Fp8ToFloat(format), Val::U32(x)) => {
+            let x = materialize_u32(k, x);
+            f(fp8_to_f32(k, format, x))
+        }
         (UnaryOp::ToFloat, Val::U32(x)) => {
             let x = materialize_u32(k, x);
             f(k.u32_to_f32(x))
@@ -651,6 +656,33 @@ fn unary(k: &mut Kernel, op: UnaryOp, arg: Val) -> Val {
             Val::I32(Op::Reg(k.bfe_s32(x, 0u32, u32::from(bits))))
         }
         _ => unreachable!("validated IR: {op:?} operand type"),
+    }
+}
+
+/// An fp8 code in the low 8 bits as f32 (`Fp8::decode`), through the f16 it
+/// widens to, with integer operations any target has: e5m2 is an f16's high
+/// byte; e4m3 shifted down one bit is an f16 of 2^-8 its value, times 256
+/// exactly, its NaN pattern selected apart.
+pub(crate) fn fp8_to_f32(k: &mut Kernel, format: Fp8, x: Reg<U32>) -> Reg<F32> {
+    let x = k.and(x, 0xFFu32);
+    match format {
+        Fp8::E5m2 => {
+            let h = k.shl(x, 8u32);
+            let half = k.low16(h);
+            k.f16_to_f32(half)
+        }
+        Fp8::E4m3 => {
+            let magnitude = k.and(x, 0x7Fu32);
+            let shifted = k.shl(magnitude, 7u32);
+            let sign = k.and(x, 0x80u32);
+            let sign = k.shl(sign, 8u32);
+            let h = k.or(shifted, sign);
+            let half = k.low16(h);
+            let v = k.f16_to_f32(half);
+            let v = k.mul(v, 256.0f32);
+            let is_nan = k.setp(Cmp::Eq, magnitude, 0x7Fu32);
+            k.selp(f32::NAN, v, is_nan)
+        }
     }
 }
 

@@ -299,7 +299,7 @@ impl AccumulateMma<'_> {
                         let mut token = self.value_words(k, m, lane_base, offset);
                         // Stale f16 rows past the tile's items may hold any
                         // bits (0 · NaN poisons a sum); integers are always finite.
-                        if m.channel.element == Element::Half {
+                        if m.channel.element.is_half() {
                             let at = k.add(t.token, first + d);
                             let ok = k.setp(Cmp::Lt, at, items);
                             token.words =
@@ -587,6 +587,11 @@ pub(super) fn token_pair(
     let ((a, i), (b, j)) = (first.byte(byte), second.byte(byte));
     match element {
         Element::Half => k.prmt(a, b, i | (i + 1) << 4 | (4 + j) << 8 | (5 + j) << 12),
+        Element::Fp8(format) => {
+            // The channel's byte of both tokens at bytes 0 and 1, widened.
+            let x = k.prmt(a, b, i | (4 + j) << 4);
+            super::score_mma::fp8_pair(k, format, x)
+        }
         Element::Int { bits, signed } => {
             // The element's byte of both tokens at bytes 0 and 2.
             let x = k.prmt(a, b, i | i << 4 | (4 + j) << 8 | (4 + j) << 12);

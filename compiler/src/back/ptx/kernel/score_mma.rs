@@ -14,6 +14,7 @@ use super::fragments::{
     column_sigma, f16_part, swizzled_if, unscale_of, Fragments, Lanes, StepTokens, HALF_EXPONENT,
 };
 use super::gather::FragmentGather;
+use crate::spec::Fp8;
 
 /// The score on the tensor cores.
 #[derive(Clone, Copy)]
@@ -110,7 +111,9 @@ impl ScoreSums {
                 .collect()
         };
         match score.key {
-            Element::Half => ScoreSums::Half(tiles(k, chains.min(score.key_steps()))),
+            Element::Half | Element::Fp8(_) => {
+                ScoreSums::Half(tiles(k, chains.min(score.key_steps())))
+            }
             Element::Int { signed, .. } => ScoreSums::Int {
                 signed,
                 sums: (0..column_tiles)
@@ -264,7 +267,7 @@ impl ScoreMma<'_> {
         // Logits in log2 units; 4-bit codes enter as 16 times the code.
         let code_scale = match m.key {
             Element::Int { bits, .. } => 1.0 / (1u32 << (8 - bits)) as f32,
-            Element::Half => 1.0,
+            Element::Half | Element::Fp8(_) => 1.0,
         };
         let softmax_scale = k.ld_param(&self.cta.p.softmax_scale);
         let factor = k.mul(softmax_scale, std::f32::consts::LOG2_E * code_scale);
@@ -297,7 +300,7 @@ impl ScoreMma<'_> {
             };
             // A B column's lanes: the four of its row.
             let (sigma, column_tiles) = match m.key {
-                Element::Half => {
+                Element::Half | Element::Fp8(_) => {
                     let sigma = column_sigma(k, &elements, &[1, 2], HALF_EXPONENT);
                     let scaled: Vec<Reg<F32>> = elements.iter().map(|&x| k.mul(x, sigma)).collect();
                     let pairs = (0..m.key_registers())
@@ -474,7 +477,8 @@ impl ScoreMma<'_> {
 
 /// The fragment registers of one word of key elements
 /// ([`MmaScore::key_element`]): f16 pairs and bytes as they are; 4-bit codes
-/// as the bytes' high nibbles, 16 times the code (low nibbles, then high).
+/// as the bytes' high nibbles, 16 times the code (low nibbles, then high);
+/// fp8 bytes as two exact f16 pairs (bytes 0-1, then 2-3).
 pub(super) fn key_registers(k: &mut Kernel, element: Element, w: Reg<U32>) -> Vec<Reg<U32>> {
     const HIGH_NIBBLES: u32 = 0xF0F0_F0F0;
     match element {
@@ -482,6 +486,23 @@ pub(super) fn key_registers(k: &mut Kernel, element: Element, w: Reg<U32>) -> Ve
             let low = k.shl(w, 4u32);
             vec![k.and(low, HIGH_NIBBLES), k.and(w, HIGH_NIBBLES)]
         }
+        Element::Fp8(format) => {
+            let high = k.shr(w, 16u32);
+            [w, high]
+                .into_iter()
+                .map(|x| fp8_pair(k, format, x))
+                .collect()
+        }
         _ => vec![w],
     }
+}
+
+/// The exact f16 pair of the fp8 bytes 0 (low half) and 1 (high half) of `x`.
+pub(super) fn fp8_pair(k: &mut Kernel, format: Fp8, x: Reg<U32>) -> Reg<U32> {
+    let pair = k.low16(x);
+    let halves = match format {
+        Fp8::E4m3 => k.e4m3x2_to_f16x2(pair),
+        Fp8::E5m2 => k.e5m2x2_to_f16x2(pair),
+    };
+    k.bitcast(halves)
 }

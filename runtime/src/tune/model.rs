@@ -1,0 +1,187 @@
+//! The default configuration of a tier's kernel, from a cost model of the
+//! decode step instead of constants: what the runtime launches where no tune
+//! result covers the tier, the GPU and the shape, and where `kvcc tune`'s
+//! search starts.
+//!
+//! A step streams every page once, so its time is the pages' bytes over the
+//! bandwidth the grid reaches, plus fixed costs per tile and per CTA. Each
+//! rule below removes one cost that measurements showed (H100, every bundled
+//! tier, batch 8 at 32K and batch 1 at 128K; docs/autotune.md § Defaults):
+//!
+//! - **page size**: a tile is at most a page, and per-tile work (barriers,
+//!   header scales, the softmax rescale) is paid per tile, so a page should
+//!   hold [`TILE_BYTES`] of codes; KIVI int4 (140 B a token) ran 2.1× faster
+//!   in 256-item pages than in 64-item ones. Pages stay small enough that the
+//!   grid has [`PAGES_PER_SM`] pages for every SM, or short contexts at batch
+//!   1 leave SMs idle.
+//! - **warps**: values accumulated through per-item table reads (VQ
+//!   codebook rows) are latency-bound gathers; more, smaller CTAs hide them
+//!   (shard: 2 warps 15–20 % faster than 4). Elsewhere 4 warps were within
+//!   2 % of the best.
+//! - **copy path**: on sm_90, narrow rows (both streams under
+//!   [`NARROW_ROW_BYTES`]) load faster by bulk copies even where the padded
+//!   `cp.async` rows would avoid bank conflicts: few words per row conflict
+//!   (subspace: 13–18 % faster, shard 4–5 %).
+//! - **splits** stay one wave of CTAs, **tiles** a page, two buffers: the best
+//!   alternative was within 7 % on every tier.
+
+use kvcc_compiler::back::ptx::Target;
+use kvcc_compiler::proc::reads_tables;
+use kvcc_compiler::Format;
+
+use super::config::with_page_items;
+use super::{KernelConfig, ShapeBucket};
+
+/// Bytes of codes a page (hence a tile) should hold.
+pub const TILE_BYTES: u32 = 32 * 1024;
+/// Page sizes the model picks from, smallest first.
+pub const PAGE_ITEMS: [u32; 3] = [64, 128, 256];
+/// Pages of the whole batch per SM below which pages are halved.
+pub const PAGES_PER_SM: u32 = 2;
+/// Item rows (per stream) narrower than this load by bulk copies.
+pub const NARROW_ROW_BYTES: u32 = 128;
+/// Warps of a CTA whose values read tables per item.
+const TABLE_READ_WARPS: u32 = 2;
+
+/// What the model knows of the GPU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Machine {
+    pub target: Target,
+    pub multiprocessors: u32,
+}
+
+/// The modeled configuration of `tier`, page size included: for callers that
+/// encode the pages themselves (`kvcc bench`, the tuner's starting point).
+pub fn config(format: &Format, tier: usize, shape: ShapeBucket, machine: Machine) -> KernelConfig {
+    let items = page_items(format, tier, shape, machine);
+    match with_page_items(format, items) {
+        Ok(paged) => config_at(&paged, tier, machine.target),
+        Err(_) => config_at(format, tier, machine.target),
+    }
+}
+
+/// The modeled configuration of `tier` for pages of the format's own size:
+/// for caches whose pages are already written.
+pub fn config_at(format: &Format, tier: usize, target: Target) -> KernelConfig {
+    let layout = format.layout(tier);
+    let module = format.tiers()[tier].module();
+    let reference = KernelConfig::reference(format);
+    let warps = if reads_tables(&module.value.accumulate.exprs) {
+        TABLE_READ_WARPS
+    } else {
+        reference.warps
+    };
+    let narrow = layout.key.stride.max(layout.value.stride) < NARROW_ROW_BYTES;
+    let bulk_copies = if narrow && target == Target::Sm90 {
+        Some(true)
+    } else {
+        reference.bulk_copies
+    };
+    KernelConfig {
+        warps,
+        bulk_copies,
+        ..reference
+    }
+}
+
+/// Items per page for `tier` at `shape`: the smallest of [`PAGE_ITEMS`] whose
+/// page holds [`TILE_BYTES`], halved while the batch has fewer than
+/// [`PAGES_PER_SM`] pages per SM, among the sizes the spec accepts.
+pub fn page_items(format: &Format, tier: usize, shape: ShapeBucket, machine: Machine) -> u32 {
+    let layout = format.layout(tier);
+    let item_bytes = layout.key.stride + layout.value.stride;
+    let page_bytes = |items: u32| items * item_bytes + layout.header_bytes;
+    let fits = |items: u32| with_page_items(format, items).is_ok();
+    let mut sizes = PAGE_ITEMS.iter().copied().filter(|&items| fits(items));
+    let Some(smallest) = sizes.next() else {
+        return format.spec().page.items;
+    };
+    let mut items = std::iter::once(smallest)
+        .chain(sizes)
+        .find(|&items| page_bytes(items) >= TILE_BYTES)
+        .unwrap_or(*PAGE_ITEMS.last().unwrap());
+    let rows = u64::from(shape.batch.0.max(1)) * u64::from(shape.kv_heads.max(1));
+    let pages = |items: u32| rows * u64::from(shape.context.0.max(1)).div_ceil(u64::from(items));
+    let wanted = u64::from(PAGES_PER_SM * machine.multiprocessors);
+    while items > smallest && pages(items) < wanted {
+        items /= 2;
+    }
+    if fits(items) {
+        items
+    } else {
+        smallest
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const H100: Machine = Machine {
+        target: Target::Sm90,
+        multiprocessors: 132,
+    };
+
+    fn bundled(name: &str) -> Format {
+        let file = format!("specs/{name}.toml");
+        let (_, source) = crate::builtin::SPECS
+            .iter()
+            .find(|(path, _)| *path == file)
+            .unwrap();
+        Format::parse(source, &file).unwrap()
+    }
+
+    fn shape(batch: usize, context: usize) -> ShapeBucket {
+        ShapeBucket::of(batch, 32, 8, context)
+    }
+
+    fn tier(format: &Format, name: &str) -> usize {
+        format.tier_index(name).unwrap()
+    }
+
+    #[test]
+    fn pages_hold_a_tile_of_codes() {
+        let dense = bundled("dense_f16");
+        assert_eq!(page_items(&dense, 0, shape(8, 32768), H100), 64);
+        let kivi = bundled("kivi");
+        let at = |t| page_items(&kivi, tier(&kivi, t), shape(8, 32768), H100);
+        assert_eq!(at("int8"), 128);
+        assert_eq!(at("int4"), 256);
+        let subspace = bundled("subspace");
+        assert_eq!(page_items(&subspace, 0, shape(8, 32768), H100), 256);
+    }
+
+    #[test]
+    fn short_batches_get_smaller_pages_to_fill_the_gpu() {
+        let kivi = bundled("kivi");
+        let int4 = tier(&kivi, "int4");
+        // 8 rows of 8K tokens: 256-item pages would give 256 pages for 132 SMs.
+        assert_eq!(page_items(&kivi, int4, shape(1, 8192), H100), 128);
+        assert_eq!(page_items(&kivi, int4, shape(1, 131072), H100), 256);
+        // Never below the smallest size, however short.
+        assert_eq!(page_items(&kivi, int4, shape(1, 64), H100), 64);
+    }
+
+    #[test]
+    fn table_reading_values_get_small_ctas_and_narrow_rows_bulk_copies() {
+        let shard = bundled("shard");
+        let config = config_at(&shard, 0, Target::Sm90);
+        assert_eq!(config.warps, TABLE_READ_WARPS);
+        assert_eq!(config.bulk_copies, Some(true));
+        let dense = bundled("dense_f16");
+        assert_eq!(
+            config_at(&dense, 0, Target::Sm90),
+            KernelConfig::reference(&dense)
+        );
+        assert_eq!(config_at(&shard, 0, Target::Sm80).bulk_copies, None);
+    }
+
+    #[test]
+    fn the_modeled_config_carries_its_page_size() {
+        let kivi = bundled("kivi");
+        let int4 = tier(&kivi, "int4");
+        let config = config(&kivi, int4, shape(8, 32768), H100);
+        assert_eq!(config.page_items, 256);
+        assert!(config.paged_format(&kivi).is_ok());
+    }
+}
