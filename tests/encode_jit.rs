@@ -4,7 +4,8 @@
 //! printed; `KVCC_TEST_SEED` replays), on fresh random rows with the
 //! awkward cases the encoders' rounding rules are about: exact ties (equal
 //! rows, equal coordinates, half-way codes), zero rows and an all-zero page,
-//! large and tiny magnitudes, partial and empty pages. Tables are trained on
+//! large and tiny magnitudes, partial and empty pages, fp8 ties, subnormals
+//! and saturation. Tables are trained on
 //! ordinary rows of the same seed.
 
 mod common;
@@ -90,6 +91,49 @@ fn tie_rows(rng: &mut SplitMix64, tokens: usize, head_dim: usize) -> Vec<f32> {
     out
 }
 
+/// `tokens` rows for the fp8 rounding rules: each row's first value is
+/// `±448 · 2^k` (one `k` per page), so page and item scales are exactly
+/// `2^k` (e4m3) or `2^(k-7)` (e5m2) and the other values, fp8 values and
+/// exact ties between neighbouring ones (subnormal ones included) times
+/// that scale, ±1 ulp, land exactly where they were put; under trained
+/// (tensor, head) scales they saturate.
+fn fp8_rows(rng: &mut SplitMix64, tokens: usize, head_dim: usize) -> Vec<f32> {
+    use kvcc::compiler::spec::Fp8;
+    let k = rng.below(7) as i32 - 3;
+    let points: Vec<(Fp8, f32)> = [Fp8::E4m3, Fp8::E5m2]
+        .into_iter()
+        .flat_map(|format| {
+            let values: Vec<f32> = (0..0x80)
+                .map(|c| format.decode(c))
+                .filter(|v| v.is_finite())
+                .collect();
+            let ties: Vec<f32> = values.windows(2).map(|w| (w[0] + w[1]) / 2.0).collect();
+            values.into_iter().chain(ties).map(move |v| (format, v))
+        })
+        .collect();
+    let mut out = Vec::with_capacity(tokens * head_dim);
+    for _ in 0..tokens {
+        for c in 0..head_dim {
+            let sign = if rng.coin() { 1.0 } else { -1.0 };
+            if c == 0 {
+                out.push(sign * 448.0 * 2f32.powi(k));
+                continue;
+            }
+            let (format, p) = points[rng.below(points.len())];
+            // The element's scale: 2^k for e4m3, 2^(k-7) for e5m2.
+            let scale = 448.0 * 2f32.powi(k) / format.max();
+            let v = sign * p * scale;
+            let v = match rng.below(4) {
+                0 => f32::from_bits(v.to_bits().wrapping_sub(1)),
+                1 => f32::from_bits(v.to_bits() + 1),
+                _ => v,
+            };
+            out.push(if v.is_finite() { v } else { 0.0 });
+        }
+    }
+    out
+}
+
 /// Ordinary rows for training.
 fn training_rows(rng: &mut SplitMix64, tokens: usize, head_dim: usize) -> Vec<f32> {
     (0..tokens * head_dim)
@@ -116,12 +160,13 @@ fn check_format(format: &Format, seed: u64, what: &str) {
         let encoder = compile_encoder(format.name(), layout, &[])
             .unwrap_or_else(|e| panic!("{what}: compiling tier {}: {e}", layout.name));
         let tables = &tier_tables[0];
-        let counts = [items, items, items, rng.below(items + 1), 0];
+        let counts = [items, items, items, rng.below(items + 1), 0, items];
         for (case, &count) in counts.iter().enumerate() {
             let (k, v) = match case {
                 1 => (tie_rows(&mut rng, count, d), tie_rows(&mut rng, count, d)),
                 // An all-zero page: scales of 1, every score tied.
                 2 => (vec![0.0; count * d], vec![0.0; count * d]),
+                5 => (fp8_rows(&mut rng, count, d), fp8_rows(&mut rng, count, d)),
                 _ => (rows(&mut rng, count, d), rows(&mut rng, count, d)),
             };
             let bytes = layout.page_bytes as usize;

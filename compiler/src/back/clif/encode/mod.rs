@@ -49,6 +49,9 @@ pub(super) struct Scratch {
     kept: u32,
     /// One item's bitmap mask words.
     mask: u32,
+    /// `2 * dims` f32: one item's in-item coeff `(scale, zero)` pairs, one
+    /// per channel group (a codec has at most one coeff field).
+    pairs: u32,
     /// The page being built, `page_bytes + 8`.
     image: u32,
     bytes: u32,
@@ -73,6 +76,7 @@ impl Scratch {
             keys: region(4 * groups),
             kept: region(4 * (groups + 1)),
             mask: region(4 * groups.div_ceil(32)),
+            pairs: region(8 * dims),
             image: region(layout.page_bytes + 8),
             bytes: at,
         }

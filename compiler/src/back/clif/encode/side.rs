@@ -11,6 +11,7 @@ use super::num::Ix;
 use super::Scratch;
 use crate::back::clif::expr::{invariant, writable, Fx};
 use crate::layout::schema::MASK_WORD_BITS;
+use crate::layout::DenseScale;
 use crate::layout::{
     coeff_max, CodecLayout, FieldLayout, ItemSlot, SlotRole, TierLayout, TransformLayout,
     HEADER_FIXED_BYTES,
@@ -35,13 +36,15 @@ struct Regions {
     keys: ir::Value,
     kept: ir::Value,
     mask: ir::Value,
+    pairs: ir::Value,
     image: ir::Value,
 }
 
 /// Per-item values a field computes before its slots are written.
 #[derive(Default, Clone, Copy)]
 struct ItemValues {
-    /// The f32 value of the item's f16 scale (coeff item scales, int8 bitmaps).
+    /// The f32 value of the item's f16 scale (scaled bitmaps, fp8 dense
+    /// fields with item scales; coeff fields keep theirs in `pairs`).
     scale: Option<ir::Value>,
 }
 
@@ -61,6 +64,7 @@ pub(super) fn encode_side(
         keys: region(fx, scratch.keys),
         kept: region(fx, scratch.kept),
         mask: region(fx, scratch.mask),
+        pairs: region(fx, scratch.pairs),
         image: region(fx, scratch.image),
     };
     transform(fx, layout.head_dim, codec, input, args, &r);
@@ -369,6 +373,74 @@ fn page_scales(fx: &mut Fx, codec: &CodecLayout, args: &Args, r: &Regions) {
                 }
             }
             FieldLayout::Coeff {
+                bits,
+                scale,
+                zero_point: true,
+                slot,
+                zero_slot,
+                ..
+            } => {
+                // `min_max` (total order) then `zero_point_scale`.
+                let set = |fx: &mut Fx, range: MinMax, c: Ix| {
+                    let (lo, hi) = range.finish(fx);
+                    let (s, z) = fx.zero_point_scale(lo, hi, bits);
+                    let (base, ix) = header_scale(fx, r, slot, c);
+                    fx.st(base, ix, s);
+                    let (base, ix) = header_scale(fx, r, zero_slot, c);
+                    fx.st(base, ix, z);
+                };
+                match scale {
+                    CoeffScale::Page => {
+                        let range = MinMax::new(fx);
+                        fx.loop_to(args.count, |fx, i| {
+                            let x = fx.row(r.x, Ix::V(i), 4 * dims, 0);
+                            fx.each(dims, |fx, c| {
+                                let v = fx.ldf(x, c);
+                                range.add(fx, v);
+                            });
+                        });
+                        set(fx, range, Ix::K(0));
+                    }
+                    CoeffScale::PageComponent => {
+                        fx.each(dims, |fx, c| {
+                            let range = MinMax::new(fx);
+                            fx.loop_to(args.count, |fx, i| {
+                                let x = fx.row(r.x, Ix::V(i), 4 * dims, 0);
+                                let v = fx.ldf(x, c);
+                                range.add(fx, v);
+                            });
+                            set(fx, range, c);
+                        });
+                    }
+                    CoeffScale::Item | CoeffScale::Group | CoeffScale::Component => {}
+                }
+            }
+            FieldLayout::Dense {
+                dtype,
+                scale: Some(DenseScale::Header(slot)),
+                ..
+            } => {
+                let format = dtype.fp8().expect("checked: only fp8 fields have scales");
+                let zero = fx.f32c(0.0);
+                let max = fx.var(types::F32, zero);
+                fx.loop_to(args.count, |fx, i| {
+                    let x = fx.row(r.x, Ix::V(i), 4 * dims, 0);
+                    fx.each(dims, |fx, c| {
+                        let v = fx.ldf(x, c);
+                        let a = fx.b.ins().fabs(v);
+                        let m = fx.get(max);
+                        let m = fx.rust_max(m, a);
+                        fx.set(max, m);
+                    });
+                });
+                let m = fx.get(max);
+                let q = fx.f32c(format.max());
+                let s = fx.b.ins().fdiv(m, q);
+                let s = fx.scale_or_one(s);
+                let (base, ix) = header_scale(fx, r, slot, Ix::K(0));
+                fx.st(base, ix, s);
+            }
+            FieldLayout::Coeff {
                 count: components,
                 bits,
                 scale,
@@ -416,7 +488,7 @@ fn page_scales(fx: &mut Fx, codec: &CodecLayout, args: &Args, r: &Regions) {
                             coeff_scale(fx, m, c);
                         });
                     }
-                    CoeffScale::Item | CoeffScale::Component => {}
+                    CoeffScale::Item | CoeffScale::Group | CoeffScale::Component => {}
                 }
             }
             _ => {}
@@ -476,34 +548,78 @@ fn pack(fx: &mut Fx, layout: &TierLayout, codec: &CodecLayout, args: &Args, r: &
                         count,
                         bits,
                         scale,
+                        zero_point,
+                        group,
                         slot: first,
+                        zero_slot,
                         table: t,
+                        zero_table,
                         ..
                     } = *field
                     else {
                         unreachable!("coefficients belong to coeff fields")
                     };
                     let component = t.map(|t| table(fx, args, t));
+                    let component_zero = zero_table.map(|t| table(fx, args, t));
                     fx.each(count, |fx, c| {
-                        let factor = match scale {
-                            CoeffScale::Item => item_scale.expect("item scale computed"),
+                        // `codec::coeff_factor`: the scale and zero point
+                        // (0 for symmetric codes) of coefficient `c`.
+                        let (factor, zero) = match scale {
+                            CoeffScale::Item | CoeffScale::Group => {
+                                let k = match c {
+                                    Ix::K(c) => Ix::K(c / group),
+                                    Ix::V(c) => Ix::V(fx.b.ins().udiv_imm_u(c, i64::from(group))),
+                                };
+                                let s = fx.affine(k, 2, 0);
+                                let z = fx.affine(k, 2, 1);
+                                (fx.ldf(r.pairs, s), fx.ldf(r.pairs, z))
+                            }
                             CoeffScale::Page | CoeffScale::PageComponent => {
                                 let ix = if scale == CoeffScale::Page {
                                     Ix::K(0)
                                 } else {
                                     c
                                 };
-                                let (base, ix) = header_scale(fx, r, first, ix);
-                                fx.ldf(base, ix)
+                                let (base, at) = header_scale(fx, r, first, ix);
+                                let s = fx.ldf(base, at);
+                                let z = if zero_point {
+                                    let (base, at) = header_scale(fx, r, zero_slot, ix);
+                                    fx.ldf(base, at)
+                                } else {
+                                    fx.f32c(0.0)
+                                };
+                                (s, z)
                             }
                             CoeffScale::Component => {
                                 let t = component.expect("component scale table");
-                                fx.ldf(t, c)
+                                let s = fx.ldf(t, c);
+                                let z = match component_zero {
+                                    Some(t) => fx.ldf(t, c),
+                                    None => fx.f32c(0.0),
+                                };
+                                (s, z)
                             }
                         };
                         let v = fx.ldf(x, c);
-                        let code = fx.quantize(v, factor, bits);
+                        let code = if zero_point {
+                            fx.quantize_unsigned(v, factor, zero, bits)
+                        } else {
+                            fx.quantize(v, factor, bits)
+                        };
                         at.put(fx, c, code);
+                    });
+                }
+                SlotRole::ItemScale | SlotRole::ItemZero
+                    if matches!(field, FieldLayout::Coeff { .. }) =>
+                {
+                    // The f16 (scale, zero) pairs `prepare` left in `pairs`:
+                    // f16 values, so `f16_bits` gives their bits back.
+                    let half = u32::from(slot.role == SlotRole::ItemZero);
+                    fx.each(slot.element_count(), |fx, k| {
+                        let at_pair = fx.affine(k, 2, half);
+                        let v = fx.ldf(r.pairs, at_pair);
+                        let bits = fx.f16_bits(v);
+                        at.put(fx, k, bits);
                     });
                 }
                 SlotRole::ItemScale => {
@@ -511,6 +627,7 @@ fn pack(fx: &mut Fx, layout: &TierLayout, codec: &CodecLayout, args: &Args, r: &
                     let bits = fx.f16_bits(s);
                     at.put(fx, Ix::K(0), bits);
                 }
+                SlotRole::ItemZero => unreachable!("item zero points belong to coeff fields"),
                 SlotRole::MaskBit => {
                     fx.each(slot.element_count(), |fx, w| {
                         let word = fx.ldi(r.mask, w);
@@ -533,12 +650,17 @@ fn pack(fx: &mut Fx, layout: &TierLayout, codec: &CodecLayout, args: &Args, r: &
                         let first = fx.affine(e, g, 0);
                         fx.each_unrolled(g, UNROLL, |fx, t| {
                             let v = fx.ldf(group, t);
-                            let stored = match elem {
-                                BitmapElem::Int8 => {
+                            let stored = match (elem, elem.fp8()) {
+                                (BitmapElem::F16, _) => fx.f16_bits(v),
+                                (_, Some(format)) => {
+                                    let s = item_scale.expect("fp8 scale computed");
+                                    let v = fx.b.ins().fdiv(v, s);
+                                    fx.fp8_encode(format, v)
+                                }
+                                (_, None) => {
                                     let s = item_scale.expect("int8 scale computed");
                                     fx.quantize(v, s, 8)
                                 }
-                                BitmapElem::F16 => fx.f16_bits(v),
                             };
                             let n = fx.add_ix(first, t);
                             at.put(fx, n, stored);
@@ -546,15 +668,43 @@ fn pack(fx: &mut Fx, layout: &TierLayout, codec: &CodecLayout, args: &Args, r: &
                     });
                 }
                 SlotRole::DenseValue => {
-                    let FieldLayout::Dense { count, dtype, .. } = *field else {
+                    let FieldLayout::Dense {
+                        count,
+                        dtype,
+                        scale,
+                        ..
+                    } = *field
+                    else {
                         unreachable!("values belong to dense fields")
+                    };
+                    // `codec::dense_factor`: values are divided by it.
+                    let factor = match scale {
+                        None => None,
+                        Some(DenseScale::Table(t)) => {
+                            let t = table(fx, args, t);
+                            Some(fx.ldf(t, Ix::K(0)))
+                        }
+                        Some(DenseScale::Header(first)) => {
+                            let (base, ix) = header_scale(fx, r, first, Ix::K(0));
+                            Some(fx.ldf(base, ix))
+                        }
+                        Some(DenseScale::Item(_)) => match dtype.fp8() {
+                            Some(_) => Some(item_scale.expect("item scale computed")),
+                            None => Some(fx.f32c(1.0)),
+                        },
                     };
                     fx.each(count, |fx, c| {
                         let v = fx.ldf(x, c);
+                        let v = match factor {
+                            Some(s) => fx.b.ins().fdiv(v, s),
+                            None => v,
+                        };
                         let stored = match dtype {
                             DenseDtype::F16 => fx.f16_bits(v),
                             DenseDtype::Bf16 => fx.bf16_bits(v),
                             DenseDtype::F32 => fx.float_bits(v),
+                            DenseDtype::Fp8e4m3 => fx.fp8_encode(crate::spec::Fp8::E4m3, v),
+                            DenseDtype::Fp8e5m2 => fx.fp8_encode(crate::spec::Fp8::E5m2, v),
                         };
                         at.put(fx, c, stored);
                     });
@@ -571,16 +721,47 @@ fn pack(fx: &mut Fx, layout: &TierLayout, codec: &CodecLayout, args: &Args, r: &
 fn prepare(fx: &mut Fx, field: &FieldLayout, x: ir::Value, r: &Regions) -> ItemValues {
     match *field {
         FieldLayout::Coeff {
-            item_scale: Some(_),
             count,
             bits,
+            scale,
+            zero_point,
+            group,
             ..
-        } => {
-            let max = max_abs(fx, x, count);
-            ItemValues {
-                scale: Some(fx.half_scale(max, coeff_max(bits) as f32)),
-            }
+        } if scale.in_item() => {
+            // `codec::item_scales`: one (scale, zero) per chunk of `group`.
+            fx.each(count / group, |fx, k| {
+                let chunk = fx.row(x, k, 4 * group, 0);
+                let (s, z) = if zero_point {
+                    let range = MinMax::new(fx);
+                    fx.each(group, |fx, t| {
+                        let v = fx.ldf(chunk, t);
+                        range.add(fx, v);
+                    });
+                    let (lo, hi) = range.finish(fx);
+                    fx.half_zero_point_scale(lo, hi, bits)
+                } else {
+                    let max = max_abs(fx, chunk, group);
+                    let s = fx.half_scale(max, coeff_max(bits) as f32);
+                    (s, fx.f32c(0.0))
+                };
+                let at = fx.affine(k, 2, 0);
+                fx.st(r.pairs, at, s);
+                let at = fx.affine(k, 2, 1);
+                fx.st(r.pairs, at, z);
+            });
+            ItemValues::default()
         }
+        FieldLayout::Dense {
+            count,
+            dtype,
+            scale: Some(DenseScale::Item(_)),
+            ..
+        } => ItemValues {
+            scale: dtype.fp8().map(|format| {
+                let max = max_abs(fx, x, count);
+                fx.half_scale(max, format.max())
+            }),
+        },
         FieldLayout::Bitmap {
             groups,
             group_size: g,
@@ -648,7 +829,7 @@ fn prepare(fx: &mut Fx, field: &FieldLayout, x: ir::Value, r: &Regions) -> ItemV
                 let new = fx.b.ins().bor(old, bit);
                 fx.st(r.mask, Ix::V(word), new);
             });
-            let scale = (elem == BitmapElem::Int8).then(|| {
+            let scale = elem.scaled().then(|| {
                 let zero = fx.f32c(0.0);
                 let max = fx.var(types::F32, zero);
                 fx.each(keep, |fx, e| {
@@ -663,11 +844,58 @@ fn prepare(fx: &mut Fx, field: &FieldLayout, x: ir::Value, r: &Regions) -> ItemV
                     });
                 });
                 let m = fx.get(max);
-                fx.half_scale(m, coeff_max(8) as f32)
+                fx.half_scale(m, elem.code_max())
             });
             ItemValues { scale }
         }
         _ => ItemValues::default(),
+    }
+}
+
+/// `ops::min_max` as it runs: the smallest and largest values seen in
+/// `f32::total_cmp` order, kept as total-order keys (the key of a key is
+/// the float's bits again).
+#[derive(Clone, Copy)]
+struct MinMax {
+    lo: cranelift_frontend::Variable,
+    hi: cranelift_frontend::Variable,
+}
+
+impl MinMax {
+    /// Starts at `(+inf, -inf)`.
+    fn new(fx: &mut Fx) -> MinMax {
+        let inf = fx.f32c(f32::INFINITY);
+        let lo = fx.total_key(inf);
+        let neg_inf = fx.f32c(f32::NEG_INFINITY);
+        let hi = fx.total_key(neg_inf);
+        MinMax {
+            lo: fx.var(types::I32, lo),
+            hi: fx.var(types::I32, hi),
+        }
+    }
+
+    fn add(self, fx: &mut Fx, v: ir::Value) {
+        let key = fx.total_key(v);
+        let lo = fx.get(self.lo);
+        let below = fx.b.ins().icmp(IntCC::SignedLessThan, key, lo);
+        let lo = fx.b.ins().select(below, key, lo);
+        fx.set(self.lo, lo);
+        let hi = fx.get(self.hi);
+        let above = fx.b.ins().icmp(IntCC::SignedGreaterThan, key, hi);
+        let hi = fx.b.ins().select(above, key, hi);
+        fx.set(self.hi, hi);
+    }
+
+    /// `(lo, hi)` as f32.
+    fn finish(self, fx: &mut Fx) -> (ir::Value, ir::Value) {
+        let [lo, hi] = [self.lo, self.hi].map(|v| {
+            let key = fx.get(v);
+            let bits = fx.b.ins().sshr_imm_u(key, 31);
+            let flip = fx.b.ins().ushr_imm_u(bits, 1);
+            let bits = fx.b.ins().bxor(key, flip);
+            fx.bits_float(bits)
+        });
+        (lo, hi)
     }
 }
 
