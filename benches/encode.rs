@@ -1,20 +1,24 @@
 //! Page encoding: the encoders `kv_format!` generates (specialized per tier:
-//! constant sizes and bit offsets, word-at-a-time packing) against the
-//! generic runtime encoder (`kvcc_runtime::encode::encode_page`, which walks
-//! the tier's layout at run time), on the same pages with the same tables.
-//! The two write byte-identical pages (`tests/kv_format.rs`).
+//! constant sizes and bit offsets, word-at-a-time packing) and the
+//! Cranelift-compiled ones (`clif::compile_encoder`, what the JIT live cache
+//! uses) against the generic runtime encoder
+//! (`kvcc_runtime::encode::encode_page`, which walks the tier's layout at
+//! run time), on the same pages with the same tables. All three write
+//! byte-identical pages (`tests/kv_format.rs`, `tests/encode_jit.rs`).
 //!
-//! Per bundled spec and tier: `encode/<spec>/<tier>/generic` and
-//! `.../kv_format`, each encoding `PAGES` full pages of one kv head of
-//! structured synthetic K/V. `cargo bench --bench encode` prints a summary
-//! table (µs per page, speedup) after criterion's output; results and the
-//! machine they came from are in `docs/kv-format-macro.md`.
+//! Per bundled spec and tier: `encode/<spec>/<tier>/generic`,
+//! `.../kv_format` and `.../jit`, each encoding `PAGES` full pages of one kv
+//! head of structured synthetic K/V. `cargo bench --bench encode` prints a
+//! summary table (µs per page, speedups over generic) after criterion's
+//! output; results and the machine they came from are in
+//! `docs/kv-format-macro.md` and `docs/page-encoders.md`.
 
 use std::collections::BTreeMap;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use criterion::Criterion;
+use kvcc::compiler::back::clif::compile_encoder;
 use kvcc::compiler::layout::TierLayout;
 use kvcc::compiler::Format;
 use kvcc::kv_format;
@@ -33,6 +37,8 @@ kv_format!("specs/mosaic.toml");
 const PAGES: usize = 8;
 
 type EncodeFn = fn(&TierLayout, &[Vec<f32>], &[f32], &[f32], &mut [u8]) -> Result<(), EncodeError>;
+type DynEncode =
+    dyn Fn(&TierLayout, &[Vec<f32>], &[f32], &[f32], &mut [u8]) -> Result<(), EncodeError>;
 
 /// Every generated format with its specialized encoder.
 fn formats() -> [(&'static Format, EncodeFn); 6] {
@@ -72,7 +78,22 @@ fn bench_encoders(c: &mut Criterion) {
             let tables = &tables[t][0];
             let mut page = vec![0u8; layout.page_bytes as usize];
             let generic: EncodeFn = encode_page;
-            for (encoder, encode) in [("generic", generic), ("kv_format", specialized)] {
+            let jit = compile_encoder(format.name(), layout, &[]).expect("compile the encoder");
+            let jit = move |_: &TierLayout,
+                            tables: &[Vec<f32>],
+                            k: &[f32],
+                            v: &[f32],
+                            page: &mut [u8]| {
+                jit.encode(tables, k, v, page)
+                    .map(|_| ())
+                    .map_err(|e| panic!("jit: {e}"))
+            };
+            let encoders: [(&str, &DynEncode); 3] = [
+                ("generic", &generic),
+                ("kv_format", &specialized),
+                ("jit", &jit),
+            ];
+            for (encoder, encode) in encoders {
                 let id = format!("{}/{}/{encoder}", format.name(), layout.name);
                 group.bench_function(&id, |b| {
                     b.iter_custom(|iters| {
@@ -113,30 +134,36 @@ fn median(times: &[f64]) -> f64 {
     t[t.len() / 2]
 }
 
-/// A markdown table of what ran: µs per page of both encoders and the speedup.
+/// A markdown table of what ran: µs per page of each encoder and the
+/// speedups over the generic one.
 fn summary() {
     let times = TIMES.lock().expect("times");
     let time = |id: String| times.get(&id).map(|t| median(t) / PAGES as f64);
-    println!("\n| spec | tier | page B | generic µs/page | kv_format µs/page | speedup |");
-    println!("|---|---|---:|---:|---:|---:|");
+    println!(
+        "\n| spec | tier | page B | generic µs/page | kv_format µs/page | speedup | jit µs/page | speedup |"
+    );
+    println!("|---|---|---:|---:|---:|---:|---:|---:|");
     for (format, _) in formats() {
         for t in 0..format.tiers().len() {
             let layout = format.layout(t);
             let id = format!("{}/{}", format.name(), layout.name);
-            let (Some(generic), Some(specialized)) = (
+            let (Some(generic), Some(specialized), Some(jit)) = (
                 time(format!("{id}/generic")),
                 time(format!("{id}/kv_format")),
+                time(format!("{id}/jit")),
             ) else {
                 continue;
             };
             println!(
-                "| {} | {} | {} | {:.1} | {:.1} | {:.1}x |",
+                "| {} | {} | {} | {:.1} | {:.1} | {:.1}x | {:.1} | {:.1}x |",
                 format.name(),
                 layout.name,
                 layout.page_bytes,
                 generic * 1e6,
                 specialized * 1e6,
-                generic / specialized
+                generic / specialized,
+                jit * 1e6,
+                generic / jit
             );
         }
     }

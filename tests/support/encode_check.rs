@@ -62,7 +62,7 @@ fn random_rows(rng: &mut SplitMix64, tokens: usize, head_dim: usize, items: usiz
 }
 
 /// Where byte `at` of a page of `layout` lies, for a mismatch report.
-fn describe(layout: &TierLayout, at: usize) -> String {
+pub fn describe(layout: &TierLayout, at: usize) -> String {
     let at32 = at as u32;
     if at32 < 16 {
         return ["tier", "count", "flags", "reserved"][at / 4].to_string() + " header word";

@@ -6,6 +6,7 @@ pub mod ops;
 pub mod train;
 mod transform;
 
+use kvcc_compiler::back::clif::{self, PageEncoder};
 use kvcc_compiler::layout::{Side, TierLayout};
 use kvcc_compiler::page::PageHeader;
 
@@ -55,6 +56,8 @@ pub enum EncodeError {
     },
     #[error("tables for {found} kv heads given; expected {expected}")]
     TableHeads { found: usize, expected: usize },
+    #[error("the page buffer holds {found} bytes; a page of the tier {expected}")]
+    PageSize { found: usize, expected: usize },
     /// A specialized (`kv_format!`) encoder was handed a page of a layout it
     /// was not generated for.
     #[error(
@@ -125,6 +128,47 @@ pub fn encode_page(
     }
     .write(layout, page);
     Ok(())
+}
+
+/// [`encode_page`] by tier `layout`'s compiled encoder
+/// (`clif::compile_encoder`, e.g. from `exec::page_encoder`): the same
+/// checks and errors, the same bytes; `kv_head` (whose `tables` these are)
+/// only names it in errors.
+pub fn encode_page_compiled(
+    encoder: &PageEncoder,
+    layout: &TierLayout,
+    kv_head: usize,
+    tables: &[Vec<f32>],
+    keys: &[f32],
+    values: &[f32],
+    page: &mut [u8],
+) -> Result<(), EncodeError> {
+    if encoder.layout() != layout {
+        return Err(EncodeError::ForeignLayout {
+            encoder: encoder.format().to_string(),
+            tier: layout.name.clone(),
+            index: layout.index,
+        });
+    }
+    ops::check_page(
+        layout.head_dim as usize,
+        layout.items_per_page,
+        keys,
+        values,
+    )?;
+    match encoder.encode(tables, keys, values, page) {
+        Ok(_) => Ok(()),
+        Err(clif::EncodeError::Tables { found, expected }) => Err(EncodeError::TableShape {
+            tier: layout.name.clone(),
+            kv_head,
+            found,
+            expected,
+        }),
+        Err(clif::EncodeError::Page { found, expected }) => {
+            Err(EncodeError::PageSize { found, expected })
+        }
+        Err(e) => unreachable!("check_page accepted what the encoder refuses: {e}"),
+    }
 }
 
 /// Reference decoder: the dense keys and values a page stands for

@@ -13,7 +13,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
-use kvcc_compiler::back::clif::{self, Kernels, Tables};
+use kvcc_compiler::back::clif::{self, Kernels, PageEncoder, Tables};
 use kvcc_compiler::back::interp::{merge, Interpreter, Options, Softmax};
 use kvcc_compiler::page::CacheView;
 use kvcc_compiler::Format;
@@ -64,6 +64,43 @@ fn kernels(
         .expect("kernel cache lock")
         .entry(key)
         .or_insert(k)
+        .clone())
+}
+
+/// (spec, tier) -> page encoder, keyed as kernels are.
+type Encoders = Mutex<HashMap<(String, usize), Arc<PageEncoder>>>;
+
+/// Page encoders compiled in this process.
+fn compiled_encoders() -> &'static Encoders {
+    static ENCODERS: OnceLock<Encoders> = OnceLock::new();
+    ENCODERS.get_or_init(Default::default)
+}
+
+/// Tier `tier`'s page encoder (`clif::compile_encoder`), compiled on first
+/// use in this process.
+pub fn page_encoder(format: &Format, tier: usize) -> Result<Arc<PageEncoder>, ExecError> {
+    let key = (format!("{:?}", format.spec()), tier);
+    if let Some(e) = compiled_encoders()
+        .lock()
+        .expect("encoder cache lock")
+        .get(&key)
+    {
+        return Ok(e.clone());
+    }
+    // Compiled outside the lock, as kernels are.
+    let encoder = clif::compile_encoder(format.name(), format.layout(tier), &[]).map_err(|e| {
+        ExecError::Backend {
+            executor: "jit",
+            format: e.format,
+            tier: e.tier,
+            message: e.kind.to_string(),
+        }
+    })?;
+    Ok(compiled_encoders()
+        .lock()
+        .expect("encoder cache lock")
+        .entry(key)
+        .or_insert(Arc::new(encoder))
         .clone())
 }
 

@@ -7,7 +7,7 @@ mod jit;
 
 pub use cuda::CudaExecutor;
 pub use interp::InterpExecutor;
-pub use jit::JitExecutor;
+pub use jit::{page_encoder, JitExecutor};
 
 use crate::cache::PagedCache;
 

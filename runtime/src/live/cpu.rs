@@ -1,6 +1,11 @@
-//! The CPU live cache: pages encoded by the CPU encoder into a [`PagedCache`],
-//! attended by the JIT or the interpreter; exact rows scored here.
+//! The CPU live cache: pages encoded into a [`PagedCache`] and attended by
+//! the JIT or the interpreter; exact rows scored here. Under the JIT
+//! executor pages are compressed by each tier's compiled encoder
+//! (`exec::page_encoder`), otherwise by `encode_page`: the same bytes.
 
+use std::sync::{Arc, OnceLock};
+
+use kvcc_compiler::back::clif::PageEncoder;
 use kvcc_compiler::back::interp::{merge, Interpreter, Options, Softmax};
 use kvcc_compiler::page::PageRef;
 use kvcc_compiler::spec::ExactDtype;
@@ -10,8 +15,8 @@ use super::exact::{round, ExactPartial, ExactRows};
 use super::pool::PagePool;
 use super::{Append, Attention, CachePolicy, LiveError, LiveKv, SequenceKv};
 use crate::cache::{self, PagedCache, Tables};
-use crate::encode::{encode_page, EncodeError, TrainOptions};
-use crate::exec::{Executor, ExecutorKind};
+use crate::encode::{encode_page, encode_page_compiled, EncodeError, TrainOptions};
+use crate::exec::{page_encoder, Executor, ExecutorKind};
 
 /// How a [`LiveCache`] is shaped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -51,6 +56,9 @@ pub struct LiveCache {
     /// Opened once: every decode step reuses it (a GPU executor holds its
     /// context and modules).
     executor: Box<dyn Executor>,
+    /// Under the JIT executor: each tier's compiled page encoder, fetched
+    /// on the first page of that tier.
+    encoders: Option<Vec<OnceLock<Arc<PageEncoder>>>>,
 }
 
 impl std::fmt::Debug for LiveCache {
@@ -95,6 +103,8 @@ impl LiveCache {
             pool: PagePool::new(tiers, options.pages_per_tier),
             policy: options.policy,
             executor: options.executor.executor()?,
+            encoders: (options.executor == ExecutorKind::Jit)
+                .then(|| (0..tiers).map(|_| OnceLock::new()).collect()),
         })
     }
 
@@ -190,6 +200,7 @@ impl LiveCache {
             );
         }
         let layout = format.layout(self.policy.tier);
+        let encoder = self.encoder(self.policy.tier)?;
         let items = layout.items_per_page as usize;
         let count = tail[0].tokens(d).saturating_sub(self.policy.window) / items;
         let mut pages = Vec::with_capacity(count);
@@ -199,7 +210,10 @@ impl LiveCache {
                 let (k, v) = rows.take_front(exact, items, d);
                 let mut page = vec![0u8; layout.page_bytes as usize];
                 let tables = &self.pages.tables()[self.policy.tier][h];
-                encode_page(layout, tables, &k, &v, &mut page)?;
+                match &encoder {
+                    Some(e) => encode_page_compiled(e, layout, h, tables, &k, &v, &mut page)?,
+                    None => encode_page(layout, tables, &k, &v, &mut page)?,
+                }
                 heads.push(page);
             }
             pages.push(heads);
@@ -211,6 +225,19 @@ impl LiveCache {
             tail,
             pages,
         })
+    }
+
+    /// Tier `tier`'s compiled page encoder under the JIT executor (compiled
+    /// once per process and format), `None` under the others.
+    fn encoder(&self, tier: usize) -> Result<Option<Arc<PageEncoder>>, LiveError> {
+        let Some(cells) = &self.encoders else {
+            return Ok(None);
+        };
+        if let Some(e) = cells[tier].get() {
+            return Ok(Some(e.clone()));
+        }
+        let e = page_encoder(self.pages.format(), tier)?;
+        Ok(Some(cells[tier].get_or_init(|| e).clone()))
     }
 
     /// Checks that the planned pages fit, then applies every plan.

@@ -1,6 +1,7 @@
-//! The Cranelift JIT backend: each tier's four programs become native
-//! functions for the host CPU, with the loops over a page's items, channels
-//! and stage iterations inside the generated code (no call per item).
+//! The Cranelift JIT backend: each tier's four programs, and its page
+//! encoder, become native functions for the host CPU, with the loops over a
+//! page's items, channels and stage iterations inside the generated code (no
+//! call per item).
 //!
 //! - `expr.rs`: IR expressions -> CLIF values, SIMD across lanes, constants
 //!   folded with the interpreter's own evaluation.
@@ -9,11 +10,16 @@
 //!   prologue and epilogue over stage iterations) and the heads one call serves.
 //! - `module.rs`: the JIT module, host ISA and settings, executable memory.
 //! - `kernels.rs`: the compiled functions behind a safe, checked API.
+//! - `encode/`: the page encoder of a tier (`compile_encoder`, `PageEncoder`):
+//!   dense rows and tables in, the page `runtime::encode::encode_page` writes
+//!   out, byte for byte; `side.rs` walks the layout, `num.rs` has the
+//!   encoder's numbers (rounding, f16/bf16, NaN rules) as CLIF.
 //!
 //! Semantics are the interpreter's (`back::interp`), bit for bit: fused fma,
 //! u32 wrapping arithmetic, binary16 conversion by integer ops; the online
 //! softmax and the merge of tier partials stay with the executor.
 
+mod encode;
 mod expr;
 mod kernels;
 mod module;
@@ -22,6 +28,7 @@ mod stream;
 
 use cranelift_codegen::ir::types;
 
+pub use encode::{compile_encoder, EncodeError, PageEncoder};
 pub use kernels::{Kernels, Shape, Tables};
 
 use crate::valid::ValidModule;

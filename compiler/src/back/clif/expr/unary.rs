@@ -88,7 +88,7 @@ impl Fx<'_> {
     /// above 15 are ignored (shifted out). Normal numbers rebias the exponent;
     /// the rest (see `rare_halves`) are handled for vectors on a side path
     /// taken only when some lane needs it. The sign is bit 15 moved to 31.
-    pub(super) fn half_to_float(&mut self, x: ir::Value, vector: bool) -> ir::Value {
+    pub(in crate::back::clif) fn half_to_float(&mut self, x: ir::Value, vector: bool) -> ir::Value {
         let [four, thirteen, fifteen, seventeen, twenty_seven, twenty_eight, thirty_one] =
             [4, 13, 15, 17, 27, 28, 31].map(|n| self.iconst(n));
         // Exponent and mantissa at the top, nothing above them.
