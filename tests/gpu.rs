@@ -317,9 +317,10 @@ fn gpu_tuning_space_matches_interpreter_and_page_size_is_enforced() {
             "{}: {launched:?}",
             format.name()
         );
-        // A configuration tuned for 128-item pages cannot load for 64-item pages…
+        // A configuration tuned for pages twice as large cannot load for these…
+        let pages = format.spec().page.items;
         let other = KernelConfig {
-            page_items: 128,
+            page_items: 2 * pages,
             ..default
         };
         let refused =
@@ -327,28 +328,24 @@ fn gpu_tuning_space_matches_interpreter_and_page_size_is_enforced() {
         assert!(
             matches!(
                 refused,
-                Err(CudaError::Tune(TuneError::PageSize {
-                    tuned: 128,
-                    pages: 64
-                }))
+                Err(CudaError::Tune(TuneError::PageSize { tuned, pages: p }))
+                    if tuned == 2 * pages && p == pages
             ),
             "{}: {:?}",
             format.name(),
             refused.err()
         );
-        // …and kernels generated for 128-item pages refuse a cache of 64-item pages.
-        let paged = other.paged_format(&format).expect("128-item variant");
+        // …and kernels generated for the larger pages refuse a cache of these.
+        let paged = other.paged_format(&format).expect("larger-page variant");
         let kernels =
             FormatKernels::load_configs(gpu, &paged, &vec![other; format.tiers().len()], 4)
-                .expect("128-item kernels");
+                .expect("larger-page kernels");
         let upload = DeviceCache::upload(gpu, &kernels, &cache);
         assert!(
             matches!(
                 upload,
-                Err(CudaError::Tune(TuneError::PageSize {
-                    tuned: 128,
-                    pages: 64
-                }))
+                Err(CudaError::Tune(TuneError::PageSize { tuned, pages: p }))
+                    if tuned == 2 * pages && p == pages
             ),
             "{}: page size mismatch not refused",
             format.name()

@@ -159,6 +159,11 @@ fn random_specs_assemble_without_local_memory() {
         if let Err(ptx::Error::SharedMemory { .. }) = ptx::write(&format, &options) {
             options.tile_items = None;
         }
+        // The checker admits what the roomiest target holds: a spec that only
+        // sm_90 fits is refused on sm_80 with that error, and assembled for sm_90.
+        if let Err(ptx::Error::SharedMemory { .. }) = ptx::write(&format, &options) {
+            options.target = Target::roomiest();
+        }
         let output = ptx::write(&format, &options).unwrap_or_else(|e| {
             panic!("seed {seed}, spec {index}: {e}\noptions {options:?}\n{spec:#?}")
         });
