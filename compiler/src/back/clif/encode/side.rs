@@ -421,19 +421,7 @@ fn page_scales(fx: &mut Fx, codec: &CodecLayout, args: &Args, r: &Regions) {
                 ..
             } => {
                 let format = dtype.fp8().expect("checked: only fp8 fields have scales");
-                let zero = fx.f32c(0.0);
-                let max = fx.var(types::F32, zero);
-                fx.loop_to(args.count, |fx, i| {
-                    let x = fx.row(r.x, Ix::V(i), 4 * dims, 0);
-                    fx.each(dims, |fx, c| {
-                        let v = fx.ldf(x, c);
-                        let a = fx.b.ins().fabs(v);
-                        let m = fx.get(max);
-                        let m = fx.rust_max(m, a);
-                        fx.set(max, m);
-                    });
-                });
-                let m = fx.get(max);
+                let m = page_max_abs(fx, args, r, dims, dims);
                 let q = fx.f32c(format.max());
                 let s = fx.b.ins().fdiv(m, q);
                 let s = fx.scale_or_one(s);
@@ -457,19 +445,7 @@ fn page_scales(fx: &mut Fx, codec: &CodecLayout, args: &Args, r: &Regions) {
                 };
                 match scale {
                     CoeffScale::Page => {
-                        let zero = fx.f32c(0.0);
-                        let max = fx.var(types::F32, zero);
-                        fx.loop_to(args.count, |fx, i| {
-                            let x = fx.row(r.x, Ix::V(i), 4 * dims, 0);
-                            fx.each(components, |fx, c| {
-                                let v = fx.ldf(x, c);
-                                let a = fx.b.ins().fabs(v);
-                                let m = fx.get(max);
-                                let m = fx.rust_max(m, a);
-                                fx.set(max, m);
-                            });
-                        });
-                        let m = fx.get(max);
+                        let m = page_max_abs(fx, args, r, dims, components);
                         coeff_scale(fx, m, Ix::K(0));
                     }
                     CoeffScale::PageComponent => {
@@ -897,6 +873,21 @@ impl MinMax {
         });
         (lo, hi)
     }
+}
+
+/// `ops::max_abs` over the first `n` floats of every item row (rows of
+/// `dims` floats): a page scale's maximum.
+fn page_max_abs(fx: &mut Fx, args: &Args, r: &Regions, dims: u32, n: u32) -> ir::Value {
+    let zero = fx.f32c(0.0);
+    let max = fx.var(types::F32, zero);
+    fx.loop_to(args.count, |fx, i| {
+        let x = fx.row(r.x, Ix::V(i), 4 * dims, 0);
+        let a = max_abs(fx, x, n);
+        let m = fx.get(max);
+        let m = fx.rust_max(m, a);
+        fx.set(max, m);
+    });
+    fx.get(max)
 }
 
 /// `ops::max_abs` of the `n` floats at `x`.
