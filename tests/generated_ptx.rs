@@ -85,6 +85,31 @@ fn generated_ptx_matches_the_committed_snapshots() {
 /// a dot product of such elements with the query (dense f16, KIVI, MosaicKV,
 /// fp8); zero-point codes (kivi2) stay per-thread; with `tensor_cores` off
 /// every tier is per-thread fma chains.
+/// Grouped and asymmetric values (`tests/in/grouped-values/`) accumulate on
+/// the tensor cores on both targets, whatever the GQA group.
+#[test]
+fn grouped_values_accumulate_on_the_tensor_cores() {
+    for format in common::grouped_value_formats() {
+        for target in Target::ALL {
+            for head_block in [1, 4, 8] {
+                let options = Options {
+                    head_block,
+                    ..Options::for_target(target)
+                };
+                let output = ptx::write(&format, &options).expect("test formats generate");
+                for tier in &output.tiers {
+                    assert!(
+                        tier.ptx.contains("tensor-core accumulate"),
+                        "{}/{} on {target:?}, head block {head_block}: values not on the tensor cores",
+                        format.name(),
+                        tier.tier
+                    );
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn tensor_cores_serve_exactly_the_f16_exact_phases() {
     let mut served = Vec::new();

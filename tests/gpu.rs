@@ -7,7 +7,7 @@ mod common;
 
 use common::{
     assert_rows_close, bitmap_mask_specs, bundled, cache_and_queries, direct_codebook_formats,
-    fresh_seed, scrambled_bitmap_masks,
+    fresh_seed, grouped_value_formats, scrambled_bitmap_masks,
 };
 use kvcc::compiler::back::interp::{Interpreter, Options};
 use kvcc::compiler::Format;
@@ -127,6 +127,40 @@ fn gpu_matches_interpreter_on_direct_codebook_formats() {
             seed,
             2,
             8,
+            &|s, p| (s + p) % tiers,
+            &what,
+        );
+    }
+}
+
+/// Values with group scales and zero points on the tensor cores
+/// (`tests/in/grouped-values/`): each tier alone at GQA 1, 4 and 8 (one and
+/// two column tiles), then mixed tiers.
+#[test]
+fn gpu_matches_interpreter_on_grouped_values() {
+    let Some(executor) = gpu("gpu_matches_interpreter_on_grouped_values") else {
+        return;
+    };
+    let seed = fresh_seed("gpu_grouped_values");
+    for format in grouped_value_formats() {
+        let tiers = format.tiers().len();
+        for group in [1, 4, 8] {
+            for tier in 0..tiers {
+                let what = format!(
+                    "{}/{} (GQA {group})",
+                    format.name(),
+                    format.layout(tier).name
+                );
+                check(&executor, &format, seed, 2, group, &|_, _| tier, &what);
+            }
+        }
+        let what = format!("{} mixed tiers (GQA 4)", format.name());
+        check(
+            &executor,
+            &format,
+            seed,
+            2,
+            4,
             &|s, p| (s + p) % tiers,
             &what,
         );

@@ -20,9 +20,24 @@ pub fn bundled() -> Vec<Format> {
 /// Formats whose key codebooks the kernels read directly rather than through
 /// per-query lookup tables (`tests/in/codebook-reads/`).
 pub fn direct_codebook_formats() -> Vec<Format> {
-    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/in/codebook-reads");
+    formats_in(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/in/codebook-reads"
+    ))
+}
+
+/// Formats whose values have per-group (or per-item) scales and zero points
+/// behind keys the tensor cores score (`tests/in/grouped-values/`).
+pub fn grouped_value_formats() -> Vec<Format> {
+    formats_in(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/in/grouped-values"
+    ))
+}
+
+fn formats_in(dir: &str) -> Vec<Format> {
     let mut files: Vec<_> = std::fs::read_dir(dir)
-        .expect("tests/in/codebook-reads exists")
+        .unwrap_or_else(|e| panic!("{dir}: {e}"))
         .map(|entry| entry.expect("readable directory entry").path())
         .filter(|path| path.extension().is_some_and(|ext| ext == "toml"))
         .collect();

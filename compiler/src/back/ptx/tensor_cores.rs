@@ -295,12 +295,35 @@ impl MmaPlan {
     /// accumulators (4 per channel tile) and query fragments.
     pub fn held_registers(&self) -> u32 {
         let queries = (self.score.as_ref()).map_or(0, |s| s.query_tiles() * s.key_registers());
-        self.column_tiles * (4 * self.channel_tiles() + queries)
+        self.column_tiles * (4 * self.channel_tiles() + self.zero_sums() + queries)
     }
 
     /// Byte offset of value channel 0 in a value row.
     pub fn value_offset(&self) -> u32 {
         self.channel.base / 8
+    }
+
+    /// Whether the weights take value scales (item or group ones) and σ.
+    pub fn scaled_values(&self) -> bool {
+        self.channel.scale.is_some() || self.channel.groups.is_some()
+    }
+
+    /// Value groups ([`ValueGroups`]; one without).
+    pub fn value_groups(&self) -> u32 {
+        self.value_dims / self.group_size()
+    }
+
+    /// Channels of a value group: all of them without groups.
+    pub fn group_size(&self) -> u32 {
+        self.channel.groups.map_or(self.value_dims, |g| g.size)
+    }
+
+    /// Zero-point sums a lane holds per column tile: one per value group.
+    pub fn zero_sums(&self) -> u32 {
+        match self.channel.groups {
+            Some(ValueGroups { zero: Some(_), .. }) => self.value_groups(),
+            _ => 0,
+        }
     }
 
     /// Channel tiles of the accumulate (16 channels each).
@@ -319,7 +342,11 @@ impl MmaPlan {
         self.lane_sums() * WARP_LANES * 4
     }
 
-    /// Value channels per lane group (`lane / 4`): 2 per channel tile.
+    /// Value channels per lane group (`lane / 4`): 2 per channel tile. With
+    /// value groups a lane group holds `2 · size / 16` channels of each
+    /// group, consecutive: channel `c` of the lane group in row `r` is
+    /// channel `size · (c / n) + n · r + c % n` of the row, `n` those per group
+    /// (`kernel/accumulate_mma.rs` stores them so).
     pub fn group_channels(&self) -> u32 {
         2 * self.channel_tiles()
     }
@@ -427,6 +454,7 @@ pub fn plan(
                 element: Element::Half,
                 base: 0,
                 scale: None,
+                groups: None,
             },
             match g.gathers_rows(value_dims / TILE, value.shared_stride) {
                 true => Rows::gathered(value, g),
@@ -434,7 +462,9 @@ pub fn plan(
             },
         ),
         None => (
-            scaled_channel(&module.value.accumulate).filter(|c| allowed(c.element))?,
+            (scaled_channel(&module.value.accumulate))
+                .or_else(|| grouped_channel(&module.value.accumulate, value_dims))
+                .filter(|c| allowed(c.element))?,
             Rows::of(value),
         ),
     };
@@ -442,9 +472,11 @@ pub fn plan(
     let value_offset = channel.base / 8;
     let fits = tile_items.is_multiple_of(TILE)
         && value_dims.is_multiple_of(TILE)
-        // A lane group's channels are whole words at a whole byte.
-        && group_bits.is_multiple_of(32)
-        && channel.base.is_multiple_of(8)
+        && match channel.groups {
+            Some(groups) => groups.fits(channel.element, value_dims, channel.base, value),
+            // A lane group's channels are whole words at a whole byte.
+            None => group_bits.is_multiple_of(32) && channel.base.is_multiple_of(8),
+        }
         // Item scales are read as halfwords.
         && channel
             .scale
@@ -492,12 +524,16 @@ pub fn plan(
         value_rows,
         score,
         value_aligned: value_rows.align() == CHUNK
+            && channel.groups.is_none()
             && value_offset.is_multiple_of(CHUNK)
             && group_bytes.is_multiple_of(CHUNK),
         column_tiles: (2 * group_max).div_ceil(COLUMNS),
         token_tiles: tile_items / TILE,
     });
+    // Grouped values take their weights from the score's C fragments
+    // (`kernel/warp_tile.rs`), whose lanes hold the heads their zero sums need.
     plan.filter(|m| m.held_registers() <= MAX_HELD_REGISTERS)
+        .filter(|m| m.channel.groups.is_none() || m.score.is_some())
 }
 
 /// The codec's body when it is a bitmap of f16 groups covering its `dims`,
@@ -700,6 +736,56 @@ pub struct Channel {
     pub base: u32,
     /// Bit offset of the value item's f16 scale.
     pub scale: Option<u32>,
+    /// Per-group f16 scales (and zero points) in the item.
+    pub groups: Option<ValueGroups>,
+}
+
+/// Value channels in groups of `size`, each with its item's f16 scale and,
+/// optionally, zero point: channel `c` is `code(c) · scale[c / size] +
+/// zero[c / size]`, the groups' halves consecutive from bits `scale` and
+/// `zero`. Weights times a group's scales are that group's B fragments
+/// (its channel tiles lie inside it), and the zero points enter as one f32
+/// sum per (head, group) of weights times zeros.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ValueGroups {
+    pub size: u32,
+    pub scale: u32,
+    pub zero: Option<u32>,
+}
+
+impl ValueGroups {
+    /// Bytes of a lane group's codes of one value group: `2 · size / 16`
+    /// codes ([`MmaPlan::group_channels`] per group).
+    pub fn lane_bytes(&self, element: Element) -> u32 {
+        self.size * element.bits() / 64
+    }
+
+    /// Whether the kernels take these groups: integer codes in whole
+    /// channel tiles per group, a lane group's codes of a group one or two
+    /// bytes of a word or whole words (groups in whole words, from a word
+    /// boundary of the row), and the halves read as aligned pairs.
+    fn fits(&self, element: Element, dims: u32, base: u32, rows: &Stream) -> bool {
+        let lane_bytes = self.lane_bytes(element);
+        // Read as aligned pairs of halves, or one.
+        let halves = |bit: u32| match dims / self.size {
+            1 => bit.is_multiple_of(16),
+            groups => bit.is_multiple_of(32) && groups.is_multiple_of(2),
+        };
+        matches!(
+            element,
+            Element::Int {
+                bits: 2 | 4 | 8,
+                ..
+            }
+        ) && self.size.is_multiple_of(TILE)
+            && dims.is_multiple_of(self.size)
+            && (matches!(lane_bytes, 1 | 2) || lane_bytes.is_multiple_of(4))
+            && (self.size * element.bits() / 8).is_multiple_of(4)
+            && base.is_multiple_of(32)
+            && rows.shared_stride.is_multiple_of(4)
+            && halves(self.scale)
+            && self.zero.is_none_or(halves)
+    }
 }
 
 fn scaled_channel(f: &Function) -> Option<Channel> {
@@ -716,6 +802,7 @@ fn scaled_channel(f: &Function) -> Option<Channel> {
             element,
             base,
             scale: None,
+            groups: None,
         });
     }
     let (x, y) = multiplied(f, result)?;
@@ -728,9 +815,115 @@ fn scaled_channel(f: &Function) -> Option<Channel> {
             element,
             base,
             scale: Some(literal(f, offset)?),
+            groups: None,
         })
     };
     scaled(x, y).or_else(|| scaled(y, x))
+}
+
+/// `code(c) · scale[c / size] (+ zero[c / size])`, the scales and zeros
+/// f16 item halves at `16 · (c / size)` past their first: [`ValueGroups`].
+/// A constant scale (and zero) is one group of every channel.
+fn grouped_channel(f: &Function, dims: u32) -> Option<Channel> {
+    let result = f.result?;
+    let channel = |h: Handle<Expr>| {
+        let (element, offset) = code_at(f, h).or_else(|| element_at(f, h))?;
+        match affine_in_channel(f, offset)? {
+            (step, base) if step == element.bits() => Some((element, base)),
+            _ => None,
+        }
+    };
+    // An f16 half at `16 · (c / size) + first`: `(size, first)`.
+    let half = |h: Handle<Expr>| {
+        let (Element::Half, offset) = element_at(f, h)? else {
+            return None;
+        };
+        match affine_in_group(f, offset)? {
+            (Some(size), 16, first) => Some((size, first)),
+            (None, 0, first) => Some((dims, first)),
+            _ => None,
+        }
+    };
+    let (code, scale, zero) = match *f.exprs.try_get(result)? {
+        Expr::Fma { a, b, c } => (a, b, Some(c)),
+        _ => {
+            let (x, y) = multiplied(f, result)?;
+            (x, y, None)
+        }
+    };
+    let ((element, base), (size, scale)) =
+        (channel(code).zip(half(scale))).or_else(|| channel(scale).zip(half(code)))?;
+    let zero = match zero {
+        Some(z) => match half(z)? {
+            (s, first) if s == size => Some(first),
+            _ => return None,
+        },
+        None => None,
+    };
+    Some(Channel {
+        element,
+        base,
+        scale: None,
+        groups: Some(ValueGroups { size, scale, zero }),
+    })
+}
+
+/// `float(item_bits(o, 2))`, an unsigned 2-bit code: the element and `o`.
+fn code_at(f: &Function, h: Handle<Expr>) -> Option<(Element, Handle<Expr>)> {
+    let Expr::Unary {
+        op: UnaryOp::ToFloat,
+        arg,
+    } = *f.exprs.try_get(h)?
+    else {
+        return None;
+    };
+    match *f.exprs.try_get(arg)? {
+        Expr::ItemBits {
+            bit_offset,
+            width: 2,
+        } => Some((
+            Element::Int {
+                bits: 2,
+                signed: false,
+            },
+            bit_offset,
+        )),
+        _ => None,
+    }
+}
+
+/// `(size, a, b)` when the u32 expression is `a · (channel / size) + b`
+/// (`size` None: no channel term).
+fn affine_in_group(f: &Function, h: Handle<Expr>) -> Option<(Option<u32>, u32, u32)> {
+    match *f.exprs.try_get(h)? {
+        Expr::Literal(Literal::U32(v)) => Some((None, 0, v)),
+        Expr::Binary {
+            op: BinaryOp::Divide,
+            left,
+            right,
+        } => match (f.exprs.try_get(left)?, literal(f, right)?) {
+            (Expr::Input(Input::Channel), size) if size > 0 => Some((Some(size), 1, 0)),
+            _ => None,
+        },
+        Expr::Binary { op, left, right } => {
+            let (l, r) = (affine_in_group(f, left)?, affine_in_group(f, right)?);
+            let size = match (l.0, r.0) {
+                (Some(a), Some(b)) if a != b => return None,
+                (a, b) => a.or(b),
+            };
+            match op {
+                BinaryOp::Add => Some((size, l.1.checked_add(r.1)?, l.2.checked_add(r.2)?)),
+                BinaryOp::Multiply if l.1 == 0 => {
+                    Some((size, r.1.checked_mul(l.2)?, r.2.checked_mul(l.2)?))
+                }
+                BinaryOp::Multiply if r.1 == 0 => {
+                    Some((size, l.1.checked_mul(r.2)?, l.2.checked_mul(r.2)?))
+                }
+                _ => None,
+            }
+        }
+        _ => None,
+    }
 }
 
 /// `(a, b)` when the u32 expression is `a · channel + b`.

@@ -10,7 +10,7 @@
 //! meet in the accumulator array once, after the stream.
 
 use super::super::builder::{Cmp, Kernel, Op, Pred, Reg, Shared, F32, U32};
-use super::super::tensor_cores::{Element, MmaPlan, ROW_LANES, TILE, WARP_LANES};
+use super::super::tensor_cores::{Element, MmaPlan, ValueGroups, ROW_LANES, TILE, WARP_LANES};
 use super::cta::{divide, Cta, Rescale, Tile};
 use super::fragments::{
     column_sigma, f16_part, f16_parts, scale_all, swizzled_if, unscale_of, Fragments, Lanes,
@@ -36,6 +36,14 @@ pub(super) struct MmaValues {
     pub(super) out_ok: Vec<Reg<Pred>>,
     /// Per column tile and channel tile: the output accumulators.
     pub(super) acc: Vec<Vec<[Reg<F32>; 4]>>,
+    /// With zero points, per column tile and value group: the lane's tokens'
+    /// weights (times σ) times the group's zero points, for its C columns'
+    /// head ([`ValueGroups`]); scaled with the accumulators.
+    pub(super) zero_sums: Vec<Vec<Reg<F32>>>,
+    /// Value groups whose lane-group codes are one or two bytes of a word:
+    /// per byte, the `prmt` selector that takes it from two tokens' words
+    /// to bytes 0 and 2 ([`AccumulateMma::group_products`]).
+    pub(super) byte_selectors: Vec<Reg<U32>>,
     /// With item scales: the weights' running σ ([`AccumulateMma::item_sigma`]).
     pub(super) sigma: Option<Reg<F32>>,
     /// Byte offset of the lane's value channels in its first token (of the
@@ -51,6 +59,16 @@ pub(super) struct MmaValues {
     /// and its others' offsets from it ([`StepTokens`]).
     pub(super) token: Reg<U32>,
     pub(super) steps: [u32; 4],
+}
+
+impl MmaValues {
+    /// Column tile `ct`'s accumulators and zero sums times `factor`.
+    pub(super) fn scale_column(&self, k: &mut Kernel, ct: usize, factor: Reg<F32>) {
+        scale_all(k, &self.acc[ct], factor);
+        for &sum in &self.zero_sums[ct] {
+            k.mul_to(sum, sum, factor);
+        }
+    }
 }
 
 /// A tile whose values accumulate: its buffer and valid items, and (with
@@ -117,12 +135,32 @@ impl AccumulateMma<'_> {
             .is_none()
             .then(|| self.shared_weights(k, m, &lanes, token));
         // The largest σ: the first tile sets the real one.
-        let sigma = (m.channel.scale).map(|_| k.mov(f32::from_bits(MAX_EXPONENT << 23)));
+        let sigma = m
+            .scaled_values()
+            .then(|| k.mov(f32::from_bits(MAX_EXPONENT << 23)));
+        let zero_sums = (0..m.column_tiles)
+            .map(|_| (0..m.zero_sums()).map(|_| k.mov(zero)).collect())
+            .collect();
         let gather = (m.value_rows.fragments())
             .map(|g| FragmentGather::for_values(k, g, m, &self.cta.plan.value, lanes.row));
-        let channels = match gather {
-            Some(_) => k.mov(0u32),
-            None => k.mad_lo(lanes.row, m.group_words() * 4, m.value_offset()),
+        let mut byte_selectors = Vec::new();
+        let channels = match (gather.as_ref(), m.channel.groups) {
+            (Some(_), _) => k.mov(0u32),
+            (None, Some(groups)) => {
+                // The word holding the lane group's codes of group 0.
+                let lane_bytes = groups.lane_bytes(m.channel.element);
+                let bytes = k.mul(lanes.row, lane_bytes);
+                if lane_bytes < 4 {
+                    let first = k.and(bytes, 3u32);
+                    for b in 0..lane_bytes {
+                        let byte = k.add(first, b);
+                        byte_selectors.push(k.mad_lo(byte, 0x1111u32, 0x4400u32));
+                    }
+                }
+                let word = k.and(bytes, !3u32);
+                k.add(word, m.value_offset())
+            }
+            (None, None) => k.mad_lo(lanes.row, m.group_words() * 4, m.value_offset()),
         };
         let value_lane = k.mad_lo(token, m.value_rows.stride, channels);
         MmaValues {
@@ -130,6 +168,8 @@ impl AccumulateMma<'_> {
             shared,
             out_ok,
             acc,
+            zero_sums,
+            byte_selectors,
             sigma,
             value_lane,
             gather,
@@ -175,9 +215,9 @@ impl AccumulateMma<'_> {
         if let Rescale::When(p) = rescale {
             k.bra_if(p, false, kept);
         }
-        for (acc, &state) in t.acc.iter().zip(&shared.state) {
+        for (ct, &state) in shared.state.iter().enumerate() {
             let decay = k.ld_shared::<F32>(Shared::at(state).plus(plan.decay.into()));
-            scale_all(k, acc, decay);
+            t.scale_column(k, ct, decay);
         }
         k.place(kept);
         let stride = m.value_rows.stride;
@@ -282,6 +322,11 @@ impl AccumulateMma<'_> {
                 k.bra_if(ok, false, skip);
             }
             let first = j * plan.warps * TILE;
+            if let Some(groups) = m.channel.groups {
+                self.group_products(k, m, groups, t, lane_base, first, b);
+                k.place(skip);
+                continue;
+            }
             let values: Vec<TokenWords> = match &t.gather {
                 Some(gather) => {
                     let items_at: Vec<Reg<U32>> = (t.steps.iter())
@@ -329,6 +374,75 @@ impl AccumulateMma<'_> {
         }
     }
 
+    /// One slot's products of grouped values ([`ValueGroups`]): per value
+    /// group, the lane group's codes of the step's four tokens (one word, or
+    /// the bytes of one by [`MmaValues::byte_selectors`]), as exact f16
+    /// token pairs per channel, times that group's B fragments (`b`: per
+    /// column tile, one per group) into the group's channel tiles.
+    #[allow(clippy::too_many_arguments)]
+    fn group_products(
+        &self,
+        k: &mut Kernel,
+        m: &MmaPlan,
+        groups: ValueGroups,
+        t: &MmaValues,
+        lane_base: Reg<U32>,
+        first: u32,
+        b: &[Vec<[Reg<U32>; 2]>],
+    ) {
+        let Element::Int { bits, signed } = m.channel.element else {
+            unreachable!("grouped values are integer codes (ValueGroups::fits)")
+        };
+        let stride = m.value_rows.stride;
+        let lane_bytes = groups.lane_bytes(m.channel.element);
+        let group_bytes = groups.size * bits / 8;
+        let per_group = m.group_channels() / m.value_groups();
+        let tiles = groups.size / TILE;
+        for g in 0..m.value_groups() {
+            let tokens: Vec<Vec<Reg<U32>>> = (t.steps.iter())
+                .map(|&d| {
+                    let offset = (first + d) * stride + g * group_bytes;
+                    (0..lane_bytes.div_ceil(4))
+                        .map(|w| {
+                            let at = Shared::at(lane_base).plus(i64::from(offset + 4 * w));
+                            k.ld_shared::<U32>(at)
+                        })
+                        .collect()
+                })
+                .collect();
+            // Per token pair (0, 1) and (2, 3), per lane-group channel of the
+            // group: its f16 pair.
+            let pairs: Vec<Vec<Reg<U32>>> = [(0, 1), (2, 3)]
+                .into_iter()
+                .map(|(x, y)| {
+                    let bytes: Vec<Reg<U32>> = (0..lane_bytes)
+                        .map(|byte| match t.byte_selectors.get(byte as usize) {
+                            Some(&selector) => k.prmt_by(tokens[x][0], tokens[y][0], selector),
+                            None => {
+                                let (w, i) = ((byte / 4) as usize, byte % 4);
+                                let selector = i | i << 4 | (4 + i) << 8 | (4 + i) << 12;
+                                k.prmt(tokens[x][w], tokens[y][w], selector)
+                            }
+                        })
+                        .collect();
+                    (0..per_group)
+                        .map(|c| {
+                            let bit = c * bits;
+                            int_pair(k, bytes[(bit / 8) as usize], bits, signed, bit % 8)
+                        })
+                        .collect()
+                })
+                .collect();
+            for i in 0..tiles {
+                let c = 2 * i as usize;
+                let a = [pairs[0][c], pairs[0][c + 1], pairs[1][c], pairs[1][c + 1]];
+                for (acc, b) in t.acc.iter().zip(b) {
+                    k.mma_f16_f32(acc[(g * tiles + i) as usize], a, b[g as usize]);
+                }
+            }
+        }
+    }
+
     /// The weights' σ for a tile whose tokens' item scales are `scales`
     /// (the warp's tokens in the lanes the butterfly `masks` reach): the
     /// largest weight is 2^8 ([`RESCALE_SLACK_BITS`]), so σ of the largest
@@ -350,8 +464,8 @@ impl AccumulateMma<'_> {
         k.bra_if(lower, false, kept);
         let inverse = unscale_of(k, sigma);
         let ratio = k.mul(tile, inverse);
-        for acc in &t.acc {
-            scale_all(k, acc, ratio);
+        for ct in 0..t.acc.len() {
+            t.scale_column(k, ct, ratio);
         }
         k.assign(sigma, tile);
         k.place(kept);
@@ -426,7 +540,19 @@ impl AccumulateMma<'_> {
         let own = k.mad_lo(t.lanes.warp, warp_bytes, sums);
         k.comment("each warp's sums into its own area");
         let unscale = t.sigma.map(|sigma| unscale_of(k, sigma));
+        let per_group = channels / m.value_groups();
         for (ct, acc) in (0u32..).zip(&t.acc) {
+            // The warp's zero sums of the lane's head: over its rows' tokens.
+            let zero_sums: Vec<Reg<F32>> = (t.zero_sums[ct as usize].iter())
+                .map(|&sum| {
+                    let mut sum = sum;
+                    for mask in [4, 8, 16] {
+                        let other = k.shfl_bfly(sum, mask);
+                        sum = k.add(sum, other);
+                    }
+                    sum
+                })
+                .collect();
             // Per lane group channel, its sum's registers: columns
             // (head, part) add their two parts; gathered values' columns
             // are (head, parity).
@@ -440,6 +566,10 @@ impl AccumulateMma<'_> {
                 let sum = match second {
                     Some(second) => k.add(first, second),
                     None => first,
+                };
+                let sum = match zero_sums.get((channel / per_group) as usize) {
+                    Some(&zeros) => k.add(sum, zeros),
+                    None => sum,
                 };
                 let sum = match unscale {
                     Some(u) => k.mul(sum, u),
@@ -466,7 +596,15 @@ impl AccumulateMma<'_> {
                 let (head, channel) = divide(k, idx, head_channels);
                 // A column tile's heads are its lanes' quads.
                 let (ct, quad) = divide(k, head, ROW_LANES);
-                let (row, group_channel) = divide(k, channel, channels);
+                let (row, group_channel) = match m.channel.groups {
+                    // Channel c of row r is size · (c / n) + n · r + c % n.
+                    Some(groups) => {
+                        let (group, within) = divide(k, channel, groups.size);
+                        let (row, c) = divide(k, within, per_group);
+                        (row, k.mad_lo(group, per_group, c))
+                    }
+                    None => divide(k, channel, channels),
+                };
                 let lane = k.mad_lo(row, ROW_LANES, quad);
                 let swizzle = sum_swizzle_of(k, group_channel, channels);
                 let lane = k.xor(lane, swizzle);
@@ -595,7 +733,8 @@ pub(super) fn token_pair(
         Element::Int { bits, signed } => {
             // The element's byte of both tokens at bytes 0 and 2.
             let x = k.prmt(a, b, i | i << 4 | (4 + j) << 8 | (4 + j) << 12);
-            int_pair(k, x, bits, signed, bits == 4 && channel % 2 == 1)
+            let shift = if bits == 4 && channel % 2 == 1 { 4 } else { 0 };
+            int_pair(k, x, bits, signed, shift)
         }
     }
 }
@@ -639,20 +778,19 @@ pub(super) fn channel_pair_products(
     }
 }
 
-/// The exact f16 pair of the `bits`-wide integers in bits `0..` and `16..`
-/// of `x` (with `high_nibble`, bits `4..8` and `20..24`): the integer (offset
-/// to unsigned) becomes the mantissa of 1024 by one `lop3`, and one f16 op
-/// takes 1024 (and the offset, and a nibble's ×16) off again.
+/// The exact f16 pair of the `bits`-wide integers at bits `shift..` and
+/// `16 + shift..` of `x` (shift + bits ≤ 8): the integer (offset to
+/// unsigned) times 2^shift becomes the mantissa of 1024 by one `lop3`, and
+/// one f16 op takes 1024 (and the offset, and the 2^shift) off again.
 pub(super) fn int_pair(
     k: &mut Kernel,
     x: Reg<U32>,
     bits: u32,
     signed: bool,
-    high_nibble: bool,
+    shift: u32,
 ) -> Reg<U32> {
     const MAGIC: u32 = 0x6400_6400; // 1024.0 in both halves
     let field = (1u32 << bits) - 1;
-    let shift = if high_nibble { 4 } else { 0 };
     let mask = (field | field << 16) << shift;
     let sign = 1u32 << (bits - 1);
     let flip = if signed {
@@ -664,12 +802,14 @@ pub(super) fn int_pair(
     let lut = (0xF0 & 0xCC) ^ 0xAA;
     let biased = k.lop3(x, mask, MAGIC | flip, lut);
     let offset = if signed { sign } else { 0 };
-    if high_nibble {
-        // (1024 + 16·u) / 16 − (64 + offset)
-        let sixteenth = k.mov(0x2C00_2C00u32);
-        let minus = half_bits(-(64.0 + offset as f32));
+    if shift > 0 {
+        // (1024 + 2^shift·u) / 2^shift − (1024 / 2^shift + offset)
+        let unit = 1.0 / (1u32 << shift) as f32;
+        let fraction = half_bits(unit);
+        let fraction = k.mov(fraction | fraction << 16);
+        let minus = half_bits(-(1024.0 * unit + offset as f32));
         let minus = k.mov(minus | minus << 16);
-        k.fma_f16x2(biased, sixteenth, minus)
+        k.fma_f16x2(biased, fraction, minus)
     } else {
         let bias = half_bits(1024.0 + offset as f32);
         let bias = k.mov(bias | bias << 16);

@@ -54,7 +54,7 @@ pub(super) struct MmaScoreThread {
     /// Per column tile: the warp's softmax state of the lane's C columns' head.
     pub(super) heads: Vec<WarpHead>,
     /// With item scales: byte offset of the scale of the lane's first token
-    /// in the value rows.
+    /// in the value rows (with group scales: of its value row).
     pub(super) scale_lane: Option<Reg<U32>>,
     /// The lanes whose C rows (halves 0 and 1) are the lane's B token pairs
     /// ([`StepTokens`]).
@@ -224,8 +224,10 @@ impl ScoreMma<'_> {
                 sum: k.mov(zero),
             })
             .collect();
-        let scale_lane =
-            (m.channel.scale).map(|bit| k.mad_lo(key_row, m.value_rows.stride, bit / 8));
+        let scale_lane = m.scaled_values().then(|| {
+            let bit = m.channel.scale.unwrap_or(0);
+            k.mad_lo(key_row, m.value_rows.stride, bit / 8)
+        });
         // Lane 4·r + q holds C row r's columns 2q, 2q + 1.
         let steps = StepTokens::of(m);
         let source = k.mul(lanes.quad, 4 * steps.spacing);

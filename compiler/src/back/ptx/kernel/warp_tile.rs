@@ -12,7 +12,7 @@ use super::super::builder::{Cmp, Kernel, Pred, Reg, Shared, F32, U32};
 use super::super::tensor_cores::{MmaPlan, TILE};
 use super::accumulate_mma::{item_scale, parity_fragments, AccumulateMma, MmaValues, ValueTile};
 use super::cta::{Cta, Tile};
-use super::fragments::{f16_parts, scale_all, Fragments};
+use super::fragments::{f16_parts, Fragments};
 use super::score_mma::{MmaScoreThread, ScoreMma};
 use super::softmax::RESCALE_SLACK_BITS;
 
@@ -140,7 +140,9 @@ impl WarpTile<'_> {
 
     /// The values of `tile` times its softmax `weights` ([`mma_softmax`]'s
     /// order) and item `scales`: the weights'
-    /// f16 parts, moved to the accumulate's B fragments, into the products.
+    /// f16 parts, moved to the accumulate's B fragments (one per value group),
+    /// into the products; with zero points, the weights times the zeros
+    /// into the zero sums.
     pub(super) fn weighted_products(
         &self,
         k: &mut Kernel,
@@ -148,15 +150,25 @@ impl WarpTile<'_> {
         values: &MmaValues,
         tile: ValueTile,
         weights: &[Reg<F32>],
-        scales: Option<Vec<Reg<F32>>>,
+        scales: Option<TokenScales>,
     ) {
-        let parts = weight_parts(k, weights, score.heads.len(), scales.as_deref());
+        let columns = score.heads.len();
+        if let Some(zeros) = scales.as_ref().and_then(|s| s.zeros.as_ref()) {
+            for (i, &w) in weights.iter().enumerate() {
+                let sums = &values.zero_sums[i / 2 % columns];
+                for (&sum, &zero) in sums.iter().zip(&zeros[token_of(i, columns)]) {
+                    k.fma_to(sum, w, zero, sum);
+                }
+            }
+        }
+        let parts = weight_parts(k, weights, columns, scales.as_ref());
         let b = mma_exchange(k, score, values, &parts);
         self.acc_mma.products(k, tile, values, &b);
     }
 
-    /// With item scales: those of the lane's C rows of the tile in `buf`
-    /// (`in_tile` per slot and row half) times σ ([`AccumulateMma::item_sigma`]).
+    /// With value scales: those of the lane's C rows of the tile in `buf`
+    /// (`in_tile` per slot and row half) times σ ([`AccumulateMma::item_sigma`]),
+    /// and with zero points those times σ.
     pub(super) fn item_scales(
         &self,
         k: &mut Kernel,
@@ -164,22 +176,48 @@ impl WarpTile<'_> {
         values: &MmaValues,
         buf: Reg<U32>,
         in_tile: &[Reg<Pred>],
-    ) -> Option<Vec<Reg<F32>>> {
+    ) -> Option<TokenScales> {
         let plan = self.cta.plan;
         let m = plan.mma.as_ref().expect("tensor-core plan");
         let lane = score.scale_lane?;
         let rows = self.frag.rows(k, buf, m.value_rows);
         let rows = k.add(rows, lane);
-        let scales: Vec<Reg<F32>> = (0..in_tile.len() as u32)
+        let tokens: Vec<(Shared, Reg<Pred>)> = (0..in_tile.len() as u32)
             .map(|token| {
                 let offset =
                     ((token / 2) * plan.warps * TILE + 8 * (token % 2)) * m.value_rows.stride;
-                let at = Shared::at(rows).plus(offset.into());
-                item_scale(k, at, in_tile[token as usize])
+                (
+                    Shared::at(rows).plus(offset.into()),
+                    in_tile[token as usize],
+                )
             })
             .collect();
+        let groups = m.value_groups();
+        let halves = |k: &mut Kernel, first: u32| -> Vec<Vec<Reg<F32>>> {
+            (tokens.iter())
+                .map(|&(at, ok)| group_halves(k, at.plus((first / 8).into()), ok, groups))
+                .collect()
+        };
+        let (scales, zeros) = match m.channel.groups {
+            Some(g) => (halves(k, g.scale), g.zero.map(|z| halves(k, z))),
+            None => {
+                let scales = (tokens.iter()).map(|&(at, ok)| vec![item_scale(k, at, ok)]);
+                (scales.collect(), None)
+            }
+        };
         // The warp's tokens: rows of the lanes of one quad.
-        Some(self.acc_mma.item_sigma(k, values, &scales, &[4, 8, 16]))
+        let flat: Vec<Reg<F32>> = scales.iter().flatten().copied().collect();
+        let mut scaled = self.acc_mma.item_sigma(k, values, &flat, &[4, 8, 16]);
+        let scales = (0..tokens.len())
+            .map(|_| scaled.drain(..groups as usize).collect())
+            .collect();
+        let sigma = values.sigma.expect("σ with value scales");
+        let zeros = zeros.map(|zeros| {
+            (zeros.iter())
+                .map(|token| token.iter().map(|&z| k.mul(z, sigma)).collect())
+                .collect()
+        });
+        Some(TokenScales { scales, zeros })
     }
 
     /// After the stream (all threads past its last barrier): each head's
@@ -214,8 +252,8 @@ impl WarpTile<'_> {
         k.bar_sync();
         let first_warp = k.setp(Cmp::Eq, t.lanes.warp, 0u32);
         let leader = k.and_pred(first_warp, top);
-        let per_head = t.heads.iter().zip(slots).zip(&v.acc).zip(&v.out_ok);
-        for (((head, (slot, state)), acc), &head_ok) in per_head {
+        let per_head = t.heads.iter().zip(slots).zip(&v.out_ok).enumerate();
+        for (ct, ((head, (slot, state)), &head_ok)) in per_head {
             let at = |w: u32| Shared::at(slot).plus(i64::from(w * warp_bytes));
             let references: Vec<Reg<F32>> =
                 (0..plan.warps).map(|w| k.ld_shared::<F32>(at(w))).collect();
@@ -223,7 +261,7 @@ impl WarpTile<'_> {
                 .reduce(|a, b| k.max(a, b))
                 .expect("a warp");
             let factor = power_ratio(k, head.reference, most);
-            scale_all(k, acc, factor);
+            v.scale_column(k, ct, factor);
             k.comment("the head's softmax state, from the first warp's lanes of row 0");
             let owner = k.and_pred(leader, head_ok);
             let skip = k.label();
@@ -292,7 +330,7 @@ pub(super) fn mma_softmax(
     let settled = k.label();
     k.bra_if(any, false, settled);
     k.comment("rare: the references move to the tile's maxima; sums and accumulators decay");
-    for ((head, &best), acc) in t.heads.iter().zip(&most).zip(&values.acc) {
+    for (ct, (head, &best)) in t.heads.iter().zip(&most).enumerate() {
         // The head's lanes: the same quad in every row.
         let mut best = best;
         for mask in [4, 8, 16] {
@@ -302,7 +340,7 @@ pub(super) fn mma_softmax(
         let new = k.max(head.reference, best);
         let decay = power_ratio(k, head.reference, new);
         k.mul_to(head.sum, head.sum, decay);
-        scale_all(k, acc, decay);
+        values.scale_column(k, ct, decay);
         k.assign(head.reference, new);
     }
     k.place(settled);
@@ -329,27 +367,63 @@ pub(super) fn token_of(i: usize, columns: usize) -> usize {
     i / (2 * columns) * 2 + i % 2
 }
 
-/// [`mma_softmax`]'s weights times the item scales (and σ, per token) as
-/// f16 `[hi, lo]` pairs, per slot and column tile.
+/// Per token of the lane's C rows ([`token_of`]): its value scales times σ,
+/// one per value group (or the item's one), and with zero points those
+/// times σ.
+pub(super) struct TokenScales {
+    pub(super) scales: Vec<Vec<Reg<F32>>>,
+    pub(super) zeros: Option<Vec<Vec<Reg<F32>>>>,
+}
+
+/// `groups` consecutive f16 halves at `at` as f32 (0 where `ok` fails):
+/// aligned pairs, or one.
+fn group_halves(k: &mut Kernel, at: Shared, ok: Reg<Pred>, groups: u32) -> Vec<Reg<F32>> {
+    if groups == 1 {
+        return vec![item_scale(k, at, ok)];
+    }
+    let mut halves = Vec::new();
+    for pair in 0..groups / 2 {
+        let bits = k.mov(0u32);
+        k.guarded(ok, true, |k| {
+            let loaded = k.ld_shared::<U32>(at.plus((4 * pair).into()));
+            k.assign(bits, loaded);
+        });
+        let (low, high) = k.split_halves(bits);
+        halves.push(k.f16_to_f32(low));
+        halves.push(k.f16_to_f32(high));
+    }
+    halves
+}
+
+/// [`mma_softmax`]'s weights times the value scales (and σ, per token) as
+/// f16 `[hi, lo]` pairs, per slot, column tile and value group.
 pub(super) fn weight_parts(
     k: &mut Kernel,
     weights: &[Reg<F32>],
     columns: usize,
-    scales: Option<&[Reg<F32>]>,
-) -> Vec<Vec<[Reg<U32>; 2]>> {
-    let scaled: Vec<Reg<F32>> = match scales {
-        Some(scales) => (weights.iter().enumerate())
-            .map(|(i, &w)| k.mul(w, scales[token_of(i, columns)]))
-            .collect(),
-        None => weights.to_vec(),
-    };
+    scales: Option<&TokenScales>,
+) -> Vec<Vec<Vec<[Reg<U32>; 2]>>> {
+    let groups = scales.map_or(1, |s| s.scales[0].len());
+    // Per weight, per group.
+    let scaled: Vec<Vec<Reg<F32>>> = (weights.iter().enumerate())
+        .map(|(i, &w)| match scales {
+            Some(s) => (s.scales[token_of(i, columns)].iter())
+                .map(|&scale| k.mul(w, scale))
+                .collect(),
+            None => vec![w],
+        })
+        .collect();
     scaled
         .chunks(2 * columns)
         .map(|slot| {
             slot.chunks(2)
                 .map(|pair| {
-                    let (hi, lo) = f16_parts(k, pair[0], pair[1]);
-                    [hi, lo]
+                    (0..groups)
+                        .map(|g| {
+                            let (hi, lo) = f16_parts(k, pair[0][g], pair[1][g]);
+                            [hi, lo]
+                        })
+                        .collect()
                 })
                 .collect()
         })
@@ -367,26 +441,30 @@ pub(super) fn mma_exchange(
     k: &mut Kernel,
     t: &MmaScoreThread,
     values: &MmaValues,
-    parts: &[Vec<[Reg<U32>; 2]>],
+    parts: &[Vec<Vec<[Reg<U32>; 2]>>],
 ) -> Vec<Vec<Vec<[Reg<U32>; 2]>>> {
     k.comment("the weights from the score's C fragments to the accumulate's B fragments");
     let mut b = Vec::new();
     for slot in parts {
         let mut columns = Vec::new();
-        for &[hi, lo] in slot {
-            columns.push(match values.parity_selectors {
-                Some(selectors) => {
-                    let pairs = t
-                        .sources
-                        .map(|source| [hi, lo].map(|part| k.shfl_idx(part, source)));
-                    parity_fragments(k, pairs, selectors)
+        for groups in slot {
+            let mut fragments = Vec::new();
+            for &[hi, lo] in groups {
+                match values.parity_selectors {
+                    Some(selectors) => {
+                        let pairs = t
+                            .sources
+                            .map(|source| [hi, lo].map(|part| k.shfl_idx(part, source)));
+                        fragments.extend(parity_fragments(k, pairs, selectors));
+                    }
+                    None => fragments.push(t.sources.map(|source| {
+                        let high = k.shfl_idx(hi, source);
+                        let low = k.shfl_idx(lo, source);
+                        k.selp(low, high, t.lanes.low_part)
+                    })),
                 }
-                None => vec![t.sources.map(|source| {
-                    let high = k.shfl_idx(hi, source);
-                    let low = k.shfl_idx(lo, source);
-                    k.selp(low, high, t.lanes.low_part)
-                })],
-            });
+            }
+            columns.push(fragments);
         }
         b.push(columns);
     }
