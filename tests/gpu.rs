@@ -7,7 +7,7 @@ mod common;
 
 use common::{
     assert_rows_close, bitmap_mask_specs, bundled, cache_and_queries, direct_codebook_formats,
-    fresh_seed, grouped_value_formats, scrambled_bitmap_masks,
+    fresh_seed, scaled_value_formats, scrambled_bitmap_masks,
 };
 use kvcc::compiler::back::interp::{Interpreter, Options};
 use kvcc::compiler::Format;
@@ -133,16 +133,16 @@ fn gpu_matches_interpreter_on_direct_codebook_formats() {
     }
 }
 
-/// Values with group scales and zero points on the tensor cores
-/// (`tests/in/grouped-values/`): each tier alone at GQA 1, 4 and 8 (one and
+/// Values with group scales and zero points, or page scales, on the tensor cores
+/// (`tests/in/scaled-values/`): each tier alone at GQA 1, 4 and 8 (one and
 /// two column tiles), then mixed tiers.
 #[test]
-fn gpu_matches_interpreter_on_grouped_values() {
-    let Some(executor) = gpu("gpu_matches_interpreter_on_grouped_values") else {
+fn gpu_matches_interpreter_on_scaled_values() {
+    let Some(executor) = gpu("gpu_matches_interpreter_on_scaled_values") else {
         return;
     };
-    let seed = fresh_seed("gpu_grouped_values");
-    for format in grouped_value_formats() {
+    let seed = fresh_seed("gpu_scaled_values");
+    for format in scaled_value_formats() {
         let tiers = format.tiers().len();
         for group in [1, 4, 8] {
             for tier in 0..tiers {

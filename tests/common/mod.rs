@@ -26,12 +26,13 @@ pub fn direct_codebook_formats() -> Vec<Format> {
     ))
 }
 
-/// Formats whose values have per-group (or per-item) scales and zero points
-/// behind keys the tensor cores score (`tests/in/grouped-values/`).
-pub fn grouped_value_formats() -> Vec<Format> {
+/// Formats whose values have per-group scales and zero points, per-item
+/// zero points or per-page channel scales, behind keys the tensor cores
+/// score (`tests/in/scaled-values/`).
+pub fn scaled_value_formats() -> Vec<Format> {
     formats_in(concat!(
         env!("CARGO_MANIFEST_DIR"),
-        "/tests/in/grouped-values"
+        "/tests/in/scaled-values"
     ))
 }
 

@@ -295,7 +295,12 @@ impl MmaPlan {
     /// accumulators (4 per channel tile) and query fragments.
     pub fn held_registers(&self) -> u32 {
         let queries = (self.score.as_ref()).map_or(0, |s| s.query_tiles() * s.key_registers());
-        self.column_tiles * (4 * self.channel_tiles() + self.zero_sums() + queries)
+        // Page-scaled values sum a tile apart first.
+        let tile_sums = match self.channel.page_scale {
+            Some(_) => 4 * self.channel_tiles(),
+            None => 0,
+        };
+        self.column_tiles * (4 * self.channel_tiles() + tile_sums + self.zero_sums() + queries)
     }
 
     /// Byte offset of value channel 0 in a value row.
@@ -455,6 +460,7 @@ pub fn plan(
                 base: 0,
                 scale: None,
                 groups: None,
+                page_scale: None,
             },
             match g.gathers_rows(value_dims / TILE, value.shared_stride) {
                 true => Rows::gathered(value, g),
@@ -738,6 +744,9 @@ pub struct Channel {
     pub scale: Option<u32>,
     /// Per-group f16 scales (and zero points) in the item.
     pub groups: Option<ValueGroups>,
+    /// Header slot of channel 0's page scale (channel `c`'s is `c` slots
+    /// further): a tile's products sum apart, then take the scales.
+    pub page_scale: Option<u32>,
 }
 
 /// Value channels in groups of `size`, each with its item's f16 scale and,
@@ -803,6 +812,7 @@ fn scaled_channel(f: &Function) -> Option<Channel> {
             base,
             scale: None,
             groups: None,
+            page_scale: None,
         });
     }
     let (x, y) = multiplied(f, result)?;
@@ -816,9 +826,28 @@ fn scaled_channel(f: &Function) -> Option<Channel> {
             base,
             scale: Some(literal(f, offset)?),
             groups: None,
+            page_scale: None,
         })
     };
-    scaled(x, y).or_else(|| scaled(y, x))
+    let page_scaled = |e: Handle<Expr>, s: Handle<Expr>| {
+        let (element, base) = channel(e)?;
+        let Expr::HeaderScale { slot } = *f.exprs.try_get(s)? else {
+            return None;
+        };
+        match affine_in_channel(f, slot)? {
+            (1, slot0) => Some(Channel {
+                element,
+                base,
+                scale: None,
+                groups: None,
+                page_scale: Some(slot0),
+            }),
+            _ => None,
+        }
+    };
+    (scaled(x, y).or_else(|| scaled(y, x)))
+        .or_else(|| page_scaled(x, y))
+        .or_else(|| page_scaled(y, x))
 }
 
 /// `code(c) · scale[c / size] (+ zero[c / size])`, the scales and zeros
@@ -865,6 +894,7 @@ fn grouped_channel(f: &Function, dims: u32) -> Option<Channel> {
         base,
         scale: None,
         groups: Some(ValueGroups { size, scale, zero }),
+        page_scale: None,
     })
 }
 

@@ -11,7 +11,7 @@
 
 use super::super::builder::{Cmp, Kernel, Op, Pred, Reg, Shared, F32, U32};
 use super::super::tensor_cores::{Element, MmaPlan, ValueGroups, ROW_LANES, TILE, WARP_LANES};
-use super::cta::{divide, Cta, Rescale, Tile};
+use super::cta::{divide, Cta, Rescale, Tile, HEADER_SLOT0};
 use super::fragments::{
     column_sigma, f16_part, f16_parts, scale_all, swizzled_if, unscale_of, Fragments, Lanes,
     StepTokens, HALF_EXPONENT, MAX_EXPONENT,
@@ -316,6 +316,18 @@ impl AccumulateMma<'_> {
         let items = tile.items;
         let rows = self.frag.rows(k, tile.buf, m.value_rows);
         let lane_base = k.add(rows, t.value_lane);
+        // Page-scaled channels: the tile's products apart, scaled after.
+        let sums: Vec<Vec<[Reg<F32>; 4]>> = match m.channel.page_scale {
+            Some(_) => (t.acc.iter())
+                .map(|tiles| {
+                    tiles
+                        .iter()
+                        .map(|_| [0; 4].map(|_| k.mov(0.0f32)))
+                        .collect()
+                })
+                .collect(),
+            None => t.acc.clone(),
+        };
         for (j, b) in (0u32..).zip(b) {
             let skip = k.label();
             if let Some(ok) = self.frag.slot_ok(k, m, t.lanes.warp, j) {
@@ -354,7 +366,7 @@ impl AccumulateMma<'_> {
                     })
                     .collect(),
             };
-            for (ct, sums) in t.acc.iter().enumerate() {
+            for (ct, sums) in sums.iter().enumerate() {
                 if t.gather.is_some() {
                     channel_pair_products(k, &values, sums, &b[ct]);
                     continue;
@@ -371,6 +383,37 @@ impl AccumulateMma<'_> {
                 }
             }
             k.place(skip);
+        }
+        if let Some(slot0) = m.channel.page_scale {
+            self.take_page_scales(k, m, t, tile.buf, slot0, &sums);
+        }
+    }
+
+    /// The tile's sums times their channels' page scales (header slots
+    /// `slot0 + channel`) into the accumulators.
+    fn take_page_scales(
+        &self,
+        k: &mut Kernel,
+        m: &MmaPlan,
+        t: &MmaValues,
+        buf: Reg<U32>,
+        slot0: u32,
+        sums: &[Vec<[Reg<F32>; 4]>],
+    ) {
+        let channels = m.group_channels();
+        let header = k.add(buf, HEADER_SLOT0);
+        let first = k.mad_lo(t.lanes.row, 4 * channels, header);
+        let scales: Vec<Reg<F32>> = (0..channels)
+            .map(|c| k.ld_shared::<F32>(Shared::at(first).plus(i64::from(4 * (slot0 + c)))))
+            .collect();
+        for (acc, sums) in t.acc.iter().zip(sums) {
+            for (i, (acc, sum)) in acc.iter().zip(sums).enumerate() {
+                // Registers 0, 1: the tile's row-half 0 channel, 2, 3: its other.
+                for r in 0..4 {
+                    let scale = scales[2 * i + r / 2];
+                    k.fma_to(acc[r], sum[r], scale, acc[r]);
+                }
+            }
         }
     }
 

@@ -258,6 +258,10 @@ pub(super) fn kept(k: &mut Kernel, at: Reg<U64>) -> Global {
     Global::at(at).cached(keep)
 }
 
+/// Bytes from a tile buffer to its header's scale slot 0 (past the page's
+/// bookkeeping words).
+pub(super) const HEADER_SLOT0: u32 = 16;
+
 /// One tile in shared memory.
 pub(super) struct Tile {
     pub(super) buf: Reg<U32>,

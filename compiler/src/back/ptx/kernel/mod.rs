@@ -25,7 +25,7 @@ use crate::valid::ValidModule;
 
 use accumulate::Accumulate;
 use accumulate_mma::AccumulateMma;
-use cta::{declare, kept, Cta, Params, Rescale, Tile};
+use cta::{declare, kept, Cta, Params, Rescale, Tile, HEADER_SLOT0};
 use expand::Expand;
 use fragments::Fragments;
 use heads::Heads;
@@ -325,7 +325,7 @@ impl Decode<'_> {
             let nothing = k.setp(Cmp::Eq, items, 0u32);
             k.bra_if(nothing, true, done);
         }
-        let header = k.add(buf, 16u32);
+        let header = k.add(buf, HEADER_SLOT0);
         let tile = Tile {
             buf,
             header,
