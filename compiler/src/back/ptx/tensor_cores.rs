@@ -266,6 +266,10 @@ pub struct MmaScore {
     pub query: Handle<ArrayDecl>,
     pub key: Element,
     pub key_scale: Option<u32>,
+    /// Zero points (asymmetric codes): element `i` is `code · scale + zero`
+    /// with the zero in header slot `key_zero + i` ([`affine_element`]). The
+    /// kernels do not take these yet: [`plan`] leaves such keys per thread.
+    pub key_zero: Option<u32>,
     pub key_dims: u32,
     /// Key fragments gathered from a bitmap's groups: the runs of groups a
     /// lane holds ([`lane_runs`]), its chunks, every fourth run of the row
@@ -519,7 +523,7 @@ pub fn plan(
         None => {
             let rows = Rows::of(key);
             let score = dot_product(&module.key.score)
-                .filter(|s| allowed(s.key) && fits_rows(s, &rows, true));
+                .filter(|s| allowed(s.key) && s.key_zero.is_none() && fits_rows(s, &rows, true));
             (score, rows)
         }
     };
@@ -598,6 +602,7 @@ fn gathered_score(module: &Module, key: &Stream) -> Option<(MmaScore, Gather)> {
             query,
             key: Element::Half,
             key_scale: None,
+            key_zero: None,
             key_dims: codec.dims,
             gathered_runs: None,
         },
@@ -607,25 +612,30 @@ fn gathered_score(module: &Module, key: &Stream) -> Option<(MmaScore, Gather)> {
 
 /// The score as a chain of fmas from 0.0 whose term `i` multiplies query
 /// element `i` with the key element at bit `bits · i` (times header slot
-/// `slot0 + i`), every element once.
+/// `slot0 + i`, plus header slot `zero0 + i`), every element once.
 fn dot_product(f: &Function) -> Option<MmaScore> {
     let exprs = &f.exprs;
     let mut cur = f.result?;
-    let mut shape: Option<(Handle<ArrayDecl>, Element, Option<u32>)> = None;
+    type Shape = (Handle<ArrayDecl>, Element, Option<u32>, Option<u32>);
+    let mut shape: Option<Shape> = None;
     let mut seen = Vec::new();
+    let term = |h: Handle<Expr>| {
+        (scaled_element(f, h).map(|(e, bit, slot)| (e, bit, slot, None)))
+            .or_else(|| affine_element(f, h).map(|(e, bit, s, z)| (e, bit, Some(s), Some(z))))
+    };
     loop {
         match *exprs.try_get(cur)? {
             Expr::Fma { a, b, c } => {
-                let ((element, bit, slot), (array, index)) = scaled_element(f, a)
-                    .zip(shared_read(f, b))
-                    .or_else(|| scaled_element(f, b).zip(shared_read(f, a)))?;
-                let slot0 = match slot {
-                    Some(slot) => Some(slot.checked_sub(index)?),
-                    None => None,
+                let ((element, bit, slot, zero), (array, index)) =
+                    term(a)
+                        .zip(shared_read(f, b))
+                        .or_else(|| term(b).zip(shared_read(f, a)))?;
+                let first = |slot: Option<u32>| match slot {
+                    Some(slot) => slot.checked_sub(index).map(Some),
+                    None => Some(None),
                 };
-                if bit != element.bits() * index
-                    || *shape.get_or_insert((array, element, slot0)) != (array, element, slot0)
-                {
+                let this = (array, element, first(slot)?, first(zero)?);
+                if bit != element.bits() * index || *shape.get_or_insert(this) != this {
                     return None;
                 }
                 seen.push(index);
@@ -635,13 +645,14 @@ fn dot_product(f: &Function) -> Option<MmaScore> {
             _ => return None,
         }
     }
-    let (query, element, scale) = shape?;
+    let (query, element, scale, zero) = shape?;
     let dims = seen.len() as u32;
     seen.sort_unstable();
     (seen.iter().copied().eq(0..dims)).then_some(MmaScore {
         query,
         key: element,
         key_scale: scale,
+        key_zero: zero,
         key_dims: dims,
         gathered_runs: None,
     })
@@ -663,6 +674,40 @@ fn scaled_element(f: &Function, h: Handle<Expr>) -> Option<(Element, u32, Option
         }
     };
     scaled(x, y).or_else(|| scaled(y, x))
+}
+
+/// `fma(float(item_bits(o, w)), header_scale(s), header_scale(z))`, an
+/// unsigned `w`-bit code (2 to 8 bits) with its page's scale and zero point:
+/// the code, `o`, `s` and `z`.
+fn affine_element(f: &Function, h: Handle<Expr>) -> Option<(Element, u32, u32, u32)> {
+    let Expr::Fma { a, b, c } = *f.exprs.try_get(h)? else {
+        return None;
+    };
+    let Expr::Unary {
+        op: UnaryOp::ToFloat,
+        arg,
+    } = *f.exprs.try_get(a)?
+    else {
+        return None;
+    };
+    let Expr::ItemBits { bit_offset, width } = *f.exprs.try_get(arg)? else {
+        return None;
+    };
+    let slot = |h: Handle<Expr>| match *f.exprs.try_get(h)? {
+        Expr::HeaderScale { slot } => literal(f, slot),
+        _ => None,
+    };
+    let bits = u32::from(width);
+    (2..=8).contains(&bits).then_some(())?;
+    Some((
+        Element::Int {
+            bits,
+            signed: false,
+        },
+        literal(f, bit_offset)?,
+        slot(b)?,
+        slot(c)?,
+    ))
 }
 
 /// `half(item_bits(o, 16))`, `float(sign_extend(item_bits(o, w)))` or
@@ -991,8 +1036,29 @@ mod tests {
             }),
             key: element,
             key_scale: None,
+            key_zero: None,
             key_dims: 128,
             gathered_runs: None,
+        }
+    }
+
+    /// KIVI's asymmetric keys are a dot product of the query with codes
+    /// times page scales plus page zero points, the zeros past the scales.
+    #[test]
+    fn asymmetric_page_keys_are_recognised_but_stay_per_thread() {
+        let format =
+            crate::Format::parse(include_str!("../../../../specs/kivi2.toml"), "kivi2.toml")
+                .expect("the bundled spec");
+        for (tier, bits) in format.tiers().iter().zip([2, 3]) {
+            let module = tier.module();
+            let score = dot_product(&module.key.score).expect("a dot product");
+            let code = Element::Int {
+                bits,
+                signed: false,
+            };
+            assert_eq!(score.key, code);
+            assert_eq!((score.key_scale, score.key_zero), (Some(0), Some(128)));
+            assert_eq!(score.key_dims, 128);
         }
     }
 
