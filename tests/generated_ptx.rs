@@ -85,11 +85,11 @@ fn generated_ptx_matches_the_committed_snapshots() {
 /// a dot product of such elements with the query (dense f16, KIVI, MosaicKV,
 /// fp8); zero-point codes (kivi2) stay per-thread; with `tensor_cores` off
 /// every tier is per-thread fma chains.
-/// Grouped and asymmetric values (`tests/in/scaled-values/`) accumulate on
+/// Grouped and asymmetric values (`tests/in/tensor-cores/`) accumulate on
 /// the tensor cores on both targets, whatever the GQA group.
 #[test]
-fn scaled_values_accumulate_on_the_tensor_cores() {
-    for format in common::scaled_value_formats() {
+fn tensor_core_formats_accumulate_on_the_tensor_cores() {
+    for format in common::tensor_core_formats() {
         for target in Target::ALL {
             for head_block in [1, 4, 8] {
                 let options = Options {
@@ -146,11 +146,14 @@ fn tensor_cores_serve_exactly_the_f16_exact_phases() {
             "kivi/int8 accumulate",
             "kivi/int4 score",
             "kivi/int4 accumulate",
+            "subspace/rank32 score",
             "subspace/rank32 accumulate",
             "mosaic/keep25 score",
             "mosaic/keep25 accumulate",
             "fp8/e4m3 score",
             "fp8/e4m3 accumulate",
+            "kivi2/int2 score",
+            "kivi2/int2 accumulate",
         ]
     );
 }

@@ -7,7 +7,7 @@ mod common;
 
 use common::{
     assert_rows_close, bitmap_mask_specs, bundled, cache_and_queries, direct_codebook_formats,
-    fresh_seed, scaled_value_formats, scrambled_bitmap_masks,
+    fresh_seed, scrambled_bitmap_masks, tensor_core_formats,
 };
 use kvcc::compiler::back::interp::{Interpreter, Options};
 use kvcc::compiler::Format;
@@ -133,16 +133,16 @@ fn gpu_matches_interpreter_on_direct_codebook_formats() {
     }
 }
 
-/// Values with group scales and zero points, or page scales, on the tensor cores
-/// (`tests/in/scaled-values/`): each tier alone at GQA 1, 4 and 8 (one and
+/// Asymmetric keys and grouped, asymmetric or page-scaled values on the tensor cores
+/// (`tests/in/tensor-cores/`): each tier alone at GQA 1, 4 and 8 (one and
 /// two column tiles), then mixed tiers.
 #[test]
-fn gpu_matches_interpreter_on_scaled_values() {
-    let Some(executor) = gpu("gpu_matches_interpreter_on_scaled_values") else {
+fn gpu_matches_interpreter_on_tensor_core_formats() {
+    let Some(executor) = gpu("gpu_matches_interpreter_on_tensor_core_formats") else {
         return;
     };
-    let seed = fresh_seed("gpu_scaled_values");
-    for format in scaled_value_formats() {
+    let seed = fresh_seed("gpu_tensor_core_formats");
+    for format in tensor_core_formats() {
         let tiers = format.tiers().len();
         for group in [1, 4, 8] {
             for tier in 0..tiers {

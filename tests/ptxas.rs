@@ -461,3 +461,27 @@ fn random_options(rng: &mut Rng, index: usize) -> Options {
         bulk_copies: rng.pick(&[None, Some(true), Some(false)]),
     }
 }
+
+/// KIVI's asymmetric keys (`tests/in/tensor-cores/asymmetric_keys.toml`) on
+/// the integer tensor cores at 2, 4 and 8 bits (2-bit rows in 8-byte
+/// chunks, a score bias per page): the kernels assemble with no local memory.
+#[test]
+fn asymmetric_keys_on_the_tensor_cores_assemble_without_local_memory() {
+    let Some(assembler) = ptxas::find_or_skip("asymmetric_keys_assemble") else {
+        return;
+    };
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/in/tensor-cores/asymmetric_keys.toml");
+    let format = Format::load(&path).expect("the test spec");
+    let mut jobs = Vec::new();
+    for target in Target::ALL {
+        let output = ptx::write(&format, &Options::for_target(target)).expect("the kernels fit");
+        for tier in &output.tiers {
+            let scored = tier.ptx.contains("tensor-core score");
+            assert_eq!(scored, tier.tier != "int3", "{}: {scored}", tier.tier);
+        }
+        jobs.extend(jobs_of("asymmetric_keys", &output, None));
+    }
+    let problems = assemble_all(&assembler, jobs);
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+}

@@ -26,13 +26,13 @@ pub fn direct_codebook_formats() -> Vec<Format> {
     ))
 }
 
-/// Formats whose values have per-group scales and zero points, per-item
-/// zero points or per-page channel scales, behind keys the tensor cores
-/// score (`tests/in/scaled-values/`).
-pub fn scaled_value_formats() -> Vec<Format> {
+/// Formats for the tensor cores' scaled and asymmetric codes: keys with zero
+/// points, values with per-group scales and zero points, per-item zero
+/// points or per-page channel scales (`tests/in/tensor-cores/`).
+pub fn tensor_core_formats() -> Vec<Format> {
     formats_in(concat!(
         env!("CARGO_MANIFEST_DIR"),
-        "/tests/in/scaled-values"
+        "/tests/in/tensor-cores"
     ))
 }
 

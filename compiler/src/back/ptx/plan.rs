@@ -349,6 +349,9 @@ impl Plan {
         // A tensor-core score reads its query once, into registers before the
         // page loop: the score program's arrays need not outlive the prologue.
         let mma_score = mma.as_ref().is_some_and(|m| m.score.is_some());
+        // Page-scaled values take their scales from the tile's header,
+        // which the next copy may overwrite before a pipelined drain.
+        let page_scaled = mma.as_ref().is_some_and(|m| m.channel.page_scale.is_some());
         let mut score_reads = HashSet::new();
         if !mma_score {
             score_reads.extend(shared_reads(&module.key.score.exprs));
@@ -520,7 +523,7 @@ impl Plan {
             buffers,
             barriers,
             stages: options.stages,
-            pipelined: options.pipeline && mma_score,
+            pipelined: options.pipeline && mma_score && !page_scaled,
             logits,
             head_stride,
             prefetch,

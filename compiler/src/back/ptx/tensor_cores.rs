@@ -3,8 +3,9 @@
 //! `kernel/accumulate_mma.rs`; docs/ptx-backend.md, Tensor cores).
 //!
 //! A tier qualifies when its key score is a dot product of one query array
-//! with the key item's elements — f16 values or 4/8-bit integers, optionally
-//! times a per-element page-header scale — and its value channel `c` is the
+//! with the key item's elements — f16 values or 2/4/8-bit integers,
+//! optionally times a per-element page-header scale, plus a page-header zero
+//! point (unsigned codes) — and its value channel `c` is the
 //! value item's element `c`, optionally times one f16 scale per item. Such
 //! elements are exact f16 numbers, so they are `mma.sync` operands (f16 as
 //! stored; integers through two or three bit operations). The header scales
@@ -14,9 +15,9 @@
 //! interpreter's results within the backends' tolerance, at a fraction of
 //! the per-thread fma chains' instructions. Integer keys score on the
 //! integer tensor cores instead (`m16n8k32`): 8-bit codes as
-//! stored, 4-bit codes as 16 times the code by one or two bit operations,
-//! and the query as a 24-bit integer of three signed bytes; the s32 sums
-//! are exact.
+//! stored, 4- and 2-bit codes as 16 or 64 times the code by one or two bit
+//! operations, and the query as a 24-bit integer of three signed bytes; the
+//! s32 sums are exact. Zero points add `Σ query · zero` per head and page.
 //!
 //! Bitmap fields of f16 groups (MosaicKV) qualify too: their elements are
 //! stored f16 numbers, but at data-dependent places (a group's slot is the
@@ -56,7 +57,7 @@ pub fn lane_chunk(spread: bool, c: u32) -> u32 {
 pub const TILE: u32 = 16;
 /// Columns of one tile: (head, part) pairs, so 4 heads per tile.
 pub const COLUMNS: u32 = 8;
-/// Lanes sharing one fragment row (`lane % 4`), each loading 16 bytes of it.
+/// Lanes sharing one fragment row (`lane % 4`), each loading its chunks of it.
 pub const ROW_LANES: u32 = 4;
 /// Lanes of a warp.
 pub const WARP_LANES: u32 = 32;
@@ -72,7 +73,7 @@ const MAX_HELD_REGISTERS: u32 = 128;
 pub enum Element {
     /// Stored f16 bits.
     Half,
-    /// A `bits`-wide integer (4 or 8), two's complement when `signed`.
+    /// A `bits`-wide integer (2, 4 or 8), two's complement when `signed`.
     Int { bits: u32, signed: bool },
     /// An fp8 byte, widened to an exact f16 by `cvt.rn.f16x2.{e4m3,e5m2}x2`
     /// (sm_89+), two at a time: it then enters as [`Element::Half`] does.
@@ -267,9 +268,12 @@ pub struct MmaScore {
     pub key: Element,
     pub key_scale: Option<u32>,
     /// Zero points (asymmetric codes): element `i` is `code · scale + zero`
-    /// with the zero in header slot `key_zero + i` ([`affine_element`]). The
-    /// kernels do not take these yet: [`plan`] leaves such keys per thread.
+    /// with the zero in header slot `key_zero + i` ([`affine_element`]); the
+    /// score is then the codes' dot product plus `Σ query · zero` per head.
     pub key_zero: Option<u32>,
+    /// A per-head term added to the score, element 0 of this shared array
+    /// (a PCA key's query times the mean, from the key prologue).
+    pub key_bias: Option<Handle<ArrayDecl>>,
     pub key_dims: u32,
     /// Key fragments gathered from a bitmap's groups: the runs of groups a
     /// lane holds ([`lane_runs`]), its chunks, every fourth run of the row
@@ -296,9 +300,12 @@ impl MmaPlan {
     }
 
     /// Registers a lane holds for the whole stream: per column tile, its
-    /// accumulators (4 per channel tile) and query fragments.
+    /// accumulators (4 per channel tile), query fragments and (zero points)
+    /// the page's score bias.
     pub fn held_registers(&self) -> u32 {
-        let queries = (self.score.as_ref()).map_or(0, |s| s.query_tiles() * s.key_registers());
+        let queries = (self.score.as_ref()).map_or(0, |s| {
+            s.query_tiles() * s.key_registers() + u32::from(s.biased())
+        });
         // Page-scaled values sum a tile apart first.
         let tile_sums = match self.channel.page_scale {
             Some(_) => 4 * self.channel_tiles(),
@@ -367,6 +374,11 @@ impl MmaPlan {
 }
 
 impl MmaScore {
+    /// Whether the score adds a per-head bias to the codes' dot product.
+    pub fn biased(&self) -> bool {
+        self.key_zero.is_some() || self.key_bias.is_some()
+    }
+
     /// Reduction steps of the score: `m16n8k16` steps of 16 f16 elements, or
     /// (integer keys) `m16n8k32` steps of 32 8-bit integers.
     pub fn key_steps(&self) -> u32 {
@@ -375,7 +387,8 @@ impl MmaScore {
     }
 
     /// Key elements in one fragment register: two f16, or four 8-bit
-    /// integers (4-bit codes enter as 8-bit integers, 16 times the code).
+    /// integers (4- and 2-bit codes enter as 8-bit integers, 16 or 64 times
+    /// the code).
     pub fn register_elements(&self) -> u32 {
         match self.key {
             Element::Half | Element::Fp8(_) => 2,
@@ -389,28 +402,47 @@ impl MmaScore {
         self.key_dims / ROW_LANES / 2
     }
 
-    /// Key elements in one lane's chunk: 16 bytes, or (gathered) one run of
-    /// groups, whose pairs are consecutive. A row's chunks go to its lanes in
-    /// turn, so a gathering load's four lanes of a row read groups a quarter
-    /// row apart: their ranks, and banks, lie closer than a lane's own
-    /// quarter's ends (keys: 1.46 wavefronts per load where a quarter row
-    /// per lane takes 1.55, as `benches/gpu/gather_banks.py` simulates).
-    pub fn chunk_elements(&self) -> u32 {
-        match self.gathered_runs {
-            Some(runs) => self.key_dims / ROW_LANES / runs,
-            None => 8 * CHUNK / self.key.bits(),
+    /// Bytes of a key row's elements.
+    pub fn row_bytes(&self) -> u32 {
+        self.key_dims * self.key.bits() / 8
+    }
+
+    /// Bytes of a lane's chunk of a key row loaded whole: 16, or 8 where the
+    /// row's 4 lanes cannot each take whole 16-byte chunks (rows of 32 · odd
+    /// bytes, as 2-bit codes of 128 dims). Gathered rows count in 16-byte
+    /// chunks (their lanes' chunks are runs of groups).
+    pub fn chunk_bytes(&self) -> u32 {
+        let whole = self.row_bytes().is_multiple_of(ROW_LANES * CHUNK);
+        match whole || self.gathered_runs.is_some() {
+            true => CHUNK,
+            false => CHUNK / 2,
         }
     }
 
-    /// The 16-byte chunks of a key row one lane loads (chunks `quad + 4 · c`,
-    /// or spread: [`lane_chunk`]).
+    /// Key elements in one lane's chunk: [`Self::chunk_bytes`] of them, or
+    /// (gathered) one run of groups, whose pairs are consecutive. A row's
+    /// chunks go to its lanes in turn, so a gathering load's four lanes of a
+    /// row read groups a quarter row apart: their ranks, and banks, lie
+    /// closer than a lane's own quarter's ends (keys: 1.46 wavefronts per
+    /// load where a quarter row per lane takes 1.55, as
+    /// `benches/gpu/gather_banks.py` simulates).
+    pub fn chunk_elements(&self) -> u32 {
+        match self.gathered_runs {
+            Some(runs) => self.key_dims / ROW_LANES / runs,
+            None => 8 * self.chunk_bytes() / self.key.bits(),
+        }
+    }
+
+    /// The chunks of a key row one lane loads (chunks `quad + 4 · c`, or
+    /// spread: [`lane_chunk`]).
     pub fn lane_chunks(&self) -> u32 {
         self.key_dims / self.chunk_elements() / ROW_LANES
     }
 
-    /// Whether the lanes' chunks can be spread: an even number per lane.
+    /// Whether the lanes' chunks can be spread: 16-byte chunks (the
+    /// swizzle's unit), an even number per lane.
     pub fn spread_chunks(&self) -> bool {
-        self.lane_chunks().is_multiple_of(2)
+        self.chunk_bytes() == CHUNK && self.lane_chunks().is_multiple_of(2)
     }
 
     /// B tiles of the queries per column tile: f16 keys take a query as two
@@ -430,14 +462,19 @@ impl MmaScore {
     /// Key element of part `e` of the `r`-th fragment register a lane with
     /// `quad == 0` holds of a key row (lane `quad` holds the element
     /// `chunk_elements · quad` further). The registers are the words of the
-    /// lane's chunks in order (f16: halves; 8-bit: bytes), but a 4-bit word
-    /// gives two: its low nibbles, then its high ones. Register `2 · s` is
-    /// the lane's `a0` of reduction step `s`, `2 · s + 1` its `a2`.
+    /// lane's chunks in order (f16: halves; 8-bit: bytes), but a word of
+    /// `n` codes a byte gives `n`: code `j` of each of its bytes in the
+    /// `j`-th (element `4 · byte + j` of the word at bit `bits · j` of its
+    /// byte). Register `2 · s` is the lane's `a0` of reduction step `s`,
+    /// `2 · s + 1` its `a2`.
     pub fn key_element(&self, r: u32, e: u32) -> u32 {
         let per_chunk = self.chunk_elements() / self.register_elements();
         let (c, x) = (r / per_chunk, r % per_chunk);
         let within = match self.key {
-            Element::Int { bits: 4, .. } => 8 * (x / 2) + 2 * e + x % 2,
+            Element::Int { bits, .. } => {
+                let n = 8 / bits;
+                4 * n * (x / n) + n * e + x % n
+            }
             _ => self.register_elements() * x + e,
         };
         ROW_LANES * self.chunk_elements() * c + within
@@ -492,16 +529,18 @@ pub fn plan(
             .scale
             .is_none_or(|bit| bit.is_multiple_of(16) && value.shared_stride.is_multiple_of(2));
     let group_bytes = group_bits / 8;
-    // Rows read in 16-byte chunks must be aligned to them; gathered
-    // fragments are read a group at a time.
+    // Rows read in chunks must be aligned to them; gathered fragments are
+    // read a group at a time.
     let fits_rows = |score: &MmaScore, rows: &Rows, chunks: bool| {
-        let row_bytes = score.key_dims * score.key.bits() / 8;
+        let chunk = score.chunk_bytes();
         score.key_dims.is_multiple_of(TILE)
             // A key row is whole chunks over the 4 lanes of a fragment row.
-            && row_bytes.is_multiple_of(CHUNK * ROW_LANES)
-            && (!chunks || rows.align() == CHUNK)
-            // Header scales are read 4 at a time.
-            && score.key_scale.is_none_or(|slot| slot.is_multiple_of(4))
+            && score.row_bytes().is_multiple_of(chunk * ROW_LANES)
+            && (!chunks || rows.align() >= chunk)
+            // Header scales and zero points are read 4 at a time.
+            && [score.key_scale, score.key_zero]
+                .iter()
+                .all(|slot| slot.is_none_or(|slot| slot.is_multiple_of(4)))
     };
     let gathered = gathered_score(module, key)
         .map(
@@ -523,7 +562,7 @@ pub fn plan(
         None => {
             let rows = Rows::of(key);
             let score = dot_product(&module.key.score)
-                .filter(|s| allowed(s.key) && s.key_zero.is_none() && fits_rows(s, &rows, true));
+                .filter(|s| allowed(s.key) && whole_bytes(s.key) && fits_rows(s, &rows, true));
             (score, rows)
         }
     };
@@ -544,6 +583,23 @@ pub fn plan(
     // (`kernel/warp_tile.rs`), whose lanes hold the heads their zero sums need.
     plan.filter(|m| m.held_registers() <= MAX_HELD_REGISTERS)
         .filter(|m| m.channel.groups.is_none() || m.score.is_some())
+}
+
+/// How fragment register `j` of a word of `bits`-bit codes (`8 / bits` a
+/// byte) is made: `(word << shift) & mask` leaves code `j` of each byte in
+/// the byte's top bits, 2^(8 − bits) times the code ([`MmaScore::key_element`]).
+pub fn code_register(bits: u32, j: u32) -> (u32, u32) {
+    let top_bits = 0xFF & (0xFF << (8 - bits));
+    (8 - bits * (j + 1), 0x0101_0101 * top_bits)
+}
+
+/// Whether a byte holds whole elements: integers of 2, 4 or 8 bits (3-bit
+/// codes straddle bytes, so those keys stay on the per-thread path).
+fn whole_bytes(element: Element) -> bool {
+    match element {
+        Element::Int { bits, .. } => 8 % bits == 0 && bits >= 2,
+        Element::Half | Element::Fp8(_) => true,
+    }
 }
 
 /// The codec's body when it is a bitmap of f16 groups covering its `dims`,
@@ -603,6 +659,7 @@ fn gathered_score(module: &Module, key: &Stream) -> Option<(MmaScore, Gather)> {
             key: Element::Half,
             key_scale: None,
             key_zero: None,
+            key_bias: None,
             key_dims: codec.dims,
             gathered_runs: None,
         },
@@ -616,6 +673,23 @@ fn gathered_score(module: &Module, key: &Stream) -> Option<(MmaScore, Gather)> {
 fn dot_product(f: &Function) -> Option<MmaScore> {
     let exprs = &f.exprs;
     let mut cur = f.result?;
+    // `chain + bias[0]`: a per-head term.
+    let mut key_bias = None;
+    if let Expr::Binary {
+        op: BinaryOp::Add,
+        left,
+        right,
+    } = *exprs.try_get(cur)?
+    {
+        let bias = |h: Handle<Expr>| match shared_read(f, h)? {
+            (array, 0) => Some(array),
+            _ => None,
+        };
+        let (chain, array) =
+            (bias(right).map(|a| (left, a))).or_else(|| bias(left).map(|a| (right, a)))?;
+        cur = chain;
+        key_bias = Some(array);
+    }
     type Shape = (Handle<ArrayDecl>, Element, Option<u32>, Option<u32>);
     let mut shape: Option<Shape> = None;
     let mut seen = Vec::new();
@@ -653,6 +727,7 @@ fn dot_product(f: &Function) -> Option<MmaScore> {
         key: element,
         key_scale: scale,
         key_zero: zero,
+        key_bias,
         key_dims: dims,
         gathered_runs: None,
     })
@@ -1028,24 +1103,36 @@ mod tests {
     use super::*;
 
     fn score_of(element: Element) -> MmaScore {
+        score_with_dims(element, 128)
+    }
+
+    fn score_with_dims(element: Element, key_dims: u32) -> MmaScore {
         let mut arrays = crate::ir::Arena::default();
         MmaScore {
             query: arrays.append(ArrayDecl {
                 name: "query".into(),
-                len: 128,
+                len: key_dims,
             }),
             key: element,
             key_scale: None,
             key_zero: None,
-            key_dims: 128,
+            key_bias: None,
+            key_dims,
             gathered_runs: None,
+        }
+    }
+
+    fn unsigned(bits: u32) -> Element {
+        Element::Int {
+            bits,
+            signed: false,
         }
     }
 
     /// KIVI's asymmetric keys are a dot product of the query with codes
     /// times page scales plus page zero points, the zeros past the scales.
     #[test]
-    fn asymmetric_page_keys_are_recognised_but_stay_per_thread() {
+    fn asymmetric_page_keys_are_recognised() {
         let format =
             crate::Format::parse(include_str!("../../../../specs/kivi2.toml"), "kivi2.toml")
                 .expect("the bundled spec");
@@ -1063,7 +1150,8 @@ mod tests {
     }
 
     /// The four lanes of a fragment row hold every key element exactly once,
-    /// whatever the element width, and gathered in one or two runs a lane.
+    /// whatever the element width (2-bit rows of 128 dims in 8-byte chunks,
+    /// of 256 in 16-byte ones), and gathered in one or two runs a lane.
     #[test]
     fn lanes_of_a_row_cover_every_key_element_once() {
         let gathered = |runs| MmaScore {
@@ -1072,19 +1160,19 @@ mod tests {
         };
         for m in [
             score_of(Element::Half),
+            score_with_dims(Element::Half, 48),
             score_of(Element::Int {
                 bits: 8,
                 signed: true,
             }),
-            score_of(Element::Int {
-                bits: 4,
-                signed: false,
-            }),
+            score_of(unsigned(4)),
+            score_of(unsigned(2)),
+            score_with_dims(unsigned(2), 256),
             gathered(1),
             gathered(2),
         ] {
             let element = m.key;
-            let mut seen = vec![0; 128];
+            let mut seen = vec![0; m.key_dims as usize];
             for quad in 0..ROW_LANES {
                 for r in 0..m.key_registers() {
                     for e in 0..m.register_elements() {
@@ -1094,5 +1182,99 @@ mod tests {
             }
             assert!(seen.iter().all(|&n| n == 1), "{element:?}: {seen:?}");
         }
+    }
+
+    /// A key row's bits as the IR reads them (element `i` of `bits` at bit
+    /// `bits · i`, little-endian bytes), split into 32-bit words, each made
+    /// into fragment registers by the kernel's `(word << shift) & mask`:
+    /// every register byte is 2^(8 − bits) times the code of the element
+    /// [`MmaScore::key_element`] names.
+    #[test]
+    fn code_registers_hold_the_elements_key_element_names() {
+        let mut state = 0x9E37_79B9_7F4A_7C15u64;
+        let mut random = || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        for (bits, dims) in [(2, 128), (2, 256), (4, 128), (8, 128)] {
+            let m = score_with_dims(unsigned(bits), dims);
+            let codes: Vec<u32> = (0..dims)
+                .map(|_| (random() as u32) & ((1 << bits) - 1))
+                .collect();
+            let mut row = vec![0u8; m.row_bytes() as usize];
+            for (i, &code) in codes.iter().enumerate() {
+                let bit = bits as usize * i;
+                row[bit / 8] |= (code << (bit % 8)) as u8;
+            }
+            let n = 8 / bits;
+            let chunk = m.chunk_bytes() as usize;
+            for quad in 0..ROW_LANES {
+                // The lane's chunks, quad + 4 · c, word by word.
+                let words = (0..m.lane_chunks()).flat_map(|c| {
+                    let at = chunk * (quad + ROW_LANES * c) as usize;
+                    row[at..at + chunk]
+                        .chunks(4)
+                        .map(|w| u32::from_le_bytes(w.try_into().unwrap()))
+                        .collect::<Vec<_>>()
+                });
+                let registers = words.flat_map(|w| {
+                    (0..n).map(move |j| {
+                        let (shift, mask) = code_register(bits, j);
+                        (w << shift) & mask
+                    })
+                });
+                let mut count = 0;
+                for (r, register) in registers.enumerate() {
+                    for e in 0..4 {
+                        let dim = m.key_element(r as u32, e) + m.chunk_elements() * quad;
+                        let byte = (register >> (8 * e)) & 0xFF;
+                        assert_eq!(
+                            byte,
+                            codes[dim as usize] << (8 - bits),
+                            "{bits}-bit, {dims} dims: lane {quad}, register {r}, byte {e}"
+                        );
+                    }
+                    count += 1;
+                }
+                assert_eq!(count, m.key_registers(), "{bits}-bit, {dims} dims");
+            }
+        }
+    }
+
+    /// A 2-bit asymmetric key with values that qualify scores on the
+    /// tensor cores: 8-byte chunks, the zero points past the scales; 3-bit
+    /// codes straddle bytes and stay per thread.
+    #[test]
+    fn plan_admits_two_bit_asymmetric_keys() {
+        let format = crate::Format::parse(
+            include_str!("../../../../tests/in/tensor-cores/asymmetric_keys.toml"),
+            "asymmetric_keys.toml",
+        )
+        .expect("the test spec");
+        let tile_items = 64;
+        let mut served = Vec::new();
+        for tier in format.tiers() {
+            let module = tier.module();
+            let layout = &module.layout;
+            let mut key = Stream::new(layout.key_stream_offset, layout.key.stride, false);
+            let mut value = Stream::new(layout.value_stream_offset, layout.value.stride, false);
+            key.buffer_offset = layout.header_bytes;
+            value.buffer_offset = key.buffer_offset + key.capacity(tile_items);
+            let m = plan(module, 4, tile_items, &key, &value, true).expect("values qualify");
+            served.push(
+                (m.score.as_ref()).map(|s| (s.key, s.key_scale, s.key_zero, s.chunk_bytes())),
+            );
+        }
+        assert_eq!(
+            served,
+            [
+                Some((unsigned(2), Some(0), Some(128), 8)),
+                Some((unsigned(4), Some(0), Some(128), 16)),
+                Some((unsigned(8), Some(0), Some(128), 16)),
+                None,
+            ]
+        );
     }
 }

@@ -4,11 +4,15 @@
 //! [`MmaScore::key_element`]); B = the queries (times the page's header
 //! scales) times a power of two σ per head, as columns (head, part): f16
 //! `hi + lo` parts, so a head's two columns sum to its logit times σ; or,
-//! for integer keys, the three bytes of an integer ([`Queries`]).
+//! for integer keys, the three bytes of an integer ([`Queries`]). Keys with
+//! zero points (`code · scale + zero`) score their codes so, and add the
+//! page's `Σ query · zero` per head ([`Queries::bias`]).
 
 use super::super::builder::{Cmp, Kernel, Pred, Reg, Shared, F32, S32, U32};
 use super::super::streams::CHUNK;
-use super::super::tensor_cores::{lane_chunk, Element, MmaPlan, MmaScore, ROW_LANES, TILE};
+use super::super::tensor_cores::{
+    code_register, lane_chunk, Element, MmaPlan, MmaScore, ROW_LANES, TILE,
+};
 use super::cta::{Cta, Tile};
 use super::fragments::{
     column_sigma, f16_part, swizzled_if, unscale_of, Fragments, Lanes, StepTokens, HALF_EXPONENT,
@@ -27,6 +31,13 @@ pub(super) struct ScoreMma<'a> {
 /// `d0` of [`Queries`] stays within ±64.
 pub(super) const INT_EXPONENT: u32 = 21;
 
+/// The same for a page's `Σ query · zero` of a head, which bounds σ: the
+/// bias in the C sums' units stays below 2^55, and the queries' rounding
+/// then costs the codes' sum at most `Σ code / 2^48` of the bias (2^-33
+/// for 128 8-bit codes), below the bias's own f32 rounding. It binds only
+/// where the bias is 2^27 times the largest query times scale or more.
+pub(super) const BIAS_EXPONENT: u32 = 48;
+
 /// Independent accumulator chains of a score tile's `mma.sync`s on f16 rows
 /// loaded whole: one chain waits a full tensor-core latency per 16
 /// elements. Gathered rows take one: a step's gather hides that latency,
@@ -41,6 +52,8 @@ pub(super) struct MmaScoreThread {
     /// Per column tile: the lane's first query element and whether its B
     /// column's head exists.
     pub(super) query_at: Vec<(Reg<U32>, Reg<Pred>)>,
+    /// Per column tile, with a per-head score bias: its B column head's.
+    pub(super) bias_at: Vec<Reg<U32>>,
     /// The query fragments and the C sums' factor to logits: for the whole
     /// stream, or (with header scales) for the current page.
     pub(super) queries: Queries,
@@ -72,7 +85,7 @@ pub(super) struct WarpHead {
 
 /// B fragments of the score, and per column tile the factor from its C
 /// sums to logits in log2 units (1/σ of the C columns' head times the
-/// softmax scale times log2 e, over 16 for 4-bit codes).
+/// softmax scale times log2 e, over 16 or 64 for 4- or 2-bit codes).
 pub(super) struct Queries {
     /// Per column tile and B tile: the lane's registers, two per reduction
     /// step. f16 keys: one B tile, columns (head, hi / lo part). Integer
@@ -81,6 +94,10 @@ pub(super) struct Queries {
     /// then (head, d2 / nothing).
     pub(super) tiles: Vec<Vec<Vec<Reg<U32>>>>,
     pub(super) to_logits: Vec<Reg<F32>>,
+    /// Keys with zero points, per column tile: the C columns' head's
+    /// `Σ query · zero` of the page, in the C sums' units (what the sums
+    /// would hold for it: times σ, over the codes' factor).
+    pub(super) bias: Option<Vec<Reg<F32>>>,
 }
 
 /// A slot's score sums per column tile: f16 keys in `chains` chains of f32
@@ -199,12 +216,28 @@ impl ScoreMma<'_> {
             .map(|g| FragmentGather::for_keys(k, g, s, &plan.key, lanes.quad));
         let key_chunk = match gather {
             Some(_) => k.mov(0u32),
-            None => k.shl(chunk, 4u32),
+            // chunk · chunk bytes (a power of two).
+            None => k.shl(chunk, s.chunk_bytes().trailing_zeros()),
         };
         let key_lane = k.mad_lo(key_row, m.key_rows.stride, key_chunk);
         let zero = k.mov(0.0f32);
+        // The per-head bias array's element of each column tile's B column head.
+        let bias_at: Vec<Reg<U32>> = match s.key_bias {
+            Some(array) => {
+                let index = array.index();
+                let base = self.cta.array_base(k, index);
+                (0..m.column_tiles)
+                    .map(|ct| {
+                        let head = k.add(row_head, 4 * ct);
+                        let (clamped, _) = self.frag.head_slot(k, head);
+                        k.mad_lo(clamped, plan.array_stride[index], base)
+                    })
+                    .collect()
+            }
+            None => Vec::new(),
+        };
         let queries = match s.key_scale {
-            None => self.queries(k, s, &lanes, &query_at, None),
+            None => self.queries(k, s, &lanes, &query_at, &bias_at, None),
             // Set by each page's first tile.
             Some(_) => Queries {
                 tiles: (0..m.column_tiles)
@@ -215,6 +248,7 @@ impl ScoreMma<'_> {
                     })
                     .collect(),
                 to_logits: (0..m.column_tiles).map(|_| k.mov(zero)).collect(),
+                bias: (s.biased()).then(|| (0..m.column_tiles).map(|_| k.mov(zero)).collect()),
             },
         };
         let neg_inf = k.mov(f32::NEG_INFINITY);
@@ -236,6 +270,7 @@ impl ScoreMma<'_> {
         MmaScoreThread {
             lanes,
             query_at,
+            bias_at,
             queries,
             key_lane,
             gather,
@@ -248,25 +283,29 @@ impl ScoreMma<'_> {
 
     /// The lane's query pairs of every column tile (times the header scales
     /// at `header` when the key has them) scaled by σ and split into parts,
-    /// and the factor from its C sums to logits in log2 units.
+    /// the factor from its C sums to logits in log2 units, and (zero points
+    /// at `header`) the sums' bias.
     pub(super) fn queries(
         &self,
         k: &mut Kernel,
         m: &MmaScore,
         lanes: &Lanes,
         query_at: &[(Reg<U32>, Reg<Pred>)],
+        bias_at: &[Reg<U32>],
         header: Option<Reg<U32>>,
     ) -> Queries {
         let chunk = m.chunk_elements();
         let spread = self.frag.spread_chunks();
         // The lane's chunk c holds elements chunk · (its chunk index), contiguous.
-        let scales_at = header.map(|h| {
-            let slot0 = m.key_scale.expect("header scales");
+        let lane_header = header.map(|h| {
             let lane_chunk = self.frag.lane_chunk_part(k, lanes);
-            let first = k.mad_lo(lane_chunk, 4 * chunk, h);
-            k.add(first, 4 * slot0)
+            k.mad_lo(lane_chunk, 4 * chunk, h)
         });
-        // Logits in log2 units; 4-bit codes enter as 16 times the code.
+        let mut slots_at =
+            |slot0: Option<u32>| (lane_header.zip(slot0)).map(|(h, slot0)| k.add(h, 4 * slot0));
+        let scales_at = slots_at(m.key_scale);
+        let zeros_at = slots_at(m.key_zero);
+        // Logits in log2 units; 4- and 2-bit codes enter as 16 or 64 times the code.
         let code_scale = match m.key {
             Element::Int { bits, .. } => 1.0 / (1u32 << (8 - bits)) as f32,
             Element::Half | Element::Fp8(_) => 1.0,
@@ -275,14 +314,24 @@ impl ScoreMma<'_> {
         let factor = k.mul(softmax_scale, std::f32::consts::LOG2_E * code_scale);
         let mut tiles = Vec::new();
         let mut to_logits = Vec::new();
-        for &(at, ok) in query_at {
+        let mut bias = Vec::new();
+        for (ct, &(at, ok)) in query_at.iter().enumerate() {
             let mut elements = Vec::new();
+            // The lane's Σ query · zero, in four chains (one per vector lane).
+            let mut query_zeros: [Option<Reg<F32>>; 4] = [None; 4];
             for c in 0..m.lane_chunks() {
                 for v in 0..chunk / 4 {
                     let offset = i64::from(4 * (chunk * lane_chunk(spread, c) + 4 * v));
                     let q = k.ld_shared_v4::<F32>(Shared::at(at).plus(offset));
                     let s = scales_at.map(|s| k.ld_shared_v4::<F32>(Shared::at(s).plus(offset)));
+                    let z = zeros_at.map(|z| k.ld_shared_v4::<F32>(Shared::at(z).plus(offset)));
                     for (i, x) in q.into_iter().enumerate() {
+                        if let Some(z) = z {
+                            query_zeros[i] = Some(match query_zeros[i] {
+                                Some(sum) => k.fma(x, z[i], sum),
+                                None => k.mul(x, z[i]),
+                            });
+                        }
                         let x = match s {
                             Some(s) => k.mul(x, s[i]),
                             None => x,
@@ -300,10 +349,41 @@ impl ScoreMma<'_> {
                     .map(|e| position(m.key_element(r, e)))
                     .collect()
             };
+            // The B column's head's Σ query · zero: the four lanes of its row.
+            let lane_sum = query_zeros.into_iter().flatten().reduce(|a, b| k.add(a, b));
+            let query_zeros = lane_sum.map(|lane_sum| {
+                let mut sum = k.selp(lane_sum, 0.0f32, ok);
+                for mask in [1, 2] {
+                    let other = k.shfl_bfly(sum, mask);
+                    sum = k.add(sum, other);
+                }
+                sum
+            });
+            // Plus the head's own bias term.
+            let constant = bias_at
+                .get(ct)
+                .map(|&at| k.ld_shared::<F32>(Shared::at(at)));
+            let query_zeros = match (query_zeros, constant) {
+                (Some(sum), Some(c)) => Some(k.add(sum, c)),
+                (sum, c) => sum.or(c),
+            };
             // A B column's lanes: the four of its row.
-            let (sigma, column_tiles) = match m.key {
+            let exponent = match m.key {
+                Element::Half | Element::Fp8(_) => HALF_EXPONENT,
+                Element::Int { .. } => INT_EXPONENT,
+            };
+            let sigma = column_sigma(k, &elements, &[1, 2], exponent);
+            // The bias times σ stays finite where the scaled queries are
+            // (near) zero, as on a page of one item (every scale 0).
+            let sigma = match query_zeros {
+                Some(sum) => {
+                    let bound = column_sigma(k, &[sum], &[], BIAS_EXPONENT);
+                    k.min(sigma, bound)
+                }
+                None => sigma,
+            };
+            let column_tiles = match m.key {
                 Element::Half | Element::Fp8(_) => {
-                    let sigma = column_sigma(k, &elements, &[1, 2], HALF_EXPONENT);
                     let scaled: Vec<Reg<F32>> = elements.iter().map(|&x| k.mul(x, sigma)).collect();
                     let pairs = (0..m.key_registers())
                         .map(|r| {
@@ -311,10 +391,9 @@ impl ScoreMma<'_> {
                             f16_part(k, scaled[at[0]], scaled[at[1]], lanes.low_part)
                         })
                         .collect();
-                    (sigma, vec![pairs])
+                    vec![pairs]
                 }
                 Element::Int { .. } => {
-                    let sigma = column_sigma(k, &elements, &[1, 2], INT_EXPONENT);
                     // Q = d0 · 2^16 + d1 · 2^8 + d2 with signed bytes: d2 is
                     // Q's byte 0, d1 byte 1 of Q + 2^7, d0 byte 2 of Q +
                     // 2^15 + 2^7 (each carry rounds the digits above).
@@ -330,7 +409,7 @@ impl ScoreMma<'_> {
                             [k.add(q, carry), q]
                         })
                         .collect();
-                    let tiles = [(byte, None), (k.mov(0x40u32), Some(even))]
+                    [(byte, None), (k.mov(0x40u32), Some(even))]
                         .into_iter()
                         .enumerate()
                         .map(|(tile, (selector, mask))| {
@@ -348,8 +427,7 @@ impl ScoreMma<'_> {
                                 })
                                 .collect()
                         })
-                        .collect();
-                    (sigma, tiles)
+                        .collect()
                 }
             };
             tiles.push(column_tiles);
@@ -358,8 +436,18 @@ impl ScoreMma<'_> {
             let owner = k.shl(lanes.quad, 3u32);
             let inverse = k.shfl_idx(inverse, owner);
             to_logits.push(k.mul(inverse, factor));
+            if let Some(sum) = query_zeros {
+                // In the C sums' units, to the C columns' head as 1/σ.
+                let scaled = k.mul(sum, sigma);
+                let units = k.mul(scaled, 1.0 / code_scale);
+                bias.push(k.shfl_idx(units, owner));
+            }
         }
-        Queries { tiles, to_logits }
+        Queries {
+            tiles,
+            to_logits,
+            bias: (!bias.is_empty()).then_some(bias),
+        }
     }
 
     /// The lane's C sums, by slot, column tile and row half, in units of
@@ -387,13 +475,28 @@ impl ScoreMma<'_> {
                 let page_start = k.setp(Cmp::Eq, first, 0u32);
                 k.bra_if(page_start, false, later);
             }
-            let page = self.queries(k, score, &t.lanes, &t.query_at, Some(tile.header));
+            let page = self.queries(
+                k,
+                score,
+                &t.lanes,
+                &t.query_at,
+                &t.bias_at,
+                Some(tile.header),
+            );
             let registers = |q: &Queries| q.tiles.iter().flatten().flatten().copied().collect();
             let (to, from): (Vec<Reg<U32>>, Vec<Reg<U32>>) = (registers(queries), registers(&page));
             for (to, from) in to.iter().zip(&from) {
                 k.assign(*to, *from);
             }
             for (to, from) in queries.to_logits.iter().zip(&page.to_logits) {
+                k.assign(*to, *from);
+            }
+            for (to, from) in queries
+                .bias
+                .iter()
+                .flatten()
+                .zip(page.bias.iter().flatten())
+            {
                 k.assign(*to, *from);
             }
             k.place(later);
@@ -423,12 +526,16 @@ impl ScoreMma<'_> {
                 None => (0..2)
                     .map(|half| {
                         let offset = half_offset(half);
+                        let chunk = score.chunk_bytes();
                         let words: Vec<Reg<U32>> = (0..score.lane_chunks())
                             .flat_map(|c| {
                                 let at = Shared::at(lane_base)
-                                    .plus(i64::from(offset + CHUNK * lane_chunk(spread, c)));
+                                    .plus(i64::from(offset + chunk * lane_chunk(spread, c)));
                                 let at = swizzled_if(k, m.key_rows.swizzled, at);
-                                k.ld_shared_v4::<U32>(at)
+                                match chunk {
+                                    CHUNK => k.ld_shared_v4::<U32>(at).to_vec(),
+                                    _ => k.ld_shared_v2::<U32>(at).to_vec(),
+                                }
                             })
                             .collect();
                         words
@@ -450,7 +557,11 @@ impl ScoreMma<'_> {
             k.place(skip);
             for ct in 0..queries.to_logits.len() {
                 for half in 0..2 {
-                    logits.push(sums.logit(k, ct, half));
+                    let logit = sums.logit(k, ct, half);
+                    logits.push(match &queries.bias {
+                        Some(bias) => k.add(logit, bias[ct]),
+                        None => logit,
+                    });
                 }
             }
         }
@@ -478,16 +589,21 @@ impl ScoreMma<'_> {
 }
 
 /// The fragment registers of one word of key elements
-/// ([`MmaScore::key_element`]): f16 pairs and bytes as they are; 4-bit codes
-/// as the bytes' high nibbles, 16 times the code (low nibbles, then high);
-/// fp8 bytes as two exact f16 pairs (bytes 0-1, then 2-3).
+/// ([`MmaScore::key_element`]): f16 pairs and bytes as they are; 4- or 2-bit
+/// codes as the bytes' top bits, 2^(8 − bits) times the code (the codes at
+/// the lowest bits first); fp8 bytes as two exact f16 pairs (bytes 0-1,
+/// then 2-3).
 pub(super) fn key_registers(k: &mut Kernel, element: Element, w: Reg<U32>) -> Vec<Reg<U32>> {
-    const HIGH_NIBBLES: u32 = 0xF0F0_F0F0;
     match element {
-        Element::Int { bits: 4, .. } => {
-            let low = k.shl(w, 4u32);
-            vec![k.and(low, HIGH_NIBBLES), k.and(w, HIGH_NIBBLES)]
-        }
+        Element::Int { bits, .. } if bits < 8 => (0..8 / bits)
+            .map(|j| match code_register(bits, j) {
+                (0, mask) => k.and(w, mask),
+                (shift, mask) => {
+                    let codes = k.shl(w, shift);
+                    k.and(codes, mask)
+                }
+            })
+            .collect(),
         Element::Fp8(format) => {
             let high = k.shr(w, 16u32);
             [w, high]
