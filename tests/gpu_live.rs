@@ -408,6 +408,13 @@ fn gpu_live_cache_bad_calls_change_nothing() {
     unchanged(&live, "a block of the wrong shape");
     assert!(live.attend(&queries[..d], q_heads).is_err());
     unchanged(&live, "queries of the wrong shape");
+    // The kernels serve groups of 2; attend cannot load others.
+    let other = live.attend(&queries[..2 * kv_heads * d], kv_heads);
+    assert!(
+        matches!(&other, Err(LiveError::Device(e)) if e.contains("attend_into")),
+        "{other:?}"
+    );
+    unchanged(&live, "another number of query heads");
 }
 
 #[test]
