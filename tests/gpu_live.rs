@@ -14,7 +14,7 @@ use common::{assert_rows_close, bundled, data, fresh_seed, SplitMix64};
 use kvcc::compiler::back::ptx::abi::RowDtype;
 use kvcc::compiler::spec::ExactDtype;
 use kvcc::compiler::Format;
-use kvcc::runtime::cache;
+use kvcc::runtime::cache::{self, Tables};
 use kvcc::runtime::cuda::cudarc::driver::DevicePtr;
 use kvcc::runtime::cuda::{DeviceAppend, DeviceLiveCache, DeviceLiveOptions, Gpu, StepIo};
 use kvcc::runtime::encode::TrainOptions;
@@ -22,6 +22,7 @@ use kvcc::runtime::exec::ExecutorKind;
 use kvcc::runtime::live::{
     Append, CachePolicy, LiveCache, LiveError, LiveKv, LiveOptions, SequenceKv,
 };
+use kvcc::runtime::synth::SynthKv;
 
 fn gpu(test: &str) -> Option<Arc<Gpu>> {
     common::gpu_or_skip(test, Gpu::open).map(Arc::new)
@@ -408,6 +409,13 @@ fn gpu_live_cache_bad_calls_change_nothing() {
     unchanged(&live, "a block of the wrong shape");
     assert!(live.attend(&queries[..d], q_heads).is_err());
     unchanged(&live, "queries of the wrong shape");
+    // The kernels serve groups of 2; attend cannot load others.
+    let other = live.attend(&queries[..2 * kv_heads * d], kv_heads);
+    assert!(
+        matches!(&other, Err(LiveError::Device(e)) if e.contains("attend_into")),
+        "{other:?}"
+    );
+    unchanged(&live, "another number of query heads");
 }
 
 #[test]
@@ -435,6 +443,98 @@ fn gpu_live_cache_matches_the_cpu_live_cache_on_random_specs() {
     }
 }
 
+/// What the tests of device-side appends set up: per sequence `tokens`
+/// tokens of K/V (and queries), tables trained on the first sequence's, and
+/// the options of caches that hold every sequence.
+struct Twins {
+    sets: Vec<SynthKv>,
+    tables: Tables,
+    options: DeviceLiveOptions,
+}
+
+impl Twins {
+    fn new(
+        format: &Format,
+        seed: u64,
+        [kv_heads, q_heads, sequences]: [usize; 3],
+        tokens: usize,
+        pages_per_tier: usize,
+    ) -> Twins {
+        let sets: Vec<_> = (0..sequences)
+            .map(|i| {
+                data(
+                    format,
+                    seed.wrapping_add(i as u64),
+                    kv_heads,
+                    q_heads,
+                    tokens,
+                )
+            })
+            .collect();
+        let tables = cache::train(
+            format,
+            &sets[0].keys,
+            &sets[0].values,
+            kv_heads,
+            &TrainOptions::default(),
+        )
+        .unwrap();
+        let options = DeviceLiveOptions {
+            policy: CachePolicy::of(format),
+            kv_heads,
+            max_sequences: sequences,
+            pages_per_tier,
+            context: 1024,
+            q_heads,
+            fixed_plan: false,
+        };
+        Twins {
+            sets,
+            tables,
+            options,
+        }
+    }
+
+    /// Two caches with the tables, each holding every sequence empty: one
+    /// to append to from the host, one from the device (its steps planned
+    /// for capacity when `fixed`), so their pages can be compared.
+    fn caches(
+        &self,
+        gpu: &Arc<Gpu>,
+        format: &Format,
+        fixed: bool,
+    ) -> (DeviceLiveCache, DeviceLiveCache) {
+        let device_options = DeviceLiveOptions {
+            fixed_plan: fixed,
+            ..self.options
+        };
+        let new = |options| {
+            let mut live =
+                DeviceLiveCache::new(gpu.clone(), format, options, self.tables.clone()).unwrap();
+            live.prefill(&vec![SequenceKv::default(); self.sets.len()])
+                .unwrap();
+            live
+        };
+        (new(&self.options), new(&device_options))
+    }
+}
+
+/// Asserts that two caches list the same pages per sequence and that every
+/// such page holds the same bytes.
+fn assert_same_pages(what: &str, host: &DeviceLiveCache, device: &DeviceLiveCache) {
+    for s in 0..host.lengths().len() {
+        let (a, b) = (host.page_table(s).unwrap(), device.page_table(s).unwrap());
+        assert_eq!(a, b, "{what}: page tables of {s}");
+        for page in a.iter().flatten() {
+            assert_eq!(
+                host.page_bytes(page.tier as usize, page.page).unwrap(),
+                device.page_bytes(page.tier as usize, page.page).unwrap(),
+                "{what}: page {page:?} of {s}"
+            );
+        }
+    }
+}
+
 #[test]
 fn gpu_live_cache_appends_from_the_device_as_from_the_host() {
     let test = "gpu_live_cache_appends_from_the_device_as_from_the_host";
@@ -444,39 +544,9 @@ fn gpu_live_cache_appends_from_the_device_as_from_the_host() {
     let (kv_heads, q_heads, sequences) = (2, 8, 3);
     let d = format.head_dim() as usize;
     let tokens = 400;
-    let sets: Vec<_> = (0..sequences)
-        .map(|i| {
-            data(
-                &format,
-                seed.wrapping_add(i as u64),
-                kv_heads,
-                q_heads,
-                tokens,
-            )
-        })
-        .collect();
-    let tables = cache::train(
-        &format,
-        &sets[0].keys,
-        &sets[0].values,
-        kv_heads,
-        &TrainOptions::default(),
-    )
-    .unwrap();
-    let options = DeviceLiveOptions {
-        policy: CachePolicy::of(&format),
-        kv_heads,
-        max_sequences: sequences,
-        pages_per_tier: 256,
-        context: 1024,
-        q_heads,
-        fixed_plan: false,
-    };
-    let mut host = DeviceLiveCache::new(gpu.clone(), &format, &options, tables.clone()).unwrap();
-    let mut device = DeviceLiveCache::new(gpu.clone(), &format, &options, tables).unwrap();
-    let empty = vec![SequenceKv::default(); sequences];
-    host.prefill(&empty).unwrap();
-    device.prefill(&empty).unwrap();
+    let twins = Twins::new(&format, seed, [kv_heads, q_heads, sequences], tokens, 256);
+    let sets = &twins.sets;
+    let (mut host, mut device) = twins.caches(&gpu, &format, false);
     let mut rng = SplitMix64(seed);
     let mut taken = vec![0usize; sequences];
     let queries: Vec<f32> = (0..sequences * q_heads * d)
@@ -520,17 +590,7 @@ fn gpu_live_cache_appends_from_the_device_as_from_the_host() {
             .unwrap_or_else(|e| panic!("step {step}: {e}"));
         let what = format!("step {step}");
         assert_eq!(device.lengths(), host.lengths(), "{what}: lengths");
-        for s in 0..sequences {
-            let (a, b) = (host.page_table(s).unwrap(), device.page_table(s).unwrap());
-            assert_eq!(a, b, "{what}: page tables of {s}");
-            for page in a.iter().flatten() {
-                assert_eq!(
-                    host.page_bytes(page.tier as usize, page.page).unwrap(),
-                    device.page_bytes(page.tier as usize, page.page).unwrap(),
-                    "{what}: page {page:?} of {s}"
-                );
-            }
-        }
+        assert_same_pages(&what, &host, &device);
         let (a, b) = (
             host.attend(&queries, q_heads).unwrap(),
             device.attend(&queries, q_heads).unwrap(),
@@ -574,51 +634,15 @@ fn gpu_live_cache_takes_half_rows_and_fixed_steps_on_the_callers_stream() {
     let (kv_heads, q_heads, sequences) = (2, 8, 2);
     let d = format.head_dim() as usize;
     let tokens = 300;
-    let sets: Vec<_> = (0..sequences)
-        .map(|i| {
-            data(
-                &format,
-                seed.wrapping_add(i as u64),
-                kv_heads,
-                q_heads,
-                tokens,
-            )
-        })
-        .collect();
-    let tables = cache::train(
-        &format,
-        &sets[0].keys,
-        &sets[0].values,
-        kv_heads,
-        &TrainOptions::default(),
-    )
-    .unwrap();
+    let twins = Twins::new(&format, seed, [kv_heads, q_heads, sequences], tokens, 64);
+    let sets = &twins.sets;
     let queries: Vec<f32> = sets
         .iter()
         .flat_map(|s| s.queries[..q_heads * d].to_vec())
         .collect();
     for input in RowDtype::ALL {
         let what = format!("{} rows", input.name());
-        let options = DeviceLiveOptions {
-            policy: CachePolicy::of(&format),
-            kv_heads,
-            max_sequences: sequences,
-            pages_per_tier: 64,
-            context: 1024,
-            q_heads,
-            fixed_plan: false,
-        };
-        let mut host =
-            DeviceLiveCache::new(gpu.clone(), &format, &options, tables.clone()).unwrap();
-        let fixed = DeviceLiveOptions {
-            fixed_plan: true,
-            ..options
-        };
-        let mut device =
-            DeviceLiveCache::new(gpu.clone(), &format, &fixed, tables.clone()).unwrap();
-        let empty = vec![SequenceKv::default(); sequences];
-        host.prefill(&empty).unwrap();
-        device.prefill(&empty).unwrap();
+        let (mut host, mut device) = twins.caches(&gpu, &format, true);
         let q = gpu.upload(&queries).unwrap();
         let out = gpu.upload(&vec![0.0; queries.len()]).unwrap();
         let lse = gpu.upload(&vec![0.0; sequences * q_heads]).unwrap();
@@ -633,7 +657,7 @@ fn gpu_live_cache_takes_half_rows_and_fixed_steps_on_the_callers_stream() {
             let what = format!("{what}, step {step}");
             let mut host_rows = [Vec::new(), Vec::new()];
             let mut device_rows = [Vec::new(), Vec::new()];
-            for set in &sets {
+            for set in sets {
                 for (side, data) in [&set.keys, &set.values].into_iter().enumerate() {
                     for h in 0..kv_heads {
                         let at = (h * tokens + taken) * d;
@@ -686,17 +710,7 @@ fn gpu_live_cache_takes_half_rows_and_fixed_steps_on_the_callers_stream() {
                     .unwrap_or_else(|e| panic!("{what}: {e}"));
             }
             taken += count;
-            for s in 0..sequences {
-                let (a, b) = (host.page_table(s).unwrap(), device.page_table(s).unwrap());
-                assert_eq!(a, b, "{what}: page tables of {s}");
-                for page in a.iter().flatten() {
-                    assert_eq!(
-                        host.page_bytes(page.tier as usize, page.page).unwrap(),
-                        device.page_bytes(page.tier as usize, page.page).unwrap(),
-                        "{what}: page {page:?} of {s}"
-                    );
-                }
-            }
+            assert_same_pages(&what, &host, &device);
             let want = host.attend(&queries, q_heads).unwrap();
             let got_out = stream.clone_dtoh(&out).unwrap();
             let got_lse = stream.clone_dtoh(&lse).unwrap();

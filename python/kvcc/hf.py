@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import threading
+import weakref
 from typing import Optional
 
 import torch
@@ -185,6 +186,38 @@ class KvccCache(Cache):
         super().__init__(layer_class_to_replicate=layer)
 
 
+# The last attention mask found free of padding, with what it was checked
+# for: every layer of a forward pass gets the same mask, and on CUDA each
+# check waits for the GPU, so a pass checks it once rather than per layer.
+_CHECKED = threading.local()
+
+
+def _hides_cached(mask: torch.Tensor, queries: int, tokens: int) -> bool:
+    """Whether `mask` hides from one of the last `queries` queries a cached
+    token or the first new one (a causal mask over the new tokens hides
+    neither; padding does)."""
+    seen = mask[..., -queries:, : tokens - queries + 1]
+    if seen.dtype != torch.bool:
+        seen = seen > torch.finfo(seen.dtype).min / 2
+    return not bool(seen.all())
+
+
+def _check_no_padding(mask: torch.Tensor, queries: int, tokens: int) -> None:
+    try:
+        version = mask._version  # bumped by in-place changes
+    except RuntimeError:  # inference tensors keep no version counter
+        version = None
+    key = (queries, tokens, version)
+    last = getattr(_CHECKED, "last", None)
+    if last is not None and last[0]() is mask and last[1] == key:
+        return
+    if _hides_cached(mask, queries, tokens):
+        raise KvccError(
+            "KvccCache does not support padded batches (an attention mask hides cached tokens)"
+        )
+    _CHECKED.last = (weakref.ref(mask), key)
+
+
 def kvcc_attention(
     module,
     query: torch.Tensor,
@@ -206,15 +239,7 @@ def kvcc_attention(
     layer, _, _ = entry
     d = query.shape[-1]
     if attention_mask is not None:
-        # A causal mask over the new tokens is expected; padding is not: every
-        # query may see every cached token and the first new one.
-        seen = attention_mask[..., -query.shape[-2]:, : layer.tokens - query.shape[-2] + 1]
-        if seen.dtype != torch.bool:
-            seen = seen > torch.finfo(seen.dtype).min / 2
-        if not bool(seen.all()):
-            raise KvccError(
-                "KvccCache does not support padded batches (an attention mask hides cached tokens)"
-            )
+        _check_no_padding(attention_mask, query.shape[-2], layer.tokens)
     if scaling is not None and abs(scaling * math.sqrt(d) - 1.0) > 1e-6:
         query = query * (scaling * math.sqrt(d))
     outputs = []

@@ -147,3 +147,51 @@ def test_padded_batches_are_refused():
         assert "padded batches" in str(e)
     else:
         raise AssertionError("a padded batch must be refused")
+
+
+def test_a_step_checks_its_mask_once_for_every_layer(monkeypatch):
+    """The layers of one forward pass share its mask: checking it (a wait for
+    the GPU on CUDA) once is enough; each new pass checks its own."""
+    calls = []
+    check = kvcc.hf._hides_cached
+
+    def counted(mask, queries, tokens):
+        calls.append(tokens)
+        return check(mask, queries, tokens)
+
+    monkeypatch.setattr(kvcc.hf, "_hides_cached", counted)
+    model = tiny_llama("kvcc")
+    assert model.config.num_hidden_layers == 2
+    ids = prompt(batch=1, tokens=40)
+    arg = kvcc.hf.cache_argument(model)
+    cache = kvcc.hf.KvccCache(model.config, spec="dense_f16", window=16)
+    with torch.no_grad():
+        model(ids, **{arg: cache})
+        model(ids[:, :3], **{arg: cache})  # 3 new tokens: a causal mask is passed
+        model(ids[:, :3], **{arg: cache})
+    assert calls == [43, 46]
+
+
+def test_a_mask_hiding_cached_tokens_is_refused():
+    mask = torch.ones(1, 1, 2, 10, dtype=torch.bool)
+    mask[..., 8:] = torch.tril(torch.ones(2, 2, dtype=torch.bool))
+    kvcc.hf._check_no_padding(mask, 2, 10)  # causal over the new tokens
+    for query, token in [(0, 3), (1, 8)]:  # a cached token; the first new one
+        bad = mask.clone()
+        bad[0, 0, query, token] = False
+        try:
+            kvcc.hf._check_no_padding(bad, 2, 10)
+        except kvcc.KvccError as e:
+            assert "padded batches" in str(e)
+        else:
+            raise AssertionError(f"a mask hiding token {token} must be refused")
+    # An additive float mask with the same hole, changed in place after a check.
+    additive = torch.zeros(1, 1, 2, 10)
+    kvcc.hf._check_no_padding(additive, 2, 10)
+    additive[0, 0, 1, 2] = torch.finfo(additive.dtype).min
+    try:
+        kvcc.hf._check_no_padding(additive, 2, 10)
+    except kvcc.KvccError:
+        pass
+    else:
+        raise AssertionError("a mask changed in place after its check must be checked again")

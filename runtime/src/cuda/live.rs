@@ -763,7 +763,10 @@ impl DeviceLiveCache {
 
     /// Uploads `[sequence][q_head][head_dim]` queries (checked) for the
     /// decode steps that follow; plans a step for `q_heads` if needed.
+    /// `q_heads` must be the count the loaded kernels serve (the `q_heads`
+    /// option, or the last `attend_into`'s): anything else is an error.
     pub fn set_queries(&self, queries: &[f32], q_heads: usize) -> Result<(), LiveError> {
+        loaded_group(q_heads, self.kv_heads, self.group)?;
         let mut slot = self.decode.lock().expect("decode lock");
         if !matches!(&*slot, Some(step) if step.q_heads == q_heads) {
             *slot = Some(self.new_step(q_heads)?);
@@ -836,14 +839,8 @@ impl DeviceLiveCache {
     /// `sequences * q_heads` (log-sum-exp) f32 each, alive until the step is
     /// done.
     pub unsafe fn attend_into(&mut self, io: StepIo, q_heads: usize) -> Result<(), LiveError> {
-        let kv_heads = self.kv_heads;
-        if q_heads == 0 || !q_heads.is_multiple_of(kv_heads.max(1)) {
-            return Err(
-                kvcc_compiler::back::interp::DecodeError::Grouping { q_heads, kv_heads }.into(),
-            );
-        }
+        let group = query_group(q_heads, self.kv_heads)?;
         let capturing = capturing(&self.gpu.stream)?;
-        let group = (q_heads / kv_heads) as u32;
         let slot = self.decode.get_mut().expect("decode lock");
         let ready = matches!(&*slot, Some(step) if step.q_heads == q_heads && step.planned_for(&self.device));
         if !ready || group != self.group {
@@ -937,6 +934,32 @@ impl DeviceLiveCache {
             lse: step.lse(&self.gpu, &self.device)?,
         })
     }
+}
+
+/// Query heads per kv head of a step over `q_heads` query heads.
+fn query_group(q_heads: usize, kv_heads: usize) -> Result<u32, LiveError> {
+    if kv_heads == 0 || q_heads == 0 || !q_heads.is_multiple_of(kv_heads) {
+        return Err(
+            kvcc_compiler::back::interp::DecodeError::Grouping { q_heads, kv_heads }.into(),
+        );
+    }
+    Ok((q_heads / kv_heads) as u32)
+}
+
+/// Checks that the decode kernels loaded for query group `loaded` serve
+/// `q_heads` query heads: they are generated for one group, and loading
+/// others takes `&mut self` (`attend_into` does).
+fn loaded_group(q_heads: usize, kv_heads: usize, loaded: u32) -> Result<(), LiveError> {
+    let group = query_group(q_heads, kv_heads)?;
+    if group != loaded {
+        return Err(LiveError::Device(format!(
+            "the decode kernels are loaded for {} query heads ({loaded} per kv head), \
+             not {q_heads}: attend_into loads kernels for another count (the cache's \
+             q_heads option picks the first)",
+            loaded as usize * kv_heads
+        )));
+    }
+    Ok(())
 }
 
 /// Whether `stream` is being captured into a CUDA graph.
@@ -1039,5 +1062,27 @@ impl LiveKv for DeviceLiveCache {
         }
         self.policy.tier = tier;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn attend_takes_the_query_heads_its_kernels_serve() {
+        assert!(loaded_group(8, 2, 4).is_ok());
+        let other = loaded_group(4, 2, 4).unwrap_err().to_string();
+        assert!(
+            other.contains("loaded for 8 query heads (4 per kv head), not 4")
+                && other.contains("attend_into"),
+            "{other}"
+        );
+        assert!(loaded_group(16, 2, 4).is_err());
+        for (q_heads, kv_heads) in [(0, 2), (5, 2), (4, 0)] {
+            let err = loaded_group(q_heads, kv_heads, 2).unwrap_err().to_string();
+            assert!(err.contains("multiple"), "{q_heads}/{kv_heads}: {err}");
+        }
+        assert_eq!(query_group(8, 2).unwrap(), 4);
     }
 }

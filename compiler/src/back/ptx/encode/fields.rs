@@ -512,50 +512,36 @@ pub fn pack_items(
                     let (item, c) = split(k, w, dims);
                     let at = ctx.shared_word(k, plan.x, w);
                     let v = k.ld_shared(at);
-                    let zero: Option<Reg<F32>> = zero_point.then(|| match scale {
-                        CoeffScale::Item | CoeffScale::Group => {
-                            let j = k.div_u32(c, group);
-                            let at = k.mad_lo(item, plan.item_groups, j);
-                            let at = ctx.shared_word(k, plan.item_zeros, at);
-                            k.ld_shared(at)
-                        }
-                        CoeffScale::Page => {
-                            let target = k.mov(zero_slot);
-                            let at = ctx.shared_word(k, plan.scales, target);
-                            k.ld_shared(at)
-                        }
-                        CoeffScale::PageComponent => {
-                            let target = k.add(c, zero_slot);
-                            let at = ctx.shared_word(k, plan.scales, target);
-                            k.ld_shared(at)
-                        }
-                        CoeffScale::Component => {
-                            let t = zero_table.expect("component zero points have a table");
-                            ctx.table_value(k, tables.offsets[t], c)
-                        }
-                    });
-                    let factor: Reg<F32> = match scale {
-                        CoeffScale::Item | CoeffScale::Group => {
-                            let j = k.div_u32(c, group);
-                            let at = k.mad_lo(item, plan.item_groups, j);
-                            let at = ctx.shared_word(k, plan.item_scales, at);
-                            k.ld_shared(at)
-                        }
-                        CoeffScale::Page => {
-                            let target = k.mov(slot);
-                            let at = ctx.shared_word(k, plan.scales, target);
-                            k.ld_shared(at)
-                        }
-                        CoeffScale::PageComponent => {
-                            let target = k.add(c, slot);
-                            let at = ctx.shared_word(k, plan.scales, target);
-                            k.ld_shared(at)
-                        }
-                        CoeffScale::Component => {
-                            let t = table.expect("component scales have a table");
-                            ctx.table_value(k, tables.offsets[t], c)
+                    // A scale and its zero point are found the same way, each in its
+                    // own place: per item group in shared memory, header slots, a table.
+                    let load = |k: &mut Kernel, groups: u32, slot: u32, table: Option<usize>| {
+                        match scale {
+                            CoeffScale::Item | CoeffScale::Group => {
+                                let j = k.div_u32(c, group);
+                                let at = k.mad_lo(item, plan.item_groups, j);
+                                let at = ctx.shared_word(k, groups, at);
+                                k.ld_shared(at)
+                            }
+                            CoeffScale::Page => {
+                                let target = k.mov(slot);
+                                let at = ctx.shared_word(k, plan.scales, target);
+                                k.ld_shared(at)
+                            }
+                            CoeffScale::PageComponent => {
+                                let target = k.add(c, slot);
+                                let at = ctx.shared_word(k, plan.scales, target);
+                                k.ld_shared(at)
+                            }
+                            CoeffScale::Component => {
+                                let t =
+                                    table.expect("component scales and zero points have tables");
+                                ctx.table_value(k, tables.offsets[t], c)
+                            }
                         }
                     };
+                    let zero: Option<Reg<F32>> =
+                        zero_point.then(|| load(k, plan.item_zeros, zero_slot, zero_table));
+                    let factor: Reg<F32> = load(k, plan.item_scales, slot, table);
                     let code = match zero {
                         Some(z) => quantize_unsigned(k, v, factor, z, bits),
                         None => quantize(k, v, factor, bits),
