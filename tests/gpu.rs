@@ -98,6 +98,40 @@ fn gpu_matches_interpreter_with_gqa_1_4_8_and_mixed_tiers() {
     }
 }
 
+/// Each tier of each format alone at every GQA group of `groups`, then its
+/// tiers mixed at GQA `mixed`.
+fn check_tiers(
+    executor: &CudaExecutor,
+    formats: &[Format],
+    seed: u64,
+    groups: &[usize],
+    mixed: usize,
+) {
+    for format in formats {
+        let tiers = format.tiers().len();
+        for &group in groups {
+            for tier in 0..tiers {
+                let what = format!(
+                    "{}/{} (GQA {group})",
+                    format.name(),
+                    format.layout(tier).name
+                );
+                check(executor, format, seed, 2, group, &|_, _| tier, &what);
+            }
+        }
+        let what = format!("{} mixed tiers (GQA {mixed})", format.name());
+        check(
+            executor,
+            format,
+            seed,
+            2,
+            mixed,
+            &|s, p| (s + p) % tiers,
+            &what,
+        );
+    }
+}
+
 /// Key codebooks whose lookup tables would not fit (VQ keys in groups of 4 at
 /// 8 bits, 8-dim directions at 8 bits with GQA 8): the kernels read the
 /// codewords directly. Each tier alone at GQA 4 (where the directions' tables
@@ -108,29 +142,7 @@ fn gpu_matches_interpreter_on_direct_codebook_formats() {
         return;
     };
     let seed = fresh_seed("gpu_direct_codebooks");
-    for format in direct_codebook_formats() {
-        let tiers = format.tiers().len();
-        for group in [4, 8] {
-            for tier in 0..tiers {
-                let what = format!(
-                    "{}/{} (GQA {group})",
-                    format.name(),
-                    format.layout(tier).name
-                );
-                check(&executor, &format, seed, 2, group, &|_, _| tier, &what);
-            }
-        }
-        let what = format!("{} mixed tiers (GQA 8)", format.name());
-        check(
-            &executor,
-            &format,
-            seed,
-            2,
-            8,
-            &|s, p| (s + p) % tiers,
-            &what,
-        );
-    }
+    check_tiers(&executor, &direct_codebook_formats(), seed, &[4, 8], 8);
 }
 
 /// Asymmetric keys and grouped, asymmetric or page-scaled values on the tensor cores
@@ -142,29 +154,7 @@ fn gpu_matches_interpreter_on_tensor_core_formats() {
         return;
     };
     let seed = fresh_seed("gpu_tensor_core_formats");
-    for format in tensor_core_formats() {
-        let tiers = format.tiers().len();
-        for group in [1, 4, 8] {
-            for tier in 0..tiers {
-                let what = format!(
-                    "{}/{} (GQA {group})",
-                    format.name(),
-                    format.layout(tier).name
-                );
-                check(&executor, &format, seed, 2, group, &|_, _| tier, &what);
-            }
-        }
-        let what = format!("{} mixed tiers (GQA 4)", format.name());
-        check(
-            &executor,
-            &format,
-            seed,
-            2,
-            4,
-            &|s, p| (s + p) % tiers,
-            &what,
-        );
-    }
+    check_tiers(&executor, &tensor_core_formats(), seed, &[1, 4, 8], 4);
 }
 
 #[test]
