@@ -785,8 +785,9 @@ fn affine_element(f: &Function, h: Handle<Expr>) -> Option<(Element, u32, u32, u
     ))
 }
 
-/// `half(item_bits(o, 16))`, `float(sign_extend(item_bits(o, w)))` or
-/// `float(item_bits(o, w))` for w in {4, 8}: the element and `o`.
+/// `half(item_bits(o, 16))`, `float(sign_extend(item_bits(o, w)))` for w
+/// in {4, 8}, or `float(item_bits(o, w))` for w in {2, 4, 8}: the element
+/// and `o`.
 fn element_at(f: &Function, h: Handle<Expr>) -> Option<(Element, Handle<Expr>)> {
     let Expr::Unary { op, arg } = *f.exprs.try_get(h)? else {
         return None;
@@ -813,7 +814,11 @@ fn element_at(f: &Function, h: Handle<Expr>) -> Option<(Element, Handle<Expr>)> 
                 _ => (arg, None),
             };
             let (offset, width) = bits(inner)?;
-            let ok = matches!(width, 4 | 8) && signed.is_none_or(|n| n == width);
+            // Unsigned 2-bit codes come with zero points (KIVI-2).
+            let ok = match signed {
+                Some(n) => matches!(width, 4 | 8) && n == width,
+                None => matches!(width, 2 | 4 | 8),
+            };
             ok.then_some((
                 Element::Int {
                     bits: width,
@@ -976,7 +981,7 @@ fn scaled_channel(f: &Function) -> Option<Channel> {
 fn grouped_channel(f: &Function, dims: u32) -> Option<Channel> {
     let result = f.result?;
     let channel = |h: Handle<Expr>| {
-        let (element, offset) = code_at(f, h).or_else(|| element_at(f, h))?;
+        let (element, offset) = element_at(f, h)?;
         match affine_in_channel(f, offset)? {
             (step, base) if step == element.bits() => Some((element, base)),
             _ => None,
@@ -1016,30 +1021,6 @@ fn grouped_channel(f: &Function, dims: u32) -> Option<Channel> {
         groups: Some(ValueGroups { size, scale, zero }),
         page_scale: None,
     })
-}
-
-/// `float(item_bits(o, 2))`, an unsigned 2-bit code: the element and `o`.
-fn code_at(f: &Function, h: Handle<Expr>) -> Option<(Element, Handle<Expr>)> {
-    let Expr::Unary {
-        op: UnaryOp::ToFloat,
-        arg,
-    } = *f.exprs.try_get(h)?
-    else {
-        return None;
-    };
-    match *f.exprs.try_get(arg)? {
-        Expr::ItemBits {
-            bit_offset,
-            width: 2,
-        } => Some((
-            Element::Int {
-                bits: 2,
-                signed: false,
-            },
-            bit_offset,
-        )),
-        _ => None,
-    }
 }
 
 /// `(size, a, b)` when the u32 expression is `a · (channel / size) + b`
