@@ -205,87 +205,31 @@ fn book(fx: &mut Fx, body: &FieldLayout, base: ir::Value, j: Ix) -> ir::Value {
     }
 }
 
-/// `codes[i][j]`: `kmeans::best_direction` or `nearest` per (item, group):
-/// scores from 0 in coordinate order, the first strictly better wins.
-fn choose_codewords(fx: &mut Fx, codec: &CodecLayout, args: &Args, r: &Regions) {
-    let body = codec.body();
-    let FieldLayout::Codebook {
-        groups,
-        group_size: g,
-        bits,
-        codewords,
-        table: t,
-        ..
-    } = *body
-    else {
-        unreachable!("called for codebook bodies")
-    };
-    let dims = codec.dims;
-    let base = table(fx, args, t);
-    fx.loop_to(args.count, |fx, i| {
-        let x = fx.row(r.x, Ix::V(i), 4 * dims, 0);
-        let codes = fx.row(r.codes, Ix::V(i), 4 * groups, 0);
-        fx.each(groups, |fx, j| {
-            let part = fx.row(x, j, 4 * g, 0);
-            let book = book(fx, body, base, j);
-            let worst = match codewords {
-                CodewordKind::Direction => f32::NEG_INFINITY,
-                CodewordKind::Vector => f32::INFINITY,
-            };
-            let worst = fx.f32c(worst);
-            let zero = fx.i32c(0);
-            let best = fx.var(types::F32, worst);
-            let index = fx.var(types::I32, zero);
-            fx.each(1 << bits, |fx, k| {
-                let word = fx.row(book, k, 4 * g, 0);
-                let init = fx.f32c(0.0);
-                let score = fx.var(types::F32, init);
-                fx.each_unrolled(g, UNROLL, |fx, c| {
-                    let a = fx.ldf(part, c);
-                    let b = fx.ldf(word, c);
-                    let s = fx.get(score);
-                    let s = match codewords {
-                        CodewordKind::Direction => {
-                            let p = fx.b.ins().fmul(a, b);
-                            fx.b.ins().fadd(s, p)
-                        }
-                        CodewordKind::Vector => {
-                            let d = fx.b.ins().fsub(a, b);
-                            let p = fx.b.ins().fmul(d, d);
-                            fx.b.ins().fadd(s, p)
-                        }
-                    };
-                    fx.set(score, s);
-                });
-                let s = fx.get(score);
-                let old = fx.get(best);
-                let cc = match codewords {
-                    CodewordKind::Direction => FloatCC::GreaterThan,
-                    CodewordKind::Vector => FloatCC::LessThan,
-                };
-                let win = fx.b.ins().fcmp(cc, s, old);
-                let new = fx.b.ins().select(win, s, old);
-                fx.set(best, new);
-                let k = fx.ix(k);
-                let old = fx.get(index);
-                let new = fx.b.ins().select(win, k, old);
-                fx.set(index, new);
-            });
-            let index = fx.get(index);
-            fx.st(codes, j, index);
-        });
-    });
+/// One codebook group `j` of item `item`: its part of the rotated row, its
+/// codebook, and the item's `groups`-wide code and aux rows.
+struct Group {
+    j: Ix,
+    part: ir::Value,
+    book: ir::Value,
+    codes: ir::Value,
+    aux: ir::Value,
 }
 
-/// `aux[i][j]`: `ops::radius_of` each group along its chosen codeword.
-fn radii(fx: &mut Fx, codec: &CodecLayout, args: &Args, r: &Regions) {
-    let body = codec.body();
+/// `body` per (item, codebook group).
+fn each_codebook_group(
+    fx: &mut Fx,
+    codec: &CodecLayout,
+    args: &Args,
+    r: &Regions,
+    body: impl FnOnce(&mut Fx, Group),
+) {
+    let field = codec.body();
     let FieldLayout::Codebook {
         groups,
-        group_size: g,
+        group_size,
         table: t,
         ..
-    } = *body
+    } = *field
     else {
         unreachable!("called for codebook bodies")
     };
@@ -296,34 +240,128 @@ fn radii(fx: &mut Fx, codec: &CodecLayout, args: &Args, r: &Regions) {
         let codes = fx.row(r.codes, Ix::V(i), 4 * groups, 0);
         let aux = fx.row(r.aux, Ix::V(i), 4 * groups, 0);
         fx.each(groups, |fx, j| {
-            let part = fx.row(x, j, 4 * g, 0);
-            let book = book(fx, body, base, j);
-            let k = fx.ldi(codes, j);
-            let word = fx.row(book, Ix::V(k), 4 * g, 0);
-            // Rust's `Sum` starts from -0.0.
-            let init = fx.f32c(-0.0);
-            let dot = fx.var(types::F32, init);
-            let norm = fx.var(types::F32, init);
+            let part = fx.row(x, j, 4 * group_size, 0);
+            let book = book(fx, field, base, j);
+            body(
+                fx,
+                Group {
+                    j,
+                    part,
+                    book,
+                    codes,
+                    aux,
+                },
+            );
+        });
+    });
+}
+
+/// `codes[i][j]`: `kmeans::best_direction` or `nearest` per (item, group):
+/// scores from 0 in coordinate order, the first strictly better wins.
+fn choose_codewords(fx: &mut Fx, codec: &CodecLayout, args: &Args, r: &Regions) {
+    let FieldLayout::Codebook {
+        group_size: g,
+        bits,
+        codewords,
+        ..
+    } = *codec.body()
+    else {
+        unreachable!("called for codebook bodies")
+    };
+    each_codebook_group(fx, codec, args, r, |fx, group| {
+        let Group {
+            j,
+            part,
+            book,
+            codes,
+            ..
+        } = group;
+        let worst = match codewords {
+            CodewordKind::Direction => f32::NEG_INFINITY,
+            CodewordKind::Vector => f32::INFINITY,
+        };
+        let worst = fx.f32c(worst);
+        let zero = fx.i32c(0);
+        let best = fx.var(types::F32, worst);
+        let index = fx.var(types::I32, zero);
+        fx.each(1 << bits, |fx, k| {
+            let word = fx.row(book, k, 4 * g, 0);
+            let init = fx.f32c(0.0);
+            let score = fx.var(types::F32, init);
             fx.each_unrolled(g, UNROLL, |fx, c| {
                 let a = fx.ldf(part, c);
                 let b = fx.ldf(word, c);
-                let p = fx.b.ins().fmul(a, b);
-                let s = fx.get(dot);
-                let s = fx.b.ins().fadd(s, p);
-                fx.set(dot, s);
-                let q = fx.b.ins().fmul(b, b);
-                let s = fx.get(norm);
-                let s = fx.b.ins().fadd(s, q);
-                fx.set(norm, s);
+                let s = fx.get(score);
+                let s = match codewords {
+                    CodewordKind::Direction => {
+                        let p = fx.b.ins().fmul(a, b);
+                        fx.b.ins().fadd(s, p)
+                    }
+                    CodewordKind::Vector => {
+                        let d = fx.b.ins().fsub(a, b);
+                        let p = fx.b.ins().fmul(d, d);
+                        fx.b.ins().fadd(s, p)
+                    }
+                };
+                fx.set(score, s);
             });
-            let (dot, norm) = (fx.get(dot), fx.get(norm));
-            let zero = fx.f32c(0.0);
-            let ratio = fx.b.ins().fdiv(dot, norm);
-            let ratio = fx.rust_max(ratio, zero);
-            let positive = fx.b.ins().fcmp(FloatCC::GreaterThan, norm, zero);
-            let radius = fx.b.ins().select(positive, ratio, zero);
-            fx.st(aux, j, radius);
+            let s = fx.get(score);
+            let old = fx.get(best);
+            let cc = match codewords {
+                CodewordKind::Direction => FloatCC::GreaterThan,
+                CodewordKind::Vector => FloatCC::LessThan,
+            };
+            let win = fx.b.ins().fcmp(cc, s, old);
+            let new = fx.b.ins().select(win, s, old);
+            fx.set(best, new);
+            let k = fx.ix(k);
+            let old = fx.get(index);
+            let new = fx.b.ins().select(win, k, old);
+            fx.set(index, new);
         });
+        let index = fx.get(index);
+        fx.st(codes, j, index);
+    });
+}
+
+/// `aux[i][j]`: `ops::radius_of` each group along its chosen codeword.
+fn radii(fx: &mut Fx, codec: &CodecLayout, args: &Args, r: &Regions) {
+    let FieldLayout::Codebook { group_size: g, .. } = *codec.body() else {
+        unreachable!("called for codebook bodies")
+    };
+    each_codebook_group(fx, codec, args, r, |fx, group| {
+        let Group {
+            j,
+            part,
+            book,
+            codes,
+            aux,
+        } = group;
+        let k = fx.ldi(codes, j);
+        let word = fx.row(book, Ix::V(k), 4 * g, 0);
+        // Rust's `Sum` starts from -0.0.
+        let init = fx.f32c(-0.0);
+        let dot = fx.var(types::F32, init);
+        let norm = fx.var(types::F32, init);
+        fx.each_unrolled(g, UNROLL, |fx, c| {
+            let a = fx.ldf(part, c);
+            let b = fx.ldf(word, c);
+            let p = fx.b.ins().fmul(a, b);
+            let s = fx.get(dot);
+            let s = fx.b.ins().fadd(s, p);
+            fx.set(dot, s);
+            let q = fx.b.ins().fmul(b, b);
+            let s = fx.get(norm);
+            let s = fx.b.ins().fadd(s, q);
+            fx.set(norm, s);
+        });
+        let (dot, norm) = (fx.get(dot), fx.get(norm));
+        let zero = fx.f32c(0.0);
+        let ratio = fx.b.ins().fdiv(dot, norm);
+        let ratio = fx.rust_max(ratio, zero);
+        let positive = fx.b.ins().fcmp(FloatCC::GreaterThan, norm, zero);
+        let radius = fx.b.ins().select(positive, ratio, zero);
+        fx.st(aux, j, radius);
     });
 }
 
