@@ -235,7 +235,7 @@ impl Rows {
         self.gather.filter(|_| self.staged)
     }
 
-    fn align(&self) -> u32 {
+    pub(crate) fn align(&self) -> u32 {
         stride_align(self.stride)
     }
 }

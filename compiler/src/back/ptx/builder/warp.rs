@@ -36,6 +36,16 @@ impl Kernel {
         self.line(format_args!("sub.rn.f16x2 {d}, {a}, {b}"));
         self.bitcast(d)
     }
+    /// Lane-wise larger magnitude `max(|a|, |b|)` of two f16 pairs (a NaN
+    /// yields to the other operand).
+    pub fn max_abs_f16x2(&mut self, a: Reg<U32>, b: Reg<U32>) -> Reg<U32> {
+        let [a, b] = [a, b].map(|r| self.bitcast::<U32, B32>(r));
+        let (x, y, d) = (self.reg::<B32>(), self.reg::<B32>(), self.reg::<B32>());
+        self.line(format_args!("abs.f16x2 {x}, {a}"));
+        self.line(format_args!("abs.f16x2 {y}, {b}"));
+        self.line(format_args!("max.f16x2 {d}, {x}, {y}"));
+        self.bitcast(d)
+    }
     /// Lane-wise `a · b + c` of f16 pairs, rounded once.
     pub fn fma_f16x2(&mut self, a: Reg<U32>, b: Reg<U32>, c: Reg<U32>) -> Reg<U32> {
         let [a, b, c] = [a, b, c].map(|r| self.bitcast::<U32, B32>(r));
@@ -101,6 +111,13 @@ impl Kernel {
         self.line(format_args!(
             "shfl.sync.idx.b32 {d}, {a}, {lane}, 31, 0xffffffff"
         ));
+        d
+    }
+
+    /// The largest `a` of the warp's lanes, in every lane (all 32 take part).
+    pub fn redux_max_u32(&mut self, a: Reg<U32>) -> Reg<U32> {
+        let d = self.reg();
+        self.line(format_args!("redux.sync.max.u32 {d}, {a}, 0xffffffff"));
         d
     }
 

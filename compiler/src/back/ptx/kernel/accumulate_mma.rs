@@ -13,8 +13,8 @@ use super::super::builder::{Cmp, Kernel, Op, Pred, Reg, Shared, F32, U32};
 use super::super::tensor_cores::{Element, MmaPlan, ValueGroups, ROW_LANES, TILE, WARP_LANES};
 use super::cta::{divide, Cta, Rescale, Tile, HEADER_SLOT0};
 use super::fragments::{
-    column_sigma, f16_part, f16_parts, scale_all, swizzled_if, unscale_of, Fragments, Lanes,
-    StepTokens, HALF_EXPONENT, MAX_EXPONENT,
+    column_sigma, f16_part, f16_parts, scale_all, swizzled_if, unscale_of, Across, Fragments,
+    Lanes, StepTokens, HALF_EXPONENT, MAX_EXPONENT,
 };
 use super::gather::FragmentGather;
 use super::softmax::RESCALE_SLACK_BITS;
@@ -246,7 +246,7 @@ impl AccumulateMma<'_> {
                 })
                 .collect();
             // The warp's tokens: quads of the lanes of one row.
-            self.item_sigma(k, t, &scales, &[1, 2])
+            self.item_sigma(k, t, &scales, Across::Butterfly(&[1, 2]))
         });
         // Per slot and column tile: the lane's 4 weights (times the item
         // scales and σ; zero past the tile's items and for heads the group
@@ -487,7 +487,7 @@ impl AccumulateMma<'_> {
     }
 
     /// The weights' σ for a tile whose tokens' item scales are `scales`
-    /// (the warp's tokens in the lanes the butterfly `masks` reach): the
+    /// (the warp's tokens in the lanes `across`): the
     /// largest weight is 2^8 ([`RESCALE_SLACK_BITS`]), so σ of the largest
     /// scale times 2^8 keeps every weight times its scale in f16's range.
     /// The running σ only drops; when it does, the accumulators take the
@@ -497,10 +497,22 @@ impl AccumulateMma<'_> {
         k: &mut Kernel,
         t: &MmaValues,
         scales: &[Reg<F32>],
-        masks: &[u32],
+        across: Across,
     ) -> Vec<Reg<F32>> {
+        let sigma = self.lower_sigma(k, t, scales, across);
+        scales.iter().map(|&s| k.mul(s, sigma)).collect()
+    }
+
+    /// [`AccumulateMma::item_sigma`]'s σ update alone; returns σ.
+    pub(super) fn lower_sigma(
+        &self,
+        k: &mut Kernel,
+        t: &MmaValues,
+        scales: &[Reg<F32>],
+        across: Across,
+    ) -> Reg<F32> {
         let sigma = t.sigma.expect("σ with item scales");
-        let tile = column_sigma(k, scales, masks, HALF_EXPONENT - RESCALE_SLACK_BITS as u32);
+        let tile = column_sigma(k, scales, across, HALF_EXPONENT - RESCALE_SLACK_BITS as u32);
         let lower = k.setp(Cmp::Lt, tile, sigma);
         let kept = k.label();
         // σ is the same in every lane: so is the branch.
@@ -512,7 +524,7 @@ impl AccumulateMma<'_> {
         }
         k.assign(sigma, tile);
         k.place(kept);
-        scales.iter().map(|&s| k.mul(s, sigma)).collect()
+        sigma
     }
 
     /// The words of one token's channels of the lane's group, `offset` bytes

@@ -166,13 +166,22 @@ impl Fragments<'_> {
     }
 }
 
+/// The lanes whose values one σ covers.
+#[derive(Clone, Copy)]
+pub(super) enum Across<'a> {
+    /// Those the butterfly masks reach.
+    Butterfly(&'a [u32]),
+    /// The whole warp (one `redux`).
+    Warp,
+}
+
 /// σ = 2^(`exponent` − e) for the largest |x| = 2^e·(1.…) of a B column (its
-/// values in the lanes the butterfly `masks` reach): the column's scaled
-/// values stay below 2^(`exponent` + 1) whatever their magnitude.
+/// values in the lanes `across`): the column's scaled values stay below
+/// 2^(`exponent` + 1) whatever their magnitude.
 pub(super) fn column_sigma(
     k: &mut Kernel,
     values: &[Reg<F32>],
-    masks: &[u32],
+    across: Across,
     exponent: u32,
 ) -> Reg<F32> {
     let mut most = k.abs_f32(values[0]);
@@ -180,11 +189,20 @@ pub(super) fn column_sigma(
         let a = k.abs_f32(x);
         most = k.max(most, a);
     }
-    for &mask in masks {
-        let other = k.shfl_bfly(most, mask);
-        most = k.max(most, other);
-    }
-    let bits = k.bitcast::<F32, U32>(most);
+    let bits = match across {
+        Across::Butterfly(masks) => {
+            for &mask in masks {
+                let other = k.shfl_bfly(most, mask);
+                most = k.max(most, other);
+            }
+            k.bitcast::<F32, U32>(most)
+        }
+        // Magnitudes' bits order as their values (NaN above them all).
+        Across::Warp => {
+            let bits = k.bitcast::<F32, U32>(most);
+            k.redux_max_u32(bits)
+        }
+    };
     let biased = k.shr(bits, 23u32);
     let field = k.sub(2 * BIAS + exponent, biased);
     let field = k.min(field, MAX_EXPONENT);

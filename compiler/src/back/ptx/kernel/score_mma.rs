@@ -15,7 +15,8 @@ use super::super::tensor_cores::{
 };
 use super::cta::{Cta, Tile};
 use super::fragments::{
-    column_sigma, f16_part, swizzled_if, unscale_of, Fragments, Lanes, StepTokens, HALF_EXPONENT,
+    column_sigma, f16_part, swizzled_if, unscale_of, Across, Fragments, Lanes, StepTokens,
+    HALF_EXPONENT,
 };
 use super::gather::FragmentGather;
 use crate::spec::Fp8;
@@ -372,12 +373,12 @@ impl ScoreMma<'_> {
                 Element::Half | Element::Fp8(_) => HALF_EXPONENT,
                 Element::Int { .. } => INT_EXPONENT,
             };
-            let sigma = column_sigma(k, &elements, &[1, 2], exponent);
+            let sigma = column_sigma(k, &elements, Across::Butterfly(&[1, 2]), exponent);
             // The bias times σ stays finite where the scaled queries are
             // (near) zero, as on a page of one item (every scale 0).
             let sigma = match query_zeros {
                 Some(sum) => {
-                    let bound = column_sigma(k, &[sum], &[], BIAS_EXPONENT);
+                    let bound = column_sigma(k, &[sum], Across::Butterfly(&[]), BIAS_EXPONENT);
                     k.min(sigma, bound)
                 }
                 None => sigma,

@@ -12,7 +12,7 @@ use super::super::builder::{Cmp, Kernel, Pred, Reg, Shared, F32, U32};
 use super::super::tensor_cores::{MmaPlan, TILE};
 use super::accumulate_mma::{item_scale, parity_fragments, AccumulateMma, MmaValues, ValueTile};
 use super::cta::{Cta, Tile};
-use super::fragments::{f16_parts, Fragments};
+use super::fragments::{f16_parts, Across, Fragments};
 use super::score_mma::{MmaScoreThread, ScoreMma};
 use super::softmax::RESCALE_SLACK_BITS;
 
@@ -153,6 +153,16 @@ impl WarpTile<'_> {
         scales: Option<TokenScales>,
     ) {
         let columns = score.heads.len();
+        let (weights, scales): (Vec<Reg<F32>>, _) = match scales {
+            Some(s) => match s.sigma_applied(k, weights.len()) {
+                (true, s) => (
+                    weights.iter().map(|&w| k.mul(w, s.sigma)).collect(),
+                    Some(s),
+                ),
+                (false, s) => (weights.to_vec(), Some(s)),
+            },
+            None => (weights.to_vec(), None),
+        };
         if let Some(zeros) = scales.as_ref().and_then(|s| s.zeros.as_ref()) {
             for (i, &w) in weights.iter().enumerate() {
                 let sums = &values.zero_sums[i / 2 % columns];
@@ -161,14 +171,14 @@ impl WarpTile<'_> {
                 }
             }
         }
-        let parts = weight_parts(k, weights, columns, scales.as_ref());
+        let parts = weight_parts(k, &weights, columns, scales.as_ref());
         let b = mma_exchange(k, score, values, &parts);
         self.acc_mma.products(k, tile, values, &b);
     }
 
     /// With value scales: those of the lane's C rows of the tile in `buf`
-    /// (`in_tile` per slot and row half) times σ ([`AccumulateMma::item_sigma`]),
-    /// and with zero points those times σ.
+    /// (`in_tile` per slot and row half) and the tile's σ
+    /// ([`AccumulateMma::item_sigma`]), with their zero points.
     pub(super) fn item_scales(
         &self,
         k: &mut Kernel,
@@ -193,31 +203,69 @@ impl WarpTile<'_> {
             })
             .collect();
         let groups = m.value_groups();
-        let halves = |k: &mut Kernel, first: u32| -> Vec<Vec<Reg<F32>>> {
+        let rows_align = if m.value_rows.swizzled {
+            4
+        } else {
+            m.value_rows.align()
+        };
+        let words = |k: &mut Kernel, first: u32, count: u32| -> Vec<Vec<Reg<U32>>> {
+            let byte = first / 8;
+            let align = rows_align.min(1 << byte.trailing_zeros().min(4));
             (tokens.iter())
-                .map(|&(at, ok)| group_halves(k, at.plus((first / 8).into()), ok, groups))
+                .map(|&(at, ok)| guarded_words(k, at.plus(byte.into()), ok, count, align))
                 .collect()
         };
-        let (scales, zeros) = match m.channel.groups {
-            Some(g) => (halves(k, g.scale), g.zero.map(|z| halves(k, z))),
-            None => {
-                let scales = (tokens.iter()).map(|&(at, ok)| vec![item_scale(k, at, ok)]);
-                (scales.collect(), None)
+        let halves = |k: &mut Kernel, words: &[Vec<Reg<U32>>]| -> Vec<Vec<Reg<F32>>> {
+            (words.iter())
+                .map(|token| token.iter().flat_map(|&w| halves_f32(k, w)).collect())
+                .collect()
+        };
+        let (scales, zeros, largest) = match m.channel.groups {
+            Some(g) if groups > 1 => {
+                let pairs = groups / 2;
+                // Zero points right after the scales load with them.
+                let (scale_words, zero_words) = match g.zero {
+                    Some(z) if z == g.scale + 32 * pairs => {
+                        let both = words(k, g.scale, 2 * pairs);
+                        let (s, z) = both
+                            .into_iter()
+                            .map(|mut w| {
+                                let zeros = w.split_off(pairs as usize);
+                                (w, zeros)
+                            })
+                            .unzip();
+                        (s, Some(z))
+                    }
+                    zero => (words(k, g.scale, pairs), zero.map(|z| words(k, z, pairs))),
+                };
+                // The lane's largest |scale|, on the packed halves.
+                let most = (scale_words.iter().flatten().copied())
+                    .reduce(|a, b| k.max_abs_f16x2(a, b))
+                    .expect("a token");
+                let largest = halves_f32(k, most).to_vec();
+                let zeros = zero_words.map(|w: Vec<Vec<Reg<U32>>>| halves(k, &w));
+                (halves(k, &scale_words), zeros, largest)
+            }
+            _ => {
+                let scales: Vec<Vec<Reg<F32>>> = (tokens.iter())
+                    .map(|&(at, ok)| vec![item_scale(k, at, ok)])
+                    .collect();
+                let zeros = (m.channel.groups.and_then(|g| g.zero)).map(|z| {
+                    (tokens.iter())
+                        .map(|&(at, ok)| vec![item_scale(k, at.plus((z / 8).into()), ok)])
+                        .collect()
+                });
+                let largest = scales.iter().flatten().copied().collect();
+                (scales, zeros, largest)
             }
         };
         // The warp's tokens: rows of the lanes of one quad.
-        let flat: Vec<Reg<F32>> = scales.iter().flatten().copied().collect();
-        let mut scaled = self.acc_mma.item_sigma(k, values, &flat, &[4, 8, 16]);
-        let scales = (0..tokens.len())
-            .map(|_| scaled.drain(..groups as usize).collect())
-            .collect();
-        let sigma = values.sigma.expect("σ with value scales");
-        let zeros = zeros.map(|zeros| {
-            (zeros.iter())
-                .map(|token| token.iter().map(|&z| k.mul(z, sigma)).collect())
-                .collect()
-        });
-        Some(TokenScales { scales, zeros })
+        let sigma = self.acc_mma.lower_sigma(k, values, &largest, Across::Warp);
+        Some(TokenScales {
+            sigma,
+            scales,
+            zeros,
+        })
     }
 
     /// After the stream (all threads past its last barrier): each head's
@@ -367,32 +415,82 @@ pub(super) fn token_of(i: usize, columns: usize) -> usize {
     i / (2 * columns) * 2 + i % 2
 }
 
-/// Per token of the lane's C rows ([`token_of`]): its value scales times σ,
-/// one per value group (or the item's one), and with zero points those
-/// times σ.
+/// Per token of the lane's C rows ([`token_of`]): its value scales, one per
+/// value group (or the item's one), and with zero points those; and the
+/// tile's σ, which the weights take instead where they are fewer
+/// ([`TokenScales::sigma_applied`]).
 pub(super) struct TokenScales {
+    pub(super) sigma: Reg<F32>,
     pub(super) scales: Vec<Vec<Reg<F32>>>,
     pub(super) zeros: Option<Vec<Vec<Reg<F32>>>>,
 }
 
-/// `groups` consecutive f16 halves at `at` as f32 (0 where `ok` fails):
-/// aligned pairs, or one.
-fn group_halves(k: &mut Kernel, at: Shared, ok: Reg<Pred>, groups: u32) -> Vec<Reg<F32>> {
-    if groups == 1 {
-        return vec![item_scale(k, at, ok)];
+impl TokenScales {
+    /// σ on the fewer registers: `true` when the `weights` must take it
+    /// (the scales are returned as they are), else the scales and zeros
+    /// times σ.
+    fn sigma_applied(self, k: &mut Kernel, weights: usize) -> (bool, TokenScales) {
+        let zeros = self
+            .zeros
+            .as_ref()
+            .map_or(0, |z| z.iter().flatten().count());
+        if weights < self.scales.iter().flatten().count() + zeros {
+            return (true, self);
+        }
+        let sigma = self.sigma;
+        let times = |k: &mut Kernel, rows: Vec<Vec<Reg<F32>>>| -> Vec<Vec<Reg<F32>>> {
+            (rows.into_iter())
+                .map(|row| row.into_iter().map(|x| k.mul(x, sigma)).collect())
+                .collect()
+        };
+        let scales = times(k, self.scales);
+        let zeros = self.zeros.map(|z| times(k, z));
+        (
+            false,
+            TokenScales {
+                sigma,
+                scales,
+                zeros,
+            },
+        )
     }
-    let mut halves = Vec::new();
-    for pair in 0..groups / 2 {
-        let bits = k.mov(0u32);
-        k.guarded(ok, true, |k| {
-            let loaded = k.ld_shared::<U32>(at.plus((4 * pair).into()));
-            k.assign(bits, loaded);
-        });
-        let (low, high) = k.split_halves(bits);
-        halves.push(k.f16_to_f32(low));
-        halves.push(k.f16_to_f32(high));
-    }
-    halves
+}
+
+/// `count` words at `at` (0 where `ok` fails), whose address is a multiple
+/// of `align` bytes: by the widest loads that alignment allows.
+fn guarded_words(
+    k: &mut Kernel,
+    at: Shared,
+    ok: Reg<Pred>,
+    count: u32,
+    align: u32,
+) -> Vec<Reg<U32>> {
+    let words: Vec<Reg<U32>> = (0..count).map(|_| k.mov(0u32)).collect();
+    k.guarded(ok, true, |k| {
+        let mut w = 0;
+        while w < count {
+            let here = at.plus((4 * w).into());
+            let aligned = |bytes: u32| align >= bytes && (4 * w) % bytes == 0;
+            let loaded: Vec<Reg<U32>> = if count - w >= 4 && aligned(16) {
+                k.ld_shared_v4::<U32>(here).to_vec()
+            } else if count - w >= 2 && aligned(8) {
+                k.ld_shared_v2::<U32>(here).to_vec()
+            } else {
+                vec![k.ld_shared::<U32>(here)]
+            };
+            for x in loaded {
+                k.assign(words[w as usize], x);
+                w += 1;
+            }
+        }
+    });
+    words
+}
+
+/// Both f16 halves of `word` as f32, the low one first.
+fn halves_f32(k: &mut Kernel, word: Reg<U32>) -> [Reg<F32>; 2] {
+    let (low, high) = k.split_halves(word);
+    [k.f16_to_f32(low), k.f16_to_f32(high)]
 }
 
 /// [`mma_softmax`]'s weights times the value scales (and σ, per token) as
