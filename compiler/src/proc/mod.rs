@@ -14,4 +14,4 @@ pub mod known_bits;
 pub mod operands;
 
 pub use known_bits::{known_zeros, significant_bits};
-pub use operands::{depends_on, operands, reads_tables, shared_reads};
+pub use operands::{depends_on, operands, reads_header, reads_tables, shared_reads};

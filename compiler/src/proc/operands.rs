@@ -42,6 +42,14 @@ pub fn reads_tables(exprs: &Arena<Expr>) -> bool {
     exprs.iter().any(|(_, e)| matches!(e, Expr::Table { .. }))
 }
 
+/// Whether a program reads the page header's scales: a kernel prepares
+/// what depends on them (a query times per-page key scales) once per page.
+pub fn reads_header(exprs: &Arena<Expr>) -> bool {
+    exprs
+        .iter()
+        .any(|(_, e)| matches!(e, Expr::HeaderScale { .. }))
+}
+
 /// Per expression: whether its value depends on an expression that `source`
 /// holds for (the sources themselves included).
 pub fn depends_on(exprs: &Arena<Expr>, source: impl Fn(&Expr) -> bool) -> Vec<bool> {

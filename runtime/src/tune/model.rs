@@ -14,6 +14,10 @@
 //!   in 256-item pages than in 64-item ones. Pages stay small enough that the
 //!   grid has [`PAGES_PER_SM`] pages for every SM, or short contexts at batch
 //!   1 leave SMs idle.
+//!   Keys scaled per page (KIVI's per-channel keys, subspace's coefficient
+//!   scales) take [`PAGE_SCALED_KEY_ITEMS`]: the query times the page's
+//!   scales is prepared once per page, a third of a 128-item page's time
+//!   for kivi2 (512-item pages were the winners of every such tier).
 //! - **warps**: values accumulated through per-item table reads (VQ
 //!   codebook rows) are latency-bound gathers; more, smaller CTAs hide them
 //!   (shard: 2 warps 15–20 % faster than 4). Elsewhere 4 warps were within
@@ -26,7 +30,7 @@
 //!   alternative was within 7 % on every tier.
 
 use kvcc_compiler::back::ptx::Target;
-use kvcc_compiler::proc::reads_tables;
+use kvcc_compiler::proc::{reads_header, reads_tables};
 use kvcc_compiler::Format;
 
 use super::config::with_page_items;
@@ -36,6 +40,8 @@ use super::{KernelConfig, ShapeBucket};
 pub const TILE_BYTES: u32 = 32 * 1024;
 /// Page sizes the model picks from, smallest first.
 pub const PAGE_ITEMS: [u32; 3] = [64, 128, 256];
+/// Items per page where the keys are scaled per page ([`reads_header`]).
+pub const PAGE_SCALED_KEY_ITEMS: u32 = 512;
 /// Pages of the whole batch per SM below which pages are halved.
 pub const PAGES_PER_SM: u32 = 2;
 /// Item rows (per stream) narrower than this load by bulk copies.
@@ -84,8 +90,9 @@ pub fn config_at(format: &Format, tier: usize, target: Target) -> KernelConfig {
     }
 }
 
-/// Items per page for `tier` at `shape`: the smallest of [`PAGE_ITEMS`] whose
-/// page holds [`TILE_BYTES`], halved while the batch has fewer than
+/// Items per page for `tier` at `shape`: [`PAGE_SCALED_KEY_ITEMS`] for keys
+/// scaled per page, else the smallest of [`PAGE_ITEMS`] whose page holds
+/// [`TILE_BYTES`]; halved while the batch has fewer than
 /// [`PAGES_PER_SM`] pages per SM, among the sizes the spec accepts.
 pub fn page_items(format: &Format, tier: usize, shape: ShapeBucket, machine: Machine) -> u32 {
     let layout = format.layout(tier);
@@ -96,10 +103,15 @@ pub fn page_items(format: &Format, tier: usize, shape: ShapeBucket, machine: Mac
     let Some(smallest) = sizes.next() else {
         return format.spec().page.items;
     };
-    let mut items = std::iter::once(smallest)
-        .chain(sizes)
-        .find(|&items| page_bytes(items) >= TILE_BYTES)
-        .unwrap_or(*PAGE_ITEMS.last().unwrap());
+    let per_page_keys = reads_header(&format.tiers()[tier].module().key.score.exprs);
+    let mut items = if per_page_keys && fits(PAGE_SCALED_KEY_ITEMS) {
+        PAGE_SCALED_KEY_ITEMS
+    } else {
+        std::iter::once(smallest)
+            .chain(sizes)
+            .find(|&items| page_bytes(items) >= TILE_BYTES)
+            .unwrap_or(*PAGE_ITEMS.last().unwrap())
+    };
     let rows = u64::from(shape.batch.0.max(1)) * u64::from(shape.kv_heads.max(1));
     let pages = |items: u32| rows * u64::from(shape.context.0.max(1)).div_ceil(u64::from(items));
     let wanted = u64::from(PAGES_PER_SM * machine.multiprocessors);
@@ -143,12 +155,19 @@ mod tests {
     fn pages_hold_a_tile_of_codes() {
         let dense = bundled("dense_f16");
         assert_eq!(page_items(&dense, 0, shape(8, 32768), H100), 64);
-        let kivi = bundled("kivi");
-        let at = |t| page_items(&kivi, tier(&kivi, t), shape(8, 32768), H100);
-        assert_eq!(at("int8"), 128);
-        assert_eq!(at("int4"), 256);
-        let subspace = bundled("subspace");
-        assert_eq!(page_items(&subspace, 0, shape(8, 32768), H100), 256);
+        let shard = bundled("shard");
+        assert_eq!(page_items(&shard, 0, shape(8, 32768), H100), 256);
+    }
+
+    #[test]
+    fn keys_scaled_per_page_get_the_largest_pages() {
+        for name in ["kivi", "kivi2", "subspace"] {
+            let format = bundled(name);
+            for t in 0..format.tiers().len() {
+                let items = page_items(&format, t, shape(8, 32768), H100);
+                assert_eq!(items, PAGE_SCALED_KEY_ITEMS, "{name} tier {t}");
+            }
+        }
     }
 
     #[test]
@@ -157,7 +176,7 @@ mod tests {
         let int4 = tier(&kivi, "int4");
         // 8 rows of 8K tokens: 256-item pages would give 256 pages for 132 SMs.
         assert_eq!(page_items(&kivi, int4, shape(1, 8192), H100), 128);
-        assert_eq!(page_items(&kivi, int4, shape(1, 131072), H100), 256);
+        assert_eq!(page_items(&kivi, int4, shape(1, 131072), H100), 512);
         // Never below the smallest size, however short.
         assert_eq!(page_items(&kivi, int4, shape(1, 64), H100), 64);
     }
@@ -181,7 +200,7 @@ mod tests {
         let kivi = bundled("kivi");
         let int4 = tier(&kivi, "int4");
         let config = config(&kivi, int4, shape(8, 32768), H100);
-        assert_eq!(config.page_items, 256);
+        assert_eq!(config.page_items, 512);
         assert!(config.paged_format(&kivi).is_ok());
     }
 }
