@@ -15,9 +15,13 @@
 //!   grid has [`PAGES_PER_SM`] pages for every SM, or short contexts at batch
 //!   1 leave SMs idle.
 //!   Keys scaled per page (KIVI's per-channel keys, subspace's coefficient
-//!   scales) take [`PAGE_SCALED_KEY_ITEMS`]: the query times the page's
-//!   scales is prepared once per page, a third of a 128-item page's time
-//!   for kivi2 (512-item pages were the winners of every such tier).
+//!   scales) take [`PAGE_SCALED_KEY_ITEMS`] where the batch still has
+//!   [`SCALED_KEY_PAGES_PER_SM`] such pages per SM: the query times the
+//!   page's scales is prepared once per page, a third of a 128-item page's
+//!   time for kivi2 (512-item pages were the winners of every such tier at
+//!   batch 8 × 32K and batch 1 × 128K; at batch 1 × 32K, 512 pages in all,
+//!   neither size won across tiers: kivi2 int3 ran 20 % faster in 256-item
+//!   pages, int2 9 % slower).
 //! - **warps**: values accumulated through per-item table reads (VQ
 //!   codebook rows) are latency-bound gathers; more, smaller CTAs hide them
 //!   (shard: 2 warps 15–20 % faster than 4). Elsewhere 4 warps were within
@@ -42,6 +46,8 @@ pub const TILE_BYTES: u32 = 32 * 1024;
 pub const PAGE_ITEMS: [u32; 3] = [64, 128, 256];
 /// Items per page where the keys are scaled per page ([`reads_header`]).
 pub const PAGE_SCALED_KEY_ITEMS: u32 = 512;
+/// Pages of the whole batch per SM [`PAGE_SCALED_KEY_ITEMS`] need.
+pub const SCALED_KEY_PAGES_PER_SM: u32 = 8;
 /// Pages of the whole batch per SM below which pages are halved.
 pub const PAGES_PER_SM: u32 = 2;
 /// Item rows (per stream) narrower than this load by bulk copies.
@@ -91,7 +97,8 @@ pub fn config_at(format: &Format, tier: usize, target: Target) -> KernelConfig {
 }
 
 /// Items per page for `tier` at `shape`: [`PAGE_SCALED_KEY_ITEMS`] for keys
-/// scaled per page, else the smallest of [`PAGE_ITEMS`] whose page holds
+/// scaled per page (while the batch has [`SCALED_KEY_PAGES_PER_SM`] of them
+/// per SM), else the smallest of [`PAGE_ITEMS`] whose page holds
 /// [`TILE_BYTES`]; halved while the batch has fewer than
 /// [`PAGES_PER_SM`] pages per SM, among the sizes the spec accepts.
 pub fn page_items(format: &Format, tier: usize, shape: ShapeBucket, machine: Machine) -> u32 {
@@ -103,8 +110,14 @@ pub fn page_items(format: &Format, tier: usize, shape: ShapeBucket, machine: Mac
     let Some(smallest) = sizes.next() else {
         return format.spec().page.items;
     };
+    let rows = u64::from(shape.batch.0.max(1)) * u64::from(shape.kv_heads.max(1));
+    let pages = |items: u32| rows * u64::from(shape.context.0.max(1)).div_ceil(u64::from(items));
+    let per_sm = |n: u32| u64::from(n * machine.multiprocessors);
     let per_page_keys = reads_header(&format.tiers()[tier].module().key.score.exprs);
-    let mut items = if per_page_keys && fits(PAGE_SCALED_KEY_ITEMS) {
+    let mut items = if per_page_keys
+        && fits(PAGE_SCALED_KEY_ITEMS)
+        && pages(PAGE_SCALED_KEY_ITEMS) >= per_sm(SCALED_KEY_PAGES_PER_SM)
+    {
         PAGE_SCALED_KEY_ITEMS
     } else {
         std::iter::once(smallest)
@@ -112,9 +125,7 @@ pub fn page_items(format: &Format, tier: usize, shape: ShapeBucket, machine: Mac
             .find(|&items| page_bytes(items) >= TILE_BYTES)
             .unwrap_or(*PAGE_ITEMS.last().unwrap())
     };
-    let rows = u64::from(shape.batch.0.max(1)) * u64::from(shape.kv_heads.max(1));
-    let pages = |items: u32| rows * u64::from(shape.context.0.max(1)).div_ceil(u64::from(items));
-    let wanted = u64::from(PAGES_PER_SM * machine.multiprocessors);
+    let wanted = per_sm(PAGES_PER_SM);
     while items > smallest && pages(items) < wanted {
         items /= 2;
     }
@@ -168,6 +179,11 @@ mod tests {
                 assert_eq!(items, PAGE_SCALED_KEY_ITEMS, "{name} tier {t}");
             }
         }
+        // One sequence of 32K: 512 pages of 512 items are under 8 per SM.
+        let kivi = bundled("kivi");
+        let int4 = tier(&kivi, "int4");
+        assert_eq!(page_items(&kivi, int4, shape(1, 32768), H100), 256);
+        assert_eq!(page_items(&kivi, int4, shape(1, 131072), H100), 512);
     }
 
     #[test]
