@@ -922,15 +922,19 @@ impl ValueGroups {
     }
 }
 
+/// The element `h` reads when it is channel c's of a row of packed elements:
+/// its kind and the bit offset of channel 0.
+fn channel_element(f: &Function, h: Handle<Expr>) -> Option<(Element, u32)> {
+    let (element, offset) = element_at(f, h)?;
+    match affine_in_channel(f, offset)? {
+        (step, base) if step == element.bits() => Some((element, base)),
+        _ => None,
+    }
+}
+
 fn scaled_channel(f: &Function) -> Option<Channel> {
     let result = f.result?;
-    let channel = |h: Handle<Expr>| {
-        let (element, offset) = element_at(f, h)?;
-        match affine_in_channel(f, offset)? {
-            (step, base) if step == element.bits() => Some((element, base)),
-            _ => None,
-        }
-    };
+    let channel = |h| channel_element(f, h);
     if let Some((element, base)) = channel(result) {
         return Some(Channel {
             element,
@@ -980,13 +984,7 @@ fn scaled_channel(f: &Function) -> Option<Channel> {
 /// A constant scale (and zero) is one group of every channel.
 fn grouped_channel(f: &Function, dims: u32) -> Option<Channel> {
     let result = f.result?;
-    let channel = |h: Handle<Expr>| {
-        let (element, offset) = element_at(f, h)?;
-        match affine_in_channel(f, offset)? {
-            (step, base) if step == element.bits() => Some((element, base)),
-            _ => None,
-        }
-    };
+    let channel = |h| channel_element(f, h);
     // An f16 half at `16 · (c / size) + first`: `(size, first)`.
     let half = |h: Handle<Expr>| {
         let (Element::Half, offset) = element_at(f, h)? else {
