@@ -153,14 +153,11 @@ impl WarpTile<'_> {
         scales: Option<TokenScales>,
     ) {
         let columns = score.heads.len();
-        let (weights, scales): (Vec<Reg<F32>>, _) = match scales {
-            Some(s) => match s.sigma_applied(k, weights.len()) {
-                (true, s) => (
-                    weights.iter().map(|&w| k.mul(w, s.sigma)).collect(),
-                    Some(s),
-                ),
-                (false, s) => (weights.to_vec(), Some(s)),
-            },
+        let (weights, scales) = match scales {
+            Some(s) => {
+                let (weights, s) = s.apply_sigma(k, weights);
+                (weights, Some(s))
+            }
             None => (weights.to_vec(), None),
         };
         if let Some(zeros) = scales.as_ref().and_then(|s| s.zeros.as_ref()) {
@@ -418,7 +415,7 @@ pub(super) fn token_of(i: usize, columns: usize) -> usize {
 /// Per token of the lane's C rows ([`token_of`]): its value scales, one per
 /// value group (or the item's one), and with zero points those; and the
 /// tile's σ, which the weights take instead where they are fewer
-/// ([`TokenScales::sigma_applied`]).
+/// ([`TokenScales::apply_sigma`]).
 pub(super) struct TokenScales {
     pub(super) sigma: Reg<F32>,
     pub(super) scales: Vec<Vec<Reg<F32>>>,
@@ -426,18 +423,14 @@ pub(super) struct TokenScales {
 }
 
 impl TokenScales {
-    /// σ on the fewer registers: `true` when the `weights` must take it
-    /// (the scales are returned as they are), else the scales and zeros
-    /// times σ.
-    fn sigma_applied(self, k: &mut Kernel, weights: usize) -> (bool, TokenScales) {
-        let zeros = self
-            .zeros
-            .as_ref()
-            .map_or(0, |z| z.iter().flatten().count());
-        if weights < self.scales.iter().flatten().count() + zeros {
-            return (true, self);
-        }
+    /// σ on the fewer registers: the `weights` times σ, or the scales and
+    /// zeros; returns the weights and scales to multiply.
+    fn apply_sigma(self, k: &mut Kernel, weights: &[Reg<F32>]) -> (Vec<Reg<F32>>, TokenScales) {
         let sigma = self.sigma;
+        let zeros = self.zeros.iter().flatten().flatten().count();
+        if weights.len() < self.scales.iter().flatten().count() + zeros {
+            return (weights.iter().map(|&w| k.mul(w, sigma)).collect(), self);
+        }
         let times = |k: &mut Kernel, rows: Vec<Vec<Reg<F32>>>| -> Vec<Vec<Reg<F32>>> {
             (rows.into_iter())
                 .map(|row| row.into_iter().map(|x| k.mul(x, sigma)).collect())
@@ -445,14 +438,12 @@ impl TokenScales {
         };
         let scales = times(k, self.scales);
         let zeros = self.zeros.map(|z| times(k, z));
-        (
-            false,
-            TokenScales {
-                sigma,
-                scales,
-                zeros,
-            },
-        )
+        let scaled = TokenScales {
+            sigma,
+            scales,
+            zeros,
+        };
+        (weights.to_vec(), scaled)
     }
 }
 
