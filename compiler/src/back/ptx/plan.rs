@@ -237,7 +237,7 @@ impl Plan {
         let key = Stream::new(layout.key_stream_offset, layout.key.stride, bulk);
         let value = Stream::new(layout.value_stream_offset, layout.value.stride, bulk);
         let mut budget = options.tile_bytes;
-        loop {
+        let plan = loop {
             let tile = tile_items(&key, &value, layout, options.tile_items, budget);
             match Plan::with_tile(module, group_max, options, tile) {
                 Err(Error::SharedMemory { .. })
@@ -246,9 +246,28 @@ impl Plan {
                 {
                     budget /= 2
                 }
-                result => return result,
+                result => break result?,
             }
+        };
+        if options.tile_items.is_some() || plan.score_split.is_none() {
+            return Ok(plan);
         }
+        // A split score keeps at most SPLIT_LOGITS logits a thread, so past
+        // some tile size it splits over fewer heads and decodes each key
+        // more often: smaller tiles of the page can cost less per item.
+        let mut best = plan;
+        let mut wanted = best.tile_items / 2;
+        while wanted >= SPLIT_MIN_TILE_ITEMS {
+            let tile = tile_items(&key, &value, layout, Some(wanted), budget);
+            let Ok(smaller) = Plan::with_tile(module, group_max, options, tile) else {
+                break;
+            };
+            if split_cost_per_item(&smaller) < split_cost_per_item(&best) {
+                best = smaller;
+            }
+            wanted /= 2;
+        }
+        Ok(best)
     }
 
     fn with_tile(
@@ -567,6 +586,27 @@ fn tile_items(
 /// softmax phase.
 const FUSED_SCORE_REGISTERS: u32 = 8;
 
+/// A key element's decoding (its shared-memory load and conversion) against
+/// one fma: shared memory serves a quarter as many words a cycle as the SM
+/// issues fmas, so splits over fewer heads (each key decoded more often) lose
+/// (a 64-dim f32 key in 8-head groups: 4 heads a split 1.5× faster than 2).
+const SPLIT_DECODE_COST: u32 = 4;
+/// Smallest tile [`Plan::sized`] tries for a cheaper split score.
+const SPLIT_MIN_TILE_ITEMS: u32 = 16;
+/// A tile's fixed instructions per thread beside the split score's
+/// (barriers, the tile maxima, the page's wait), for comparing tile sizes.
+const SPLIT_TILE_OVERHEAD: u32 = 64;
+
+/// A split score's estimated instructions per thread and item, counting
+/// the tile's fixed cost; infinite without a split (a tile that loses the
+/// split is not compared).
+fn split_cost_per_item(plan: &Plan) -> f64 {
+    match &plan.score_split {
+        Some(split) => f64::from(split.cost + SPLIT_TILE_OVERHEAD) / f64::from(plan.tile_items),
+        None => f64::INFINITY,
+    }
+}
+
 /// Query elements per thread a split score keeps in registers.
 const SPLIT_QUERY_REGISTERS: u32 = 64;
 /// Logits a split score's thread keeps per tile (units × heads).
@@ -588,6 +628,8 @@ pub struct ScoreSplit {
     pub per_block: u32,
     pub units: u32,
     pub part: super::lane_split::LaneSplit,
+    /// Estimated instructions per thread and tile.
+    pub cost: u32,
 }
 
 /// A split when the score is a dot product whose lanes' slices of shared
@@ -602,7 +644,7 @@ fn score_split(
     tile_items: u32,
 ) -> Option<ScoreSplit> {
     let score = &module.key.score;
-    let mut best: Option<(u32, ScoreSplit)> = None;
+    let mut best: Option<ScoreSplit> = None;
     for hb in (1..=head_block).filter(|h| head_block.is_multiple_of(*h)) {
         if !group_max.is_multiple_of(hb) || !hb.is_power_of_two() {
             continue;
@@ -637,23 +679,22 @@ fn score_split(
             // Per unit: the part's key decoding once, its terms per head,
             // a butterfly per head; per owned logit a selection and the softmax.
             let terms = part.terms / lanes;
-            let cost = units * (terms + terms * hb + 2 * hb * lanes.trailing_zeros())
+            let cost = units
+                * (SPLIT_DECODE_COST * terms + terms * hb + 2 * hb * lanes.trailing_zeros())
                 + units * hb / lanes * (lanes + 20);
-            if best.as_ref().is_none_or(|(c, _)| cost < *c) {
-                best = Some((
+            if best.as_ref().is_none_or(|s| cost < s.cost) {
+                best = Some(ScoreSplit {
+                    lanes,
+                    head_block: hb,
+                    per_block,
+                    units,
+                    part,
                     cost,
-                    ScoreSplit {
-                        lanes,
-                        head_block: hb,
-                        per_block,
-                        units,
-                        part,
-                    },
-                ));
+                });
             }
         }
     }
-    best.map(|(_, s)| s)
+    best
 }
 
 /// Whether quads of channels beat pairs for an accumulate program: every
