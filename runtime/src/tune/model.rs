@@ -10,18 +10,23 @@
 //!
 //! - **page size**: a tile is at most a page, and per-tile work (barriers,
 //!   header scales, the softmax rescale) is paid per tile, so a page should
-//!   hold [`TILE_BYTES`] of codes; KIVI int4 (140 B a token) ran 2.1× faster
-//!   in 256-item pages than in 64-item ones. Pages stay small enough that the
-//!   grid has [`PAGES_PER_SM`] pages for every SM, or short contexts at batch
-//!   1 leave SMs idle.
-//!   Keys scaled per page (KIVI's per-channel keys, subspace's coefficient
-//!   scales) take [`PAGE_SCALED_KEY_ITEMS`] where the batch still has
-//!   [`SCALED_KEY_PAGES_PER_SM`] such pages per SM: the query times the
-//!   page's scales is prepared once per page, a third of a 128-item page's
-//!   time for kivi2 (512-item pages were the winners of every such tier at
-//!   batch 8 × 32K and batch 1 × 128K; at batch 1 × 32K, 512 pages in all,
-//!   neither size won across tiers: kivi2 int3 ran 20 % faster in 256-item
-//!   pages, int2 9 % slower).
+//!   hold [`TILE_BYTES`] of codes, but at most one item per thread of the
+//!   CTA (and [`PAGE_ITEMS`]'s largest): a CUDA-core score gives each thread
+//!   one item of the tile, and a second one per thread ran up to 1.7×
+//!   slower (random-spec corpus, 46 tiers at batch 8 × 32K on an H200: this
+//!   rule's page within 10 % of each tier's best page size on 41, within
+//!   15 % on all). Pages stay small enough that the grid has
+//!   [`PAGES_PER_SM`] pages for every SM, or short contexts at batch 1 leave
+//!   SMs idle.
+//!   Keys scaled per page and scored on the tensor cores (KIVI's per-channel
+//!   keys, subspace's coefficient scales) take [`PAGE_SCALED_KEY_ITEMS`]
+//!   where the batch still has [`SCALED_KEY_PAGES_PER_SM`] such pages per
+//!   SM, else half that: the query times the page's scales is prepared once
+//!   per page, a third of a 128-item page's time for kivi2 (512-item pages
+//!   were the winners of every such tier at batch 8 × 32K and batch 1 ×
+//!   128K). On the CUDA cores the preparation is a small part of a page's
+//!   time, and those tiers follow the general rule (kivi2 int3's winners
+//!   are 128-item pages on the H100 and the H200).
 //! - **warps**: values accumulated through per-item table reads (VQ
 //!   codebook rows) are latency-bound gathers; more, smaller CTAs hide them
 //!   (shard: 2 warps 15–20 % faster than 4). Elsewhere 4 warps were within
@@ -33,7 +38,7 @@
 //! - **splits** stay one wave of CTAs, **tiles** a page, two buffers: the best
 //!   alternative was within 7 % on every tier.
 
-use kvcc_compiler::back::ptx::Target;
+use kvcc_compiler::back::ptx::{tensor_core_score, Target};
 use kvcc_compiler::proc::{reads_header, reads_tables};
 use kvcc_compiler::Format;
 
@@ -43,7 +48,7 @@ use super::{KernelConfig, ShapeBucket};
 /// Bytes of codes a page (hence a tile) should hold.
 pub const TILE_BYTES: u32 = 32 * 1024;
 /// Page sizes the model picks from, smallest first.
-pub const PAGE_ITEMS: [u32; 3] = [64, 128, 256];
+pub const PAGE_ITEMS: [u32; 2] = [64, 128];
 /// Items per page where the keys are scaled per page ([`reads_header`]).
 pub const PAGE_SCALED_KEY_ITEMS: u32 = 512;
 /// Pages of the whole batch per SM [`PAGE_SCALED_KEY_ITEMS`] need.
@@ -97,36 +102,45 @@ pub fn config_at(format: &Format, tier: usize, target: Target) -> KernelConfig {
 }
 
 /// Items per page for `tier` at `shape`: [`PAGE_SCALED_KEY_ITEMS`] for keys
-/// scaled per page (while the batch has [`SCALED_KEY_PAGES_PER_SM`] of them
-/// per SM), else the smallest of [`PAGE_ITEMS`] whose page holds
-/// [`TILE_BYTES`]; halved while the batch has fewer than
-/// [`PAGES_PER_SM`] pages per SM, among the sizes the spec accepts.
+/// scaled per page and scored on the tensor cores (half that unless the
+/// batch has [`SCALED_KEY_PAGES_PER_SM`] of them per SM), else the smallest
+/// of [`PAGE_ITEMS`] up to the CTA's threads whose page holds
+/// [`TILE_BYTES`]; halved while the batch has fewer than [`PAGES_PER_SM`]
+/// pages per SM, among the sizes the spec accepts.
 pub fn page_items(format: &Format, tier: usize, shape: ShapeBucket, machine: Machine) -> u32 {
     let layout = format.layout(tier);
     let item_bytes = layout.key.stride + layout.value.stride;
     let page_bytes = |items: u32| items * item_bytes + layout.header_bytes;
     let fits = |items: u32| with_page_items(format, items).is_ok();
-    let mut sizes = PAGE_ITEMS.iter().copied().filter(|&items| fits(items));
-    let Some(smallest) = sizes.next() else {
+    let Some(smallest) = PAGE_ITEMS.iter().copied().find(|&items| fits(items)) else {
         return format.spec().page.items;
     };
     let rows = u64::from(shape.batch.0.max(1)) * u64::from(shape.kv_heads.max(1));
     let pages = |items: u32| rows * u64::from(shape.context.0.max(1)).div_ceil(u64::from(items));
     let per_sm = |n: u32| u64::from(n * machine.multiprocessors);
-    let per_page_keys = reads_header(&format.tiers()[tier].module().key.score.exprs);
-    let mut items = if per_page_keys
-        && fits(PAGE_SCALED_KEY_ITEMS)
-        && pages(PAGE_SCALED_KEY_ITEMS) >= per_sm(SCALED_KEY_PAGES_PER_SM)
-    {
-        PAGE_SCALED_KEY_ITEMS
+    let config = config_at(format, tier, machine.target);
+    let group = (shape.q_heads / shape.kv_heads.max(1)).max(1);
+    let options = config.options(machine.target, group);
+    let per_page_keys = reads_header(&format.tiers()[tier].module().key.score.exprs)
+        && tensor_core_score(format, tier, &options);
+    let mut items = if per_page_keys {
+        match pages(PAGE_SCALED_KEY_ITEMS) >= per_sm(SCALED_KEY_PAGES_PER_SM) {
+            true => PAGE_SCALED_KEY_ITEMS,
+            false => PAGE_SCALED_KEY_ITEMS / 2,
+        }
     } else {
-        std::iter::once(smallest)
-            .chain(sizes)
+        let threads = 32 * config.warps;
+        let sizes = PAGE_ITEMS.iter().copied();
+        let sizes: Vec<u32> = sizes
+            .filter(|&items| items <= threads && fits(items))
+            .collect();
+        let largest = sizes.last().copied().unwrap_or(smallest);
+        (sizes.into_iter())
             .find(|&items| page_bytes(items) >= TILE_BYTES)
-            .unwrap_or(*PAGE_ITEMS.last().unwrap())
+            .unwrap_or(largest)
     };
     let wanted = per_sm(PAGES_PER_SM);
-    while items > smallest && pages(items) < wanted {
+    while items > smallest && (pages(items) < wanted || !fits(items)) {
         items /= 2;
     }
     if fits(items) {
@@ -163,22 +177,34 @@ mod tests {
     }
 
     #[test]
-    fn pages_hold_a_tile_of_codes() {
+    fn pages_hold_a_tile_of_codes_and_an_item_per_thread() {
         let dense = bundled("dense_f16");
         assert_eq!(page_items(&dense, 0, shape(8, 32768), H100), 64);
+        let mosaic = bundled("mosaic");
+        assert_eq!(page_items(&mosaic, 0, shape(8, 32768), H100), 128);
+        // Two warps (values read through tables): 64 threads, 64 items.
         let shard = bundled("shard");
-        assert_eq!(page_items(&shard, 0, shape(8, 32768), H100), 256);
+        assert_eq!(page_items(&shard, 0, shape(8, 32768), H100), 64);
     }
 
     #[test]
-    fn keys_scaled_per_page_get_the_largest_pages() {
-        for name in ["kivi", "kivi2", "subspace"] {
+    fn keys_scaled_per_page_on_tensor_cores_get_the_largest_pages() {
+        for (name, tier_name) in [
+            ("kivi", "int8"),
+            ("kivi", "int4"),
+            ("kivi2", "int2"),
+            ("subspace", "rank32"),
+        ] {
             let format = bundled(name);
-            for t in 0..format.tiers().len() {
-                let items = page_items(&format, t, shape(8, 32768), H100);
-                assert_eq!(items, PAGE_SCALED_KEY_ITEMS, "{name} tier {t}");
-            }
+            let items = page_items(&format, tier(&format, tier_name), shape(8, 32768), H100);
+            assert_eq!(items, PAGE_SCALED_KEY_ITEMS, "{name} {tier_name}");
         }
+        // Keys scored on the CUDA cores (kivi2 int3, spherical): the general rule.
+        let kivi2 = bundled("kivi2");
+        let int3 = tier(&kivi2, "int3");
+        assert_eq!(page_items(&kivi2, int3, shape(8, 32768), H100), 128);
+        let spherical = bundled("spherical");
+        assert_eq!(page_items(&spherical, 0, shape(8, 32768), H100), 128);
         // One sequence of 32K: 512 pages of 512 items are under 8 per SM.
         let kivi = bundled("kivi");
         let int4 = tier(&kivi, "int4");

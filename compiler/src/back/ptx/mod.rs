@@ -305,6 +305,18 @@ pub fn write_tier(
     })
 }
 
+/// Whether `tier`'s key score runs on the tensor cores with `options` (the
+/// decision [`write_tier`] makes; a plan error counts as no).
+pub fn tensor_core_score(format: &Format, tier: usize, options: &Options) -> bool {
+    let Ok(group_max) = group_max(format, options) else {
+        return false;
+    };
+    let module = &format.tiers()[tier];
+    let module = &*super::shared_memory::for_target(module, group_max, options.target);
+    plan::Plan::new(module.module(), group_max, options)
+        .is_ok_and(|plan| plan.mma.is_some_and(|m| m.score.is_some()))
+}
+
 /// The append module of a live cache whose exact rows are `layout`'s pages
 /// (a dense f16 or bf16 tier, see [`abi::DenseSource::of_layout`]), reading
 /// new rows of `input` (the f32 kernel keeps the plain name).
