@@ -35,8 +35,11 @@
 //!   [`NARROW_ROW_BYTES`]) load faster by bulk copies even where the padded
 //!   `cp.async` rows would avoid bank conflicts: few words per row conflict
 //!   (subspace: 13–18 % faster, shard 4–5 %).
-//! - **splits** stay one wave of CTAs, **tiles** a page, two buffers: the best
-//!   alternative was within 7 % on every tier.
+//! - **splits** stay one wave of CTAs, **tiles** a page, two buffers: within
+//!   7 % of the best alternative on every bundled tier in the H100
+//!   calibration; not so elsewhere (subspace on the H200 wants 4 buffers at
+//!   batch 8 and 16 splits at batch 1; 31 of the 46 corpus winners change the
+//!   splits, both ways), and no rule yet fits those.
 
 use kvcc_compiler::back::ptx::{tensor_core_score, Target};
 use kvcc_compiler::proc::{reads_header, reads_tables};
@@ -49,7 +52,8 @@ use super::{KernelConfig, ShapeBucket};
 pub const TILE_BYTES: u32 = 32 * 1024;
 /// Page sizes the model picks from, smallest first.
 pub const PAGE_ITEMS: [u32; 2] = [64, 128];
-/// Items per page where the keys are scaled per page ([`reads_header`]).
+/// Items per page where the keys are scaled per page ([`reads_header`]) and
+/// scored on the tensor cores.
 pub const PAGE_SCALED_KEY_ITEMS: u32 = 512;
 /// Pages of the whole batch per SM [`PAGE_SCALED_KEY_ITEMS`] need.
 pub const SCALED_KEY_PAGES_PER_SM: u32 = 8;
@@ -130,8 +134,7 @@ pub fn page_items(format: &Format, tier: usize, shape: ShapeBucket, machine: Mac
         }
     } else {
         let threads = 32 * config.warps;
-        let sizes = PAGE_ITEMS.iter().copied();
-        let sizes: Vec<u32> = sizes
+        let sizes: Vec<u32> = (PAGE_ITEMS.iter().copied())
             .filter(|&items| items <= threads && fits(items))
             .collect();
         let largest = sizes.last().copied().unwrap_or(smallest);

@@ -282,10 +282,9 @@ pub fn write_tier(
     group_max: u32,
     options: &Options,
 ) -> Result<TierKernel, Error> {
-    options.check()?;
-    let module = &*super::shared_memory::for_target(module, group_max, options.target);
+    let (module, plan) = planned(module, group_max, options)?;
+    let module = &*module;
     let m = module.module();
-    let plan = plan::Plan::new(m, group_max, options)?;
     let name = format!(
         "kvcc_{}_{}_decode",
         identifier(&m.format),
@@ -305,16 +304,25 @@ pub fn write_tier(
     })
 }
 
+/// The module as `options.target` runs it (lookup tables inlined where they
+/// do not pay) and its kernel's plan.
+fn planned<'a>(
+    module: &'a ValidModule,
+    group_max: u32,
+    options: &Options,
+) -> Result<(std::borrow::Cow<'a, ValidModule>, plan::Plan), Error> {
+    options.check()?;
+    let module = super::shared_memory::for_target(module, group_max, options.target);
+    let plan = plan::Plan::new(module.module(), group_max, options)?;
+    Ok((module, plan))
+}
+
 /// Whether `tier`'s key score runs on the tensor cores with `options` (the
 /// decision [`write_tier`] makes; a plan error counts as no).
 pub fn tensor_core_score(format: &Format, tier: usize, options: &Options) -> bool {
-    let Ok(group_max) = group_max(format, options) else {
-        return false;
-    };
-    let module = &format.tiers()[tier];
-    let module = &*super::shared_memory::for_target(module, group_max, options.target);
-    plan::Plan::new(module.module(), group_max, options)
-        .is_ok_and(|plan| plan.mma.is_some_and(|m| m.score.is_some()))
+    group_max(format, options)
+        .and_then(|group_max| planned(&format.tiers()[tier], group_max, options))
+        .is_ok_and(|(_, plan)| plan.mma.is_some_and(|m| m.score.is_some()))
 }
 
 /// The append module of a live cache whose exact rows are `layout`'s pages
