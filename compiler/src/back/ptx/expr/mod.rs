@@ -21,7 +21,7 @@ use crate::valid::Range;
 
 mod reads;
 
-use reads::{Chunks, ItemReader, Source};
+use reads::{aligned_table_reads, AlignedRead, Chunks, ItemReader, Source};
 
 /// A value of an IR type.
 #[derive(Clone, Copy)]
@@ -198,8 +198,10 @@ pub fn emit(k: &mut Kernel, exprs: &Arena<Expr>, env: &Env) -> Values {
     };
     // Trailing zeros at a pack's first channel (a multiple of `pack`).
     let pack_zeros = known_zeros(exprs, pack.trailing_zeros());
+    let zeros = known_zeros(exprs, 0);
     let known = Known {
-        zeros: known_zeros(exprs, 0),
+        aligned: aligned_table_reads(exprs, &zeros),
+        zeros,
         bits: significant_bits(exprs),
         halves: half_reads(exprs),
     };
@@ -456,6 +458,9 @@ struct Known {
     bits: Vec<u32>,
     /// Item reads emitted as f32 ([`half_reads`]).
     halves: Vec<bool>,
+    /// Table reads at a constant offset from an aligned index
+    /// ([`aligned_table_reads`]).
+    aligned: Vec<Option<AlignedRead>>,
 }
 
 /// Integers of at most this many bits convert to f32 exactly by placing them
@@ -533,19 +538,31 @@ fn emit_one(
             Val::F32(Op::Reg(k.ld_shared(at)))
         }
         Expr::Table { table, index } => {
+            let access = env.tables[table.index()].expect("the kernel provides every table");
+            // A vector where the program reads enough of its elements: any two
+            // through L1 (a lane's row is one wavefront either way), all four in
+            // shared memory (a vector takes up to four wavefronts a warp).
+            let vector = known.aligned[handle.index()].filter(|read| match access {
+                TableAccess::Global(_) => read.elements >= 2,
+                TableAccess::Shared(_) => read.elements == 4,
+            });
             let index = get(index).u32();
             let key = (Source::Table(table.index()), 0);
-            let value = match (
-                env.tables[table.index()].expect("the kernel provides every table"),
-                index,
-            ) {
-                (TableAccess::Shared(base), Op::Imm(i)) => chunks.shared(k, key, base, 0, i),
-                (TableAccess::Global(base), Op::Imm(i)) => chunks.global(k, key, base, i),
-                (TableAccess::Shared(base), index) => {
+            let at_row = (Source::Table(table.index()), replica);
+            let value = match (access, index, vector) {
+                (TableAccess::Shared(base), Op::Imm(i), _) => chunks.shared(k, key, base, 0, i),
+                (TableAccess::Global(base), Op::Imm(i), _) => chunks.global(k, key, base, i),
+                (TableAccess::Shared(base), _, Some(read)) => {
+                    chunks.shared_aligned(k, at_row, base, read, get(read.base).u32())
+                }
+                (TableAccess::Global(base), _, Some(read)) => {
+                    chunks.global_aligned(k, at_row, base, read, get(read.base).u32())
+                }
+                (TableAccess::Shared(base), index, None) => {
                     let at = shared_element(k, base, index);
                     k.ld_shared(at)
                 }
-                (TableAccess::Global(base), index) => {
+                (TableAccess::Global(base), index, None) => {
                     let at = global_element(k, base, index);
                     k.ld_global_nc(at)
                 }

@@ -1,11 +1,13 @@
 //! Reading what a program reads: item bits from the tile's bytes in shared
 //! memory at any alignment ([`ItemReader`]), and f32 elements of shared
-//! arrays and tables at constant indices, 16 bytes at a time ([`Chunks`]).
+//! arrays and tables at constant indices, or at a constant offset from an
+//! index known to be a multiple of four, 16 bytes at a time ([`Chunks`]).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use super::super::builder::{Global, Kernel, Op, Reg, Shared, B16, F32, U32, U64};
 use super::{ItemSource, Val};
+use crate::ir::{Arena, BinaryOp, Expr, Handle, Literal};
 
 /// A memory a program reads f32 elements from.
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
@@ -18,7 +20,11 @@ pub(super) enum Source {
 /// a dot product with the query reads a quarter as many times, for every
 /// head. Keyed by memory, replica and 16-byte chunk.
 #[derive(Default, Clone)]
-pub(super) struct Chunks(HashMap<(Source, usize, u32), [Reg<F32>; 4]>);
+pub(super) struct Chunks {
+    constant: HashMap<(Source, usize, u32), [Reg<F32>; 4]>,
+    /// Keyed by memory, replica, the aligned base's expression and chunk.
+    aligned: HashMap<(Source, usize, usize, u32), [Reg<F32>; 4]>,
+}
 
 impl Chunks {
     /// Element `index` of the 16-byte-aligned shared memory at `base + offset`.
@@ -31,12 +37,48 @@ impl Chunks {
         index: u32,
     ) -> Reg<F32> {
         let chunk = self
-            .0
+            .constant
             .entry((source, replica, index / 4))
             .or_insert_with(|| {
                 k.ld_shared_v4(Shared::at(base).plus(i64::from(offset + 16 * (index / 4))))
             });
         chunk[(index % 4) as usize]
+    }
+
+    /// Element `read.offset` past element `aligned` (a multiple of four) of
+    /// the 16-byte-aligned shared memory at `base`.
+    pub(super) fn shared_aligned(
+        &mut self,
+        k: &mut Kernel,
+        (source, replica): (Source, usize),
+        base: Reg<U32>,
+        read: AlignedRead,
+        aligned: Op<U32>,
+    ) -> Reg<F32> {
+        let key = (source, replica, read.base.index(), read.offset / 4);
+        let chunk = *self.aligned.entry(key).or_insert_with(|| {
+            let at = super::shared_element(k, base, aligned);
+            k.ld_shared_v4(at.plus(16 * i64::from(read.offset / 4)))
+        });
+        chunk[(read.offset % 4) as usize]
+    }
+
+    /// Element `read.offset` past element `aligned` (a multiple of four) of
+    /// the 16-byte-aligned global memory at `base`.
+    pub(super) fn global_aligned(
+        &mut self,
+        k: &mut Kernel,
+        (source, replica): (Source, usize),
+        base: Reg<U64>,
+        read: AlignedRead,
+        aligned: Op<U32>,
+    ) -> Reg<F32> {
+        let key = (source, replica, read.base.index(), read.offset / 4);
+        let chunk = *self.aligned.entry(key).or_insert_with(|| {
+            let at = super::global_element(k, base, aligned);
+            k.ld_global_nc_v4(at.plus(16 * i64::from(read.offset / 4)))
+        });
+        chunk[(read.offset % 4) as usize]
     }
 
     /// Element `index` of the 16-byte-aligned global memory at `base`.
@@ -48,11 +90,72 @@ impl Chunks {
         index: u32,
     ) -> Reg<F32> {
         let chunk = self
-            .0
+            .constant
             .entry((source, replica, index / 4))
             .or_insert_with(|| k.ld_global_nc_v4(Global::at(base).plus(16 * i64::from(index / 4))));
         chunk[(index % 4) as usize]
     }
+}
+
+/// A table read at element `base + offset`, `base` a multiple of four
+/// elements and `offset` a constant; `elements`: how many of the four in its
+/// 16 bytes the program reads from the same base.
+#[derive(Clone, Copy)]
+pub(super) struct AlignedRead {
+    pub(super) base: Handle<Expr>,
+    pub(super) offset: u32,
+    pub(super) elements: u32,
+}
+
+/// The table reads at a constant offset from an index of at least two known
+/// trailing zeros (`zeros`, [`crate::proc::known_zeros`]): a row of a table
+/// whose rows are a multiple of four elements, such as the PCA value
+/// epilogue's basis row per output channel. Reading such a row as vectors
+/// takes a quarter of the loads, and of the L1 wavefronts where every lane
+/// reads another row.
+pub(super) fn aligned_table_reads(exprs: &Arena<Expr>, zeros: &[u32]) -> Vec<Option<AlignedRead>> {
+    let literal = |h: Handle<Expr>| match exprs[h] {
+        Expr::Literal(Literal::U32(c)) => Some(c),
+        _ => None,
+    };
+    let split = |index: Handle<Expr>| -> Option<(Handle<Expr>, u32)> {
+        match exprs[index] {
+            Expr::Literal(_) => None,
+            Expr::Binary {
+                op: BinaryOp::Add,
+                left,
+                right,
+            } => match (literal(left), literal(right)) {
+                (None, Some(c)) if zeros[left.index()] >= 2 => Some((left, c)),
+                (Some(c), None) if zeros[right.index()] >= 2 => Some((right, c)),
+                _ => (zeros[index.index()] >= 2).then_some((index, 0)),
+            },
+            _ => (zeros[index.index()] >= 2).then_some((index, 0)),
+        }
+    };
+    let reads: Vec<Option<(usize, Handle<Expr>, u32)>> = exprs
+        .iter()
+        .map(|(_, expr)| match *expr {
+            Expr::Table { table, index } => split(index).map(|(b, c)| (table.index(), b, c)),
+            _ => None,
+        })
+        .collect();
+    let mut chunks: HashMap<(usize, usize, u32), HashSet<u32>> = HashMap::new();
+    for &(table, base, offset) in reads.iter().flatten() {
+        let elements = chunks.entry((table, base.index(), offset / 4)).or_default();
+        elements.insert(offset % 4);
+    }
+    reads
+        .into_iter()
+        .map(|read| {
+            let (table, base, offset) = read?;
+            Some(AlignedRead {
+                base,
+                offset,
+                elements: chunks[&(table, base.index(), offset / 4)].len() as u32,
+            })
+        })
+        .collect()
 }
 
 /// Reads bit fields of one item in shared memory, LSB-first little-endian.
@@ -326,5 +429,47 @@ impl ItemReader {
             let joined = k.shf_r_wrap(lo, hi, shift);
             Self::mask(k, joined, Op::Imm(0), width)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::proc::known_zeros;
+    use crate::Format;
+
+    fn epilogue_reads(spec: &str) -> Vec<AlignedRead> {
+        let format = Format::parse(spec, "spec.toml").expect("valid spec");
+        let module = format.tiers()[0].module();
+        let exprs = &module.value.epilogue.stages[0].exprs;
+        let zeros = known_zeros(exprs, 0);
+        aligned_table_reads(exprs, &zeros)
+            .into_iter()
+            .flatten()
+            .collect()
+    }
+
+    fn pca(rank: u32) -> String {
+        format!(
+            "name = \"p\"\nhead_dim = 64\n[page]\nitems = 64\n[[tier]]\nname = \"t\"\n\
+             key.field = [{{ kind = \"dense\", dtype = \"f16\" }}]\n\
+             value.transform = {{ kind = \"pca\", rank = {rank}, basis = \"f16\" }}\n\
+             value.field = [{{ kind = \"dense\", dtype = \"f16\" }}]\n"
+        )
+    }
+
+    #[test]
+    fn pca_basis_rows_of_a_multiple_of_four_read_as_whole_vectors() {
+        let reads = epilogue_reads(&pca(16));
+        assert_eq!(reads.len(), 16, "one read per basis element of the row");
+        assert!(reads.iter().all(|r| r.elements == 4));
+        let mut offsets: Vec<u32> = reads.iter().map(|r| r.offset).collect();
+        offsets.sort_unstable();
+        assert_eq!(offsets, (0..16).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn rows_of_other_lengths_stay_scalar() {
+        assert!(epilogue_reads(&pca(6)).is_empty());
     }
 }
