@@ -553,10 +553,18 @@ fn emit_one(
                 (TableAccess::Shared(base), Op::Imm(i), _) => chunks.shared(k, key, base, 0, i),
                 (TableAccess::Global(base), Op::Imm(i), _) => chunks.global(k, key, base, i),
                 (TableAccess::Shared(base), _, Some(read)) => {
-                    chunks.shared_aligned(k, at_row, base, read, get(read.base).u32())
+                    let row = get(read.base).u32();
+                    chunks.aligned(at_row, read, |bytes| {
+                        let at = shared_element(k, base, row);
+                        k.ld_shared_v4(at.plus(bytes))
+                    })
                 }
                 (TableAccess::Global(base), _, Some(read)) => {
-                    chunks.global_aligned(k, at_row, base, read, get(read.base).u32())
+                    let row = get(read.base).u32();
+                    chunks.aligned(at_row, read, |bytes| {
+                        let at = global_element(k, base, row);
+                        k.ld_global_nc_v4(at.plus(bytes))
+                    })
                 }
                 (TableAccess::Shared(base), index, None) => {
                     let at = shared_element(k, base, index);

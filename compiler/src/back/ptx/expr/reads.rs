@@ -45,39 +45,20 @@ impl Chunks {
         chunk[(index % 4) as usize]
     }
 
-    /// Element `read.offset` past element `aligned` (a multiple of four) of
-    /// the 16-byte-aligned shared memory at `base`.
-    pub(super) fn shared_aligned(
+    /// Element `read.offset` past the aligned index `read.base` of a table:
+    /// `load(bytes)` loads the 16 bytes that many bytes past the index's
+    /// element, once per program.
+    pub(super) fn aligned(
         &mut self,
-        k: &mut Kernel,
         (source, replica): (Source, usize),
-        base: Reg<U32>,
         read: AlignedRead,
-        aligned: Op<U32>,
+        load: impl FnOnce(i64) -> [Reg<F32>; 4],
     ) -> Reg<F32> {
         let key = (source, replica, read.base.index(), read.offset / 4);
-        let chunk = *self.aligned.entry(key).or_insert_with(|| {
-            let at = super::shared_element(k, base, aligned);
-            k.ld_shared_v4(at.plus(16 * i64::from(read.offset / 4)))
-        });
-        chunk[(read.offset % 4) as usize]
-    }
-
-    /// Element `read.offset` past element `aligned` (a multiple of four) of
-    /// the 16-byte-aligned global memory at `base`.
-    pub(super) fn global_aligned(
-        &mut self,
-        k: &mut Kernel,
-        (source, replica): (Source, usize),
-        base: Reg<U64>,
-        read: AlignedRead,
-        aligned: Op<U32>,
-    ) -> Reg<F32> {
-        let key = (source, replica, read.base.index(), read.offset / 4);
-        let chunk = *self.aligned.entry(key).or_insert_with(|| {
-            let at = super::global_element(k, base, aligned);
-            k.ld_global_nc_v4(at.plus(16 * i64::from(read.offset / 4)))
-        });
+        let chunk = *self
+            .aligned
+            .entry(key)
+            .or_insert_with(|| load(16 * i64::from(read.offset / 4)));
         chunk[(read.offset % 4) as usize]
     }
 
