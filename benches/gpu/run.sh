@@ -151,14 +151,15 @@ for s in "$@"; do
       tail -n +3 "$out/corpus.txt"
       ;;
     shipped-tune)
-      step "kvcc tune of the bundled specs at the shipped shapes (batch 8 at 32K, batch 1 at 128K): runtime/tune-cache/shipped.json"
+      step "kvcc tune of the bundled specs at the shipped shapes (batch 8 at 32K, batch 1 at 128K and 32K): runtime/tune-cache/shipped.json"
       export KVCC_TUNE_CACHE="$out/shipped.json"
       rm -f "$KVCC_TUNE_CACHE"
       specs=dense_f16,spherical,kivi,kivi2,subspace,shard,mosaic,fp8
       search=(--search descent --iters 15 --warmup 3)
       .gpu/kvcc tune --spec "$specs" --batch 8 --ctx 32768 "${search[@]}" > "$out/shipped-b8.txt" 2>&1 || status=1
       .gpu/kvcc tune --spec "$specs" --batch 1 --ctx 131072 "${search[@]}" > "$out/shipped-b1.txt" 2>&1 || status=1
-      sed -n '/tune cache/,$p' "$out/shipped-b8.txt" "$out/shipped-b1.txt"
+      .gpu/kvcc tune --spec "$specs" --batch 1 --ctx 32768 "${search[@]}" > "$out/shipped-b1-32k.txt" 2>&1 || status=1
+      sed -n '/tune cache/,$p' "$out/shipped-b8.txt" "$out/shipped-b1.txt" "$out/shipped-b1-32k.txt"
       unset KVCC_TUNE_CACHE
       ;;
     before-after)
