@@ -294,16 +294,15 @@ impl Plan {
         let mut buffer_bytes = value.buffer_offset + value.capacity(tile_items) + SLACK;
 
         let dims = module.value.dims;
-        // Table reads (VQ codebook rows) stay one per channel in a pair, and
-        // a warp's pair spreads each load instruction over twice the rows:
-        // measured 1% slower on shard/pca64_vq, so such programs stay single.
-        let reads_table = reads_tables(&module.value.accumulate.exprs);
-        let pack = match (
-            reads_table,
-            quads_pay(&module.value.accumulate.exprs, value.align()),
-        ) {
+        // Table reads (VQ codebook rows) take quads where a quad's channels
+        // read one 16-byte row (one load and one code for four channels);
+        // otherwise they stay one per channel, as a pair would spread each
+        // load instruction over twice the rows (1 % slower on shard).
+        let exprs = &module.value.accumulate.exprs;
+        let pack = match (reads_tables(exprs), quads_pay(exprs, value.align())) {
+            (true, _) if super::expr::table_rows_per_pack(exprs) => PACK,
             (true, _) => 1,
-            (false, true) if octets_pay(&module.value.accumulate.exprs, value.align()) => OCTET,
+            (false, true) if octets_pay(exprs, value.align()) => OCTET,
             (false, true) => PACK,
             (false, false) => 2,
         };
@@ -894,5 +893,34 @@ mod tests {
         assert!(!Stream::new(0, 48, false).padded());
         assert_eq!(Stream::new(0, 14, false).align(), 2);
         assert_eq!(Stream::new(0, 256, false).align(), 16);
+    }
+}
+
+#[cfg(test)]
+mod codebook_tests {
+    use super::*;
+    use crate::Format;
+
+    fn values_pack(value_field: &str) -> u32 {
+        let spec = format!(
+            "name = \"v\"\nhead_dim = 64\n[page]\nitems = 64\n[[tier]]\nname = \"t\"\n\
+             key.field = [{{ kind = \"dense\", dtype = \"f16\" }}]\nvalue.field = [{value_field}]\n"
+        );
+        let format = Format::parse(&spec, "v.toml").expect("valid spec");
+        let options = Options::for_target(super::super::Target::Sm90);
+        let plan = Plan::new(format.tiers()[0].module(), 4, &options).expect("plans");
+        plan.accumulate.pack
+    }
+
+    #[test]
+    fn codewords_of_four_dimensions_give_a_thread_their_four_channels() {
+        let quad = "{ kind = \"codebook\", group_size = 4, bits = 8, codewords = \"vector\", dtype = \"f16\" }";
+        assert_eq!(values_pack(quad), PACK);
+    }
+
+    #[test]
+    fn codewords_of_other_sizes_stay_one_channel_per_thread() {
+        let pair = "{ kind = \"codebook\", group_size = 2, bits = 8, codewords = \"vector\", dtype = \"f16\" }";
+        assert_eq!(values_pack(pair), 1);
     }
 }

@@ -193,7 +193,9 @@ pub fn emit(k: &mut Kernel, exprs: &Arena<Expr>, env: &Env) -> Values {
         _ => 1,
     };
     let steps = match env.replicas {
-        Replicas::Channels { pack, ranges, .. } if pack > 1 => pack_steps(exprs, ranges, pack),
+        Replicas::Channels { pack, ranges, .. } if pack > 1 => pack_steps(exprs, pack, |h| {
+            ranges[h.index()].is_some_and(|r| r.hi < u64::from(u32::MAX))
+        }),
         _ => vec![None; exprs.len()],
     };
     // Trailing zeros at a pack's first channel (a multiple of `pack`).
@@ -257,6 +259,35 @@ pub fn emit(k: &mut Kernel, exprs: &Arena<Expr>, env: &Env) -> Values {
                     Op::Reg(_) => k.ld_shared(at.plus(i64::from(stride))),
                 };
                 out.push(Val::F32(Op::Reg(value)));
+            }
+        } else if let Some((table, index)) = match *expr {
+            Expr::Table { table, index }
+                if vary && table_row_per_pack(index, pack, &steps, &pack_zeros) =>
+            {
+                Some((table, index))
+            }
+            _ => None,
+        } {
+            // Four channels of a pack from one 16-byte load at the first one's
+            // index (a multiple of four, so aligned).
+            let access = env.tables[table.index()].expect("the kernel provides every table");
+            let mut chunk = None;
+            for r in 0..count {
+                if r % 4 == 0 {
+                    let at = values[index.index()][r].u32();
+                    chunk = Some(match access {
+                        TableAccess::Shared(base) => {
+                            let at = shared_element(k, base, at);
+                            k.ld_shared_v4::<F32>(at)
+                        }
+                        TableAccess::Global(base) => {
+                            let at = global_element(k, base, at);
+                            k.ld_global_nc_v4::<F32>(at)
+                        }
+                    });
+                }
+                let loaded: [Reg<F32>; 4] = chunk.expect("replica 0 loads first");
+                out.push(Val::F32(Op::Reg(loaded[r % 4])));
             }
         } else if let (true, Some(0)) = (vary, steps[handle.index()]) {
             // The same for every channel of a pack: once per pack.
@@ -350,13 +381,18 @@ fn global_element(k: &mut Kernel, base: Reg<U64>, index: Op<U32>) -> Global {
 /// power-of-two divisions and remainders whose pack stays within one
 /// quotient). An `ItemBits` at such an offset reads the pack's fields with
 /// one load ([`ItemReader::read_pack`]). `None`: emitted per channel.
-fn pack_steps(exprs: &Arena<Expr>, ranges: &[Option<Range>], pack: u32) -> Vec<Option<u32>> {
+/// `no_wrap(h)`: expression `h` is proven not to wrap (the validator's ranges).
+fn pack_steps(
+    exprs: &Arena<Expr>,
+    pack: u32,
+    no_wrap: impl Fn(Handle<Expr>) -> bool,
+) -> Vec<Option<u32>> {
     // Trailing zeros at the pack's first channel.
     let zeros = known_zeros(exprs, pack.trailing_zeros());
     let mut steps: Vec<Option<u32>> = Vec::with_capacity(exprs.len());
     for (handle, expr) in exprs.iter() {
         let s = |h: Handle<Expr>| steps[h.index()];
-        let no_wrap = ranges[handle.index()].is_some_and(|r| r.hi < u64::from(u32::MAX));
+        let no_wrap = no_wrap(handle);
         let literal = |h: Handle<Expr>| match exprs[h] {
             Expr::Literal(Literal::U32(v)) => Some(v),
             _ => None,
@@ -413,6 +449,36 @@ fn pack_steps(exprs: &Arena<Expr>, ranges: &[Option<Range>], pack: u32) -> Vec<O
         steps.push(step);
     }
     steps
+}
+
+/// Whether a table read at `index` gives a pack's channels four consecutive
+/// elements at a time from one 16-byte load: its index steps by one over the
+/// pack (`steps`, a multiple of four channels) from a multiple of four
+/// (`pack_zeros`), as a codebook row read per channel of a VQ group does.
+fn table_row_per_pack(
+    index: Handle<Expr>,
+    pack: usize,
+    steps: &[Option<u32>],
+    zeros: &[u32],
+) -> bool {
+    pack.is_multiple_of(4) && steps[index.index()] == Some(1) && zeros[index.index()] >= 2
+}
+
+/// Whether every table read of `exprs` that depends on the channel reads
+/// whole 16-byte rows over packs of four channels ([`table_row_per_pack`]),
+/// should the validator prove its index does not wrap (the plan's question:
+/// the emitter falls back to a load per channel where it does not).
+pub fn table_rows_per_pack(exprs: &Arena<Expr>) -> bool {
+    const QUAD: u32 = 4;
+    let steps = pack_steps(exprs, QUAD, |_| true);
+    let zeros = known_zeros(exprs, QUAD.trailing_zeros());
+    exprs.iter().all(|(_, expr)| match *expr {
+        Expr::Table { index, .. } => {
+            steps[index.index()] == Some(0)
+                || table_row_per_pack(index, QUAD as usize, &steps, &zeros)
+        }
+        _ => true,
+    })
 }
 
 /// Item reads that are one whole half of an item word (16 bits at a constant
