@@ -300,7 +300,7 @@ impl Plan {
         // load instruction over twice the rows (1 % slower on shard).
         let exprs = &module.value.accumulate.exprs;
         let pack = match (reads_tables(exprs), quads_pay(exprs, value.align())) {
-            (true, _) if super::expr::table_rows_per_pack(exprs) => PACK,
+            (true, _) if super::expr::table_rows_per_pack(exprs, PACK) => PACK,
             (true, _) => 1,
             (false, true) if octets_pay(exprs, value.align()) => OCTET,
             (false, true) => PACK,
@@ -894,19 +894,13 @@ mod tests {
         assert_eq!(Stream::new(0, 14, false).align(), 2);
         assert_eq!(Stream::new(0, 256, false).align(), 16);
     }
-}
-
-#[cfg(test)]
-mod codebook_tests {
-    use super::*;
-    use crate::Format;
 
     fn values_pack(value_field: &str) -> u32 {
         let spec = format!(
             "name = \"v\"\nhead_dim = 64\n[page]\nitems = 64\n[[tier]]\nname = \"t\"\n\
              key.field = [{{ kind = \"dense\", dtype = \"f16\" }}]\nvalue.field = [{value_field}]\n"
         );
-        let format = Format::parse(&spec, "v.toml").expect("valid spec");
+        let format = crate::Format::parse(&spec, "v.toml").expect("valid spec");
         let options = Options::for_target(super::super::Target::Sm90);
         let plan = Plan::new(format.tiers()[0].module(), 4, &options).expect("plans");
         plan.accumulate.pack

@@ -275,16 +275,7 @@ pub fn emit(k: &mut Kernel, exprs: &Arena<Expr>, env: &Env) -> Values {
             for r in 0..count {
                 if r % 4 == 0 {
                     let at = values[index.index()][r].u32();
-                    chunk = Some(match access {
-                        TableAccess::Shared(base) => {
-                            let at = shared_element(k, base, at);
-                            k.ld_shared_v4::<F32>(at)
-                        }
-                        TableAccess::Global(base) => {
-                            let at = global_element(k, base, at);
-                            k.ld_global_nc_v4::<F32>(at)
-                        }
-                    });
+                    chunk = Some(table_vector(k, access, at, 0));
                 }
                 let loaded: [Reg<F32>; 4] = chunk.expect("replica 0 loads first");
                 out.push(Val::F32(Op::Reg(loaded[r % 4])));
@@ -465,20 +456,33 @@ fn table_row_per_pack(
 }
 
 /// Whether every table read of `exprs` that depends on the channel reads
-/// whole 16-byte rows over packs of four channels ([`table_row_per_pack`]),
+/// whole 16-byte rows over packs of `pack` channels ([`table_row_per_pack`]),
 /// should the validator prove its index does not wrap (the plan's question:
 /// the emitter falls back to a load per channel where it does not).
-pub fn table_rows_per_pack(exprs: &Arena<Expr>) -> bool {
-    const QUAD: u32 = 4;
-    let steps = pack_steps(exprs, QUAD, |_| true);
-    let zeros = known_zeros(exprs, QUAD.trailing_zeros());
+pub fn table_rows_per_pack(exprs: &Arena<Expr>, pack: u32) -> bool {
+    let steps = pack_steps(exprs, pack, |_| true);
+    let zeros = known_zeros(exprs, pack.trailing_zeros());
     exprs.iter().all(|(_, expr)| match *expr {
         Expr::Table { index, .. } => {
             steps[index.index()] == Some(0)
-                || table_row_per_pack(index, QUAD as usize, &steps, &zeros)
+                || table_row_per_pack(index, pack as usize, &steps, &zeros)
         }
         _ => true,
     })
+}
+
+/// The 16 bytes `bytes` past element `index` of a table (both 16-byte aligned).
+fn table_vector(k: &mut Kernel, access: TableAccess, index: Op<U32>, bytes: i64) -> [Reg<F32>; 4] {
+    match access {
+        TableAccess::Shared(base) => {
+            let at = shared_element(k, base, index);
+            k.ld_shared_v4(at.plus(bytes))
+        }
+        TableAccess::Global(base) => {
+            let at = global_element(k, base, index);
+            k.ld_global_nc_v4(at.plus(bytes))
+        }
+    }
 }
 
 /// Item reads that are one whole half of an item word (16 bits at a constant
@@ -618,19 +622,9 @@ fn emit_one(
             let value = match (access, index, vector) {
                 (TableAccess::Shared(base), Op::Imm(i), _) => chunks.shared(k, key, base, 0, i),
                 (TableAccess::Global(base), Op::Imm(i), _) => chunks.global(k, key, base, i),
-                (TableAccess::Shared(base), _, Some(read)) => {
+                (_, _, Some(read)) => {
                     let row = get(read.base).u32();
-                    chunks.aligned(at_row, read, |bytes| {
-                        let at = shared_element(k, base, row);
-                        k.ld_shared_v4(at.plus(bytes))
-                    })
-                }
-                (TableAccess::Global(base), _, Some(read)) => {
-                    let row = get(read.base).u32();
-                    chunks.aligned(at_row, read, |bytes| {
-                        let at = global_element(k, base, row);
-                        k.ld_global_nc_v4(at.plus(bytes))
-                    })
+                    chunks.aligned(at_row, read, |bytes| table_vector(k, access, row, bytes))
                 }
                 (TableAccess::Shared(base), index, None) => {
                     let at = shared_element(k, base, index);
