@@ -37,9 +37,9 @@
 //!   (subspace: 13–18 % faster, shard 4–5 %).
 //! - **splits** stay one wave of CTAs, **tiles** a page, two buffers: within
 //!   7 % of the best alternative on every bundled tier in the H100
-//!   calibration; not so elsewhere (subspace on the H200 wants 4 buffers at
-//!   batch 8 and 16 splits at batch 1; 31 of the 46 corpus winners change the
-//!   splits, both ways), and no rule yet fits those.
+//!   calibration; not so elsewhere (subspace on the H200 wants 4 buffers,
+//!   8–17 % faster; 31 of the 46 corpus winners change the splits, both
+//!   ways), and no rule yet fits those.
 
 use kvcc_compiler::back::ptx::{tensor_core_score, Target};
 use kvcc_compiler::proc::{reads_header, reads_tables};
