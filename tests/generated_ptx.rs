@@ -83,8 +83,8 @@ fn generated_ptx_matches_the_committed_snapshots() {
 /// value elements (dense f16, Spherical's f16 values, KIVI, fp8) or f16
 /// bitmap groups (MosaicKV, expanded per tile), the score where the key is
 /// a dot product of such elements with the query (dense f16, KIVI, MosaicKV,
-/// fp8); zero-point codes (kivi2) stay per-thread; with `tensor_cores` off
-/// every tier is per-thread fma chains.
+/// fp8, kivi2's 2- and 3-bit codes with zero points); with `tensor_cores`
+/// off every tier is per-thread fma chains.
 /// Grouped and asymmetric values (`tests/in/tensor-cores/`) accumulate on
 /// the tensor cores on both targets, whatever the GQA group.
 #[test]
@@ -154,6 +154,8 @@ fn tensor_cores_serve_exactly_the_f16_exact_phases() {
             "fp8/e4m3 accumulate",
             "kivi2/int2 score",
             "kivi2/int2 accumulate",
+            "kivi2/int3 score",
+            "kivi2/int3 accumulate",
         ]
     );
 }

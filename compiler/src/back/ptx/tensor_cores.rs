@@ -409,13 +409,26 @@ impl MmaScore {
 
     /// Bytes of a lane's chunk of a key row loaded whole: 16, or 8 where the
     /// row's 4 lanes cannot each take whole 16-byte chunks (rows of 32 · odd
-    /// bytes, as 2-bit codes of 128 dims). Gathered rows count in 16-byte
-    /// chunks (their lanes' chunks are runs of groups).
+    /// bytes, as 2-bit codes of 128 dims), or 12 for 3-bit codes (32 of
+    /// them, read as three words). Gathered rows count in 16-byte chunks
+    /// (their lanes' chunks are runs of groups).
     pub fn chunk_bytes(&self) -> u32 {
+        if !whole_bytes(self.key) {
+            // 32 codes, each register of them taking one from each 24-bit quarter.
+            return 4 * self.key.bits();
+        }
         let whole = self.row_bytes().is_multiple_of(ROW_LANES * CHUNK);
         match whole || self.gathered_runs.is_some() {
             true => CHUNK,
             false => CHUNK / 2,
+        }
+    }
+
+    /// Alignment a lane's chunk needs: loaded whole, or (12 bytes) as words.
+    pub fn chunk_align(&self) -> u32 {
+        match self.chunk_bytes() {
+            c if c.is_power_of_two() => c,
+            _ => 4,
         }
     }
 
@@ -465,12 +478,15 @@ impl MmaScore {
     /// lane's chunks in order (f16: halves; 8-bit: bytes), but a word of
     /// `n` codes a byte gives `n`: code `j` of each of its bytes in the
     /// `j`-th (element `4 · byte + j` of the word at bit `bits · j` of its
-    /// byte). Register `2 · s` is the lane's `a0` of reduction step `s`,
-    /// `2 · s + 1` its `a2`.
+    /// byte). 3-bit codes straddle bytes: byte `e` of the chunk's `j`-th
+    /// register is code `j` of the chunk's `e`-th 24 bits
+    /// ([`triplet_register`]). Register `2 · s` is the lane's `a0` of
+    /// reduction step `s`, `2 · s + 1` its `a2`.
     pub fn key_element(&self, r: u32, e: u32) -> u32 {
         let per_chunk = self.chunk_elements() / self.register_elements();
         let (c, x) = (r / per_chunk, r % per_chunk);
         let within = match self.key {
+            Element::Int { .. } if !whole_bytes(self.key) => per_chunk * e + x,
             Element::Int { bits, .. } => {
                 let n = 8 / bits;
                 4 * n * (x / n) + n * e + x % n
@@ -522,7 +538,11 @@ pub fn plan(
         && match channel.groups {
             Some(groups) => groups.fits(channel.element, value_dims, channel.base, value),
             // A lane group's channels are whole words at a whole byte.
-            None => group_bits.is_multiple_of(32) && channel.base.is_multiple_of(8),
+            None => {
+            group_bits.is_multiple_of(32)
+                && channel.base.is_multiple_of(8)
+                && whole_bytes(channel.element)
+        }
         }
         // Item scales are read as halfwords.
         && channel
@@ -536,7 +556,7 @@ pub fn plan(
         score.key_dims.is_multiple_of(TILE)
             // A key row is whole chunks over the 4 lanes of a fragment row.
             && score.row_bytes().is_multiple_of(chunk * ROW_LANES)
-            && (!chunks || rows.align() >= chunk)
+            && (!chunks || rows.align() >= score.chunk_align())
             // Header scales and zero points are read 4 at a time.
             && [score.key_scale, score.key_zero]
                 .iter()
@@ -562,7 +582,7 @@ pub fn plan(
         None => {
             let rows = Rows::of(key);
             let score = dot_product(&module.key.score)
-                .filter(|s| allowed(s.key) && whole_bytes(s.key) && fits_rows(s, &rows, true));
+                .filter(|s| allowed(s.key) && fits_rows(s, &rows, true));
             (score, rows)
         }
     };
@@ -593,8 +613,33 @@ pub fn code_register(bits: u32, j: u32) -> (u32, u32) {
     (8 - bits * (j + 1), 0x0101_0101 * top_bits)
 }
 
+/// The `prmt` selectors that transpose a 12-byte chunk of 3-bit codes
+/// (words `w0, w1, w2`) into three words, byte `e` of the `b`-th being
+/// chunk byte `3e + b`: `prmt(prmt(w0, w1, first), w2, second)`.
+pub const TRIPLET_SELECTORS: [(u32, u32); 3] =
+    [(0x0630, 0x5210), (0x0741, 0x6210), (0x0052, 0x7410)];
+
+/// How fragment register `j` of a 12-byte chunk of 3-bit codes is made from
+/// the chunk's transposed words ([`TRIPLET_SELECTORS`]): the OR of its
+/// parts `(word b << shift) & mask` (a negative shift to the right), which
+/// leave code `j` of each 24-bit quarter in its byte's top bits, 32 times
+/// the code ([`MmaScore::key_element`]).
+pub fn triplet_register(j: u32) -> Vec<(usize, i32, u32)> {
+    let (first, last) = (3 * j, 3 * j + 2);
+    (first / 8..=last / 8)
+        .map(|b| {
+            // Code bit i sits at bit 3j + i − 8b of byte b and goes to bit 5 + i.
+            let shift = 5 + 8 * b as i32 - first as i32;
+            let bits = (0..3u32)
+                .filter(|i| (first + i) / 8 == b)
+                .fold(0, |m, i| m | 1 << (5 + i));
+            (b as usize, shift, 0x0101_0101 * bits)
+        })
+        .collect()
+}
+
 /// Whether a byte holds whole elements: integers of 2, 4 or 8 bits (3-bit
-/// codes straddle bytes, so those keys stay on the per-thread path).
+/// codes straddle bytes: [`triplet_register`]).
 fn whole_bytes(element: Element) -> bool {
     match element {
         Element::Int { bits, .. } => 8 % bits == 0 && bits >= 2,
@@ -786,8 +831,8 @@ fn affine_element(f: &Function, h: Handle<Expr>) -> Option<(Element, u32, u32, u
 }
 
 /// `half(item_bits(o, 16))`, `float(sign_extend(item_bits(o, w)))` for w
-/// in {4, 8}, or `float(item_bits(o, w))` for w in {2, 4, 8}: the element
-/// and `o`.
+/// in {4, 8}, or `float(item_bits(o, w))` for w in {2, 3, 4, 8}: the
+/// element and `o`.
 fn element_at(f: &Function, h: Handle<Expr>) -> Option<(Element, Handle<Expr>)> {
     let Expr::Unary { op, arg } = *f.exprs.try_get(h)? else {
         return None;
@@ -814,10 +859,10 @@ fn element_at(f: &Function, h: Handle<Expr>) -> Option<(Element, Handle<Expr>)> 
                 _ => (arg, None),
             };
             let (offset, width) = bits(inner)?;
-            // Unsigned 2-bit codes come with zero points (KIVI-2).
+            // Unsigned 2- and 3-bit codes come with zero points (KIVI-2).
             let ok = match signed {
                 Some(n) => matches!(width, 4 | 8) && n == width,
-                None => matches!(width, 2 | 4 | 8),
+                None => matches!(width, 2 | 3 | 4 | 8),
             };
             ok.then_some((
                 Element::Int {
@@ -888,18 +933,34 @@ pub struct ValueGroups {
 }
 
 impl ValueGroups {
-    /// Bytes of a lane group's codes of one value group: `2 · size / 16`
-    /// codes ([`MmaPlan::group_channels`] per group).
+    /// Bits of a lane group's codes of one value group: `2 · size / 16`
+    /// codes ([`MmaPlan::group_channels`] per group), consecutive.
+    pub fn lane_bits(&self, element: Element) -> u32 {
+        self.size * element.bits() / 8
+    }
+
+    /// Bytes of a lane group's codes of one value group (whole ones unless
+    /// [`Self::windowed`]).
     pub fn lane_bytes(&self, element: Element) -> u32 {
-        self.size * element.bits() / 64
+        self.lane_bits(element) / 8
+    }
+
+    /// Whether a lane group's codes of a group are read as a 32-bit window
+    /// at any bit (funnel-shifted from the one or two words holding them),
+    /// where they are not one or two bytes of a word or whole words: 3-bit
+    /// codes, whose lane groups start at every half byte.
+    pub fn windowed(&self, element: Element) -> bool {
+        let (bits, bytes) = (self.lane_bits(element), self.lane_bytes(element));
+        !(bits.is_multiple_of(8) && (matches!(bytes, 1 | 2) || (bytes > 0 && bytes % 4 == 0)))
     }
 
     /// Whether the kernels take these groups: integer codes in whole
-    /// channel tiles per group, a lane group's codes of a group one or two
-    /// bytes of a word or whole words (groups in whole words, from a word
-    /// boundary of the row), and the halves read as aligned pairs.
+    /// channel tiles per group, groups in whole words from a word boundary
+    /// of the row, a lane group's codes of a group one or two bytes of a
+    /// word, whole words, or (windowed) at most 24 bits, so each code lies
+    /// in the window's first three bytes; and the halves read as aligned
+    /// pairs.
     fn fits(&self, element: Element, dims: u32, base: u32, rows: &Stream) -> bool {
-        let lane_bytes = self.lane_bytes(element);
         // Read as aligned pairs of halves, or one.
         let halves = |bit: u32| match dims / self.size {
             1 => bit.is_multiple_of(16),
@@ -908,13 +969,13 @@ impl ValueGroups {
         matches!(
             element,
             Element::Int {
-                bits: 2 | 4 | 8,
+                bits: 2 | 3 | 4 | 8,
                 ..
             }
         ) && self.size.is_multiple_of(TILE)
             && dims.is_multiple_of(self.size)
-            && (matches!(lane_bytes, 1 | 2) || lane_bytes.is_multiple_of(4))
-            && (self.size * element.bits() / 8).is_multiple_of(4)
+            && (!self.windowed(element) || self.lane_bits(element) <= 24)
+            && (self.size * element.bits()).is_multiple_of(32)
             && base.is_multiple_of(32)
             && rows.shared_stride.is_multiple_of(4)
             && halves(self.scale)
@@ -1147,6 +1208,8 @@ mod tests {
             score_of(unsigned(4)),
             score_of(unsigned(2)),
             score_with_dims(unsigned(2), 256),
+            score_of(unsigned(3)),
+            score_with_dims(unsigned(3), 256),
             gathered(1),
             gathered(2),
         ] {
@@ -1165,9 +1228,10 @@ mod tests {
 
     /// A key row's bits as the IR reads them (element `i` of `bits` at bit
     /// `bits · i`, little-endian bytes), split into 32-bit words, each made
-    /// into fragment registers by the kernel's `(word << shift) & mask`:
-    /// every register byte is 2^(8 − bits) times the code of the element
-    /// [`MmaScore::key_element`] names.
+    /// into fragment registers by the kernel's `(word << shift) & mask`
+    /// (3-bit codes: each 12-byte chunk transposed and its registers'
+    /// parts shifted and masked): every register byte is 2^(8 − bits)
+    /// times the code of the element [`MmaScore::key_element`] names.
     #[test]
     fn code_registers_hold_the_elements_key_element_names() {
         let mut state = 0x9E37_79B9_7F4A_7C15u64;
@@ -1177,7 +1241,13 @@ mod tests {
             state ^= state << 17;
             state
         };
-        for (bits, dims) in [(2, 128), (2, 256), (4, 128), (8, 128)] {
+        fn permute(a: u32, b: u32, selector: u32) -> u32 {
+            let bytes = [a.to_le_bytes(), b.to_le_bytes()].concat();
+            (0..4).fold(0, |x, n| {
+                x | u32::from(bytes[((selector >> (4 * n)) & 7) as usize]) << (8 * n)
+            })
+        }
+        for (bits, dims) in [(2, 128), (2, 256), (3, 128), (3, 256), (4, 128), (8, 128)] {
             let m = score_with_dims(unsigned(bits), dims);
             let codes: Vec<u32> = (0..dims)
                 .map(|_| (random() as u32) & ((1 << bits) - 1))
@@ -1185,24 +1255,48 @@ mod tests {
             let mut row = vec![0u8; m.row_bytes() as usize];
             for (i, &code) in codes.iter().enumerate() {
                 let bit = bits as usize * i;
-                row[bit / 8] |= (code << (bit % 8)) as u8;
+                let placed = code << (bit % 8);
+                row[bit / 8] |= placed as u8;
+                if placed > 0xFF {
+                    row[bit / 8 + 1] |= (placed >> 8) as u8;
+                }
             }
-            let n = 8 / bits;
             let chunk = m.chunk_bytes() as usize;
             for quad in 0..ROW_LANES {
                 // The lane's chunks, quad + 4 · c, word by word.
-                let words = (0..m.lane_chunks()).flat_map(|c| {
+                let chunks = (0..m.lane_chunks()).map(|c| {
                     let at = chunk * (quad + ROW_LANES * c) as usize;
                     row[at..at + chunk]
                         .chunks(4)
                         .map(|w| u32::from_le_bytes(w.try_into().unwrap()))
                         .collect::<Vec<_>>()
                 });
-                let registers = words.flat_map(|w| {
-                    (0..n).map(move |j| {
-                        let (shift, mask) = code_register(bits, j);
-                        (w << shift) & mask
-                    })
+                let registers = chunks.flat_map(|words| match bits {
+                    3 => {
+                        let transposed = TRIPLET_SELECTORS.map(|(first, second)| {
+                            permute(permute(words[0], words[1], first), words[2], second)
+                        });
+                        (0..8)
+                            .map(|j| {
+                                triplet_register(j).iter().fold(0, |x, &(b, shift, mask)| {
+                                    let w = transposed[b];
+                                    let w = match shift {
+                                        s if s >= 0 => w << s,
+                                        s => w >> -s,
+                                    };
+                                    x | (w & mask)
+                                })
+                            })
+                            .collect::<Vec<_>>()
+                    }
+                    _ => (words.iter())
+                        .flat_map(|&w| {
+                            (0..8 / bits).map(move |j| {
+                                let (shift, mask) = code_register(bits, j);
+                                (w << shift) & mask
+                            })
+                        })
+                        .collect(),
                 });
                 let mut count = 0;
                 for (r, register) in registers.enumerate() {
@@ -1222,11 +1316,11 @@ mod tests {
         }
     }
 
-    /// A 2-bit asymmetric key with values that qualify scores on the
-    /// tensor cores: 8-byte chunks, the zero points past the scales; 3-bit
-    /// codes straddle bytes and stay per thread.
+    /// Asymmetric keys with values that qualify score on the tensor cores:
+    /// 2-bit codes in 8-byte chunks, 3-bit codes in 12-byte ones, the zero
+    /// points past the scales.
     #[test]
-    fn plan_admits_two_bit_asymmetric_keys() {
+    fn plan_admits_asymmetric_keys_of_every_width() {
         let format = crate::Format::parse(
             include_str!("../../../../tests/in/tensor-cores/asymmetric_keys.toml"),
             "asymmetric_keys.toml",
@@ -1252,7 +1346,7 @@ mod tests {
                 Some((unsigned(2), Some(0), Some(128), 8)),
                 Some((unsigned(4), Some(0), Some(128), 16)),
                 Some((unsigned(8), Some(0), Some(128), 16)),
-                None,
+                Some((unsigned(3), Some(0), Some(128), 12)),
             ]
         );
     }

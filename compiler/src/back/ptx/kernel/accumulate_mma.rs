@@ -44,6 +44,9 @@ pub(super) struct MmaValues {
     /// per byte, the `prmt` selector that takes it from two tokens' words
     /// to bytes 0 and 2 ([`AccumulateMma::group_products`]).
     pub(super) byte_selectors: Vec<Reg<U32>>,
+    /// Windowed value groups ([`ValueGroups::windowed`]): where the lane
+    /// group's codes lie past the word `value_lane` points at.
+    pub(super) window: Option<CodeWindow>,
     /// With item scales: the weights' running σ ([`AccumulateMma::item_sigma`]).
     pub(super) sigma: Option<Reg<F32>>,
     /// Byte offset of the lane's value channels in its first token (of the
@@ -59,6 +62,15 @@ pub(super) struct MmaValues {
     /// and its others' offsets from it ([`StepTokens`]).
     pub(super) token: Reg<U32>,
     pub(super) steps: [u32; 4],
+}
+
+/// A lane group's codes of a value group at any bit: they start `shift`
+/// bits into the word at `value_lane` (plus the group's offset) and end in
+/// the word `next` bytes after it (0 or 4).
+#[derive(Clone, Copy)]
+pub(super) struct CodeWindow {
+    pub(super) shift: Reg<U32>,
+    pub(super) next: Reg<U32>,
 }
 
 impl MmaValues {
@@ -144,8 +156,22 @@ impl AccumulateMma<'_> {
         let gather = (m.value_rows.fragments())
             .map(|g| FragmentGather::for_values(k, g, m, &self.cta.plan.value, lanes.row));
         let mut byte_selectors = Vec::new();
+        let mut window = None;
         let channels = match (gather.as_ref(), m.channel.groups) {
             (Some(_), _) => k.mov(0u32),
+            (None, Some(groups)) if groups.windowed(m.channel.element) => {
+                let bits = groups.lane_bits(m.channel.element);
+                let first = k.mul(lanes.row, bits);
+                let shift = k.and(first, 31u32);
+                let end = k.add(shift, bits);
+                let straddles = k.setp(Cmp::Gt, end, 32u32);
+                window = Some(CodeWindow {
+                    shift,
+                    next: k.selp(4u32, 0u32, straddles),
+                });
+                let word = k.shr(first, 5u32);
+                k.mad_lo(word, 4u32, m.value_offset())
+            }
             (None, Some(groups)) => {
                 // The word holding the lane group's codes of group 0.
                 let lane_bytes = groups.lane_bytes(m.channel.element);
@@ -170,6 +196,7 @@ impl AccumulateMma<'_> {
             acc,
             zero_sums,
             byte_selectors,
+            window,
             sigma,
             value_lane,
             gather,
@@ -441,7 +468,38 @@ impl AccumulateMma<'_> {
         let group_bytes = groups.size * bits / 8;
         let per_group = m.group_channels() / m.value_groups();
         let tiles = groups.size / TILE;
+        let window_end = t.window.map(|w| k.add(lane_base, w.next));
         for g in 0..m.value_groups() {
+            if let (Some(window), Some(end)) = (t.window, window_end) {
+                // Each token's codes as the low bits of one funnel-shifted word.
+                let codes: Vec<Reg<U32>> = (t.steps.iter())
+                    .map(|&d| {
+                        let offset = i64::from((first + d) * stride + g * group_bytes);
+                        let low = k.ld_shared::<U32>(Shared::at(lane_base).plus(offset));
+                        let high = k.ld_shared::<U32>(Shared::at(end).plus(offset));
+                        k.shf_r_wrap(low, high, window.shift)
+                    })
+                    .collect();
+                let pairs: Vec<Vec<Reg<U32>>> = [(0, 1), (2, 3)]
+                    .into_iter()
+                    .map(|(x, y)| {
+                        // Bytes `b, b + 1` of both tokens as halves, per first byte.
+                        let mut halves: Vec<Option<Reg<U32>>> = vec![None; 3];
+                        (0..per_group)
+                            .map(|c| {
+                                let bit = c * bits;
+                                let b = bit / 8;
+                                let selector = b | (b + 1) << 4 | (4 + b) << 8 | (5 + b) << 12;
+                                let x = *halves[b as usize]
+                                    .get_or_insert_with(|| k.prmt(codes[x], codes[y], selector));
+                                int_pair(k, x, bits, signed, bit % 8)
+                            })
+                            .collect()
+                    })
+                    .collect();
+                self.group_tiles(k, t, g, tiles, &pairs, b);
+                continue;
+            }
             let tokens: Vec<Vec<Reg<U32>>> = (t.steps.iter())
                 .map(|&d| {
                     let offset = (first + d) * stride + g * group_bytes;
@@ -476,12 +534,26 @@ impl AccumulateMma<'_> {
                         .collect()
                 })
                 .collect();
-            for i in 0..tiles {
-                let c = 2 * i as usize;
-                let a = [pairs[0][c], pairs[0][c + 1], pairs[1][c], pairs[1][c + 1]];
-                for (acc, b) in t.acc.iter().zip(b) {
-                    k.mma_f16_f32(acc[(g * tiles + i) as usize], a, b[g as usize]);
-                }
+            self.group_tiles(k, t, g, tiles, &pairs, b);
+        }
+    }
+
+    /// Group `g`'s channel tiles of a slot: `pairs` per token pair and
+    /// lane-group channel of the group, times its B fragments.
+    fn group_tiles(
+        &self,
+        k: &mut Kernel,
+        t: &MmaValues,
+        g: u32,
+        tiles: u32,
+        pairs: &[Vec<Reg<U32>>],
+        b: &[Vec<[Reg<U32>; 2]>],
+    ) {
+        for i in 0..tiles {
+            let c = 2 * i as usize;
+            let a = [pairs[0][c], pairs[0][c + 1], pairs[1][c], pairs[1][c + 1]];
+            for (acc, b) in t.acc.iter().zip(b) {
+                k.mma_f16_f32(acc[(g * tiles + i) as usize], a, b[g as usize]);
             }
         }
     }
@@ -834,7 +906,7 @@ pub(super) fn channel_pair_products(
 }
 
 /// The exact f16 pair of the `bits`-wide integers at bits `shift..` and
-/// `16 + shift..` of `x` (shift + bits ≤ 8): the integer (offset to
+/// `16 + shift..` of `x` (shift + bits ≤ 10, f16's mantissa): the integer (offset to
 /// unsigned) times 2^shift becomes the mantissa of 1024 by one `lop3`, and
 /// one f16 op takes 1024 (and the offset, and the 2^shift) off again.
 pub(super) fn int_pair(

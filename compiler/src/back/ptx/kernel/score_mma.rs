@@ -11,7 +11,8 @@
 use super::super::builder::{Cmp, Kernel, Pred, Reg, Shared, F32, S32, U32};
 use super::super::streams::CHUNK;
 use super::super::tensor_cores::{
-    code_register, lane_chunk, Element, MmaPlan, MmaScore, ROW_LANES, TILE,
+    code_register, lane_chunk, triplet_register, Element, MmaPlan, MmaScore, ROW_LANES, TILE,
+    TRIPLET_SELECTORS,
 };
 use super::cta::{Cta, Tile};
 use super::fragments::{
@@ -217,8 +218,10 @@ impl ScoreMma<'_> {
             .map(|g| FragmentGather::for_keys(k, g, s, &plan.key, lanes.quad));
         let key_chunk = match gather {
             Some(_) => k.mov(0u32),
-            // chunk · chunk bytes (a power of two).
-            None => k.shl(chunk, s.chunk_bytes().trailing_zeros()),
+            None => match s.chunk_bytes() {
+                bytes if bytes.is_power_of_two() => k.shl(chunk, bytes.trailing_zeros()),
+                bytes => k.mul(chunk, bytes),
+            },
         };
         let key_lane = k.mad_lo(key_row, m.key_rows.stride, key_chunk);
         let zero = k.mov(0.0f32);
@@ -532,17 +535,38 @@ impl ScoreMma<'_> {
                             .flat_map(|c| {
                                 let at = Shared::at(lane_base)
                                     .plus(i64::from(offset + chunk * lane_chunk(spread, c)));
-                                let at = swizzled_if(k, m.key_rows.swizzled, at);
                                 match chunk {
-                                    CHUNK => k.ld_shared_v4::<U32>(at).to_vec(),
-                                    _ => k.ld_shared_v2::<U32>(at).to_vec(),
+                                    CHUNK => {
+                                        let at = swizzled_if(k, m.key_rows.swizzled, at);
+                                        k.ld_shared_v4::<U32>(at).to_vec()
+                                    }
+                                    8 => {
+                                        let at = swizzled_if(k, m.key_rows.swizzled, at);
+                                        k.ld_shared_v2::<U32>(at).to_vec()
+                                    }
+                                    // 3-bit codes: three words.
+                                    _ => (0..chunk / 4)
+                                        .map(|w| {
+                                            let at = swizzled_if(
+                                                k,
+                                                m.key_rows.swizzled,
+                                                at.plus(i64::from(4 * w)),
+                                            );
+                                            k.ld_shared::<U32>(at)
+                                        })
+                                        .collect(),
                                 }
                             })
                             .collect();
-                        words
-                            .into_iter()
-                            .flat_map(|w| key_registers(k, score.key, w))
-                            .collect()
+                        match score.key {
+                            Element::Int { bits: 3, .. } => words
+                                .chunks(3)
+                                .flat_map(|chunk| triplet_registers(k, chunk))
+                                .collect(),
+                            _ => (words.into_iter())
+                                .flat_map(|w| key_registers(k, score.key, w))
+                                .collect(),
+                        }
                     })
                     .collect(),
             };
@@ -614,6 +638,35 @@ pub(super) fn key_registers(k: &mut Kernel, element: Element, w: Reg<U32>) -> Ve
         }
         _ => vec![w],
     }
+}
+
+/// The fragment registers of a 12-byte chunk of 3-bit codes (its three
+/// words): transposed by byte permutes, then each register's parts
+/// shifted and masked ([`triplet_register`]).
+pub(super) fn triplet_registers(k: &mut Kernel, words: &[Reg<U32>]) -> Vec<Reg<U32>> {
+    let [w0, w1, w2] = words else {
+        unreachable!("a chunk of 3-bit codes is three words")
+    };
+    let transposed = TRIPLET_SELECTORS.map(|(first, second)| {
+        let low = k.prmt(*w0, *w1, first);
+        k.prmt(low, *w2, second)
+    });
+    (0..8)
+        .map(|j| {
+            let parts: Vec<Reg<U32>> = (triplet_register(j).into_iter())
+                .map(|(b, shift, mask)| {
+                    let x = transposed[b];
+                    let x = match shift {
+                        0 => x,
+                        s if s > 0 => k.shl(x, s as u32),
+                        s => k.shr(x, s.unsigned_abs()),
+                    };
+                    k.and(x, mask)
+                })
+                .collect();
+            parts.into_iter().reduce(|a, b| k.or(a, b)).expect("a part")
+        })
+        .collect()
 }
 
 /// The exact f16 pair of the fp8 bytes 0 (low half) and 1 (high half) of `x`.
