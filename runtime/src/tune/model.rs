@@ -25,12 +25,18 @@
 //!   per page, a third of a 128-item page's time for kivi2 (512-item pages
 //!   were the winners of every such tier at batch 8 × 32K and batch 1 ×
 //!   128K). On the CUDA cores the preparation is a small part of a page's
-//!   time, and those tiers follow the general rule (kivi2 int3's winners
-//!   are 128-item pages on the H100 and the H200).
+//!   time, and those tiers follow the general rule.
 //! - **warps**: values accumulated through per-item table reads (VQ
 //!   codebook rows) are latency-bound gathers; more, smaller CTAs hide them
 //!   (shard: 2 warps 15–20 % faster than 4). Elsewhere 4 warps were within
 //!   2 % of the best.
+//! - **grouped values** (a scale and zero point per token and group of
+//!   channels on the tensor cores: kivi2) take 2 warps and tiles of
+//!   [`GROUPED_VALUE_TILE_ITEMS`]: their lanes hold ~250 registers, so
+//!   4-warp CTAs with whole 512-item pages as tiles fit two to an SM by
+//!   registers and by shared memory alike, and each barrier stalls all
+//!   four warps; 2-warp CTAs with 128-item tiles fit four (H200, batch 8 ×
+//!   32K: kivi2 int2 0.1041 → 0.0908 ms, 0.4 % off its tuned best).
 //! - **copy path**: on sm_90, narrow rows (both streams under
 //!   [`NARROW_ROW_BYTES`]) load faster by bulk copies even where the padded
 //!   `cp.async` rows would avoid bank conflicts: few words per row conflict
@@ -41,7 +47,7 @@
 //!   8–17 % faster; 31 of the 46 corpus winners change the splits, both
 //!   ways), and no rule yet fits those.
 
-use kvcc_compiler::back::ptx::{tensor_core_score, Target};
+use kvcc_compiler::back::ptx::{tensor_core_phases, Target};
 use kvcc_compiler::proc::{reads_header, reads_tables};
 use kvcc_compiler::Format;
 
@@ -63,6 +69,10 @@ pub const PAGES_PER_SM: u32 = 2;
 pub const NARROW_ROW_BYTES: u32 = 128;
 /// Warps of a CTA whose values read tables per item.
 const TABLE_READ_WARPS: u32 = 2;
+/// Warps of a CTA whose values take group scales on the tensor cores.
+const GROUPED_VALUE_WARPS: u32 = 2;
+/// Items of a tile whose values take group scales on the tensor cores.
+pub const GROUPED_VALUE_TILE_ITEMS: u32 = 128;
 
 /// What the model knows of the GPU.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -87,10 +97,17 @@ pub fn config_at(format: &Format, tier: usize, target: Target) -> KernelConfig {
     let layout = format.layout(tier);
     let module = format.tiers()[tier].module();
     let reference = KernelConfig::reference(format);
+    let grouped = tensor_core_phases(format, tier, &reference.options(target, 1)).grouped_values;
     let warps = if reads_tables(&module.value.accumulate.exprs) {
         TABLE_READ_WARPS
+    } else if grouped {
+        GROUPED_VALUE_WARPS
     } else {
         reference.warps
+    };
+    let tile_items = match grouped && format.spec().page.items > GROUPED_VALUE_TILE_ITEMS {
+        true => Some(GROUPED_VALUE_TILE_ITEMS),
+        false => reference.tile_items,
     };
     let narrow = layout.key.stride.max(layout.value.stride) < NARROW_ROW_BYTES;
     let bulk_copies = if narrow && target == Target::Sm90 {
@@ -100,6 +117,7 @@ pub fn config_at(format: &Format, tier: usize, target: Target) -> KernelConfig {
     };
     KernelConfig {
         warps,
+        tile_items,
         bulk_copies,
         ..reference
     }
@@ -126,7 +144,7 @@ pub fn page_items(format: &Format, tier: usize, shape: ShapeBucket, machine: Mac
     let group = (shape.q_heads / shape.kv_heads.max(1)).max(1);
     let options = config.options(machine.target, group);
     let per_page_keys = reads_header(&format.tiers()[tier].module().key.score.exprs)
-        && tensor_core_score(format, tier, &options);
+        && tensor_core_phases(format, tier, &options).score;
     let mut items = if per_page_keys {
         match pages(PAGE_SCALED_KEY_ITEMS) >= per_sm(SCALED_KEY_PAGES_PER_SM) {
             true => PAGE_SCALED_KEY_ITEMS,
@@ -196,16 +214,14 @@ mod tests {
             ("kivi", "int8"),
             ("kivi", "int4"),
             ("kivi2", "int2"),
+            ("kivi2", "int3"),
             ("subspace", "rank32"),
         ] {
             let format = bundled(name);
             let items = page_items(&format, tier(&format, tier_name), shape(8, 32768), H100);
             assert_eq!(items, PAGE_SCALED_KEY_ITEMS, "{name} {tier_name}");
         }
-        // Keys scored on the CUDA cores (kivi2 int3, spherical): the general rule.
-        let kivi2 = bundled("kivi2");
-        let int3 = tier(&kivi2, "int3");
-        assert_eq!(page_items(&kivi2, int3, shape(8, 32768), H100), 128);
+        // Keys scored on the CUDA cores (spherical): the general rule.
         let spherical = bundled("spherical");
         assert_eq!(page_items(&spherical, 0, shape(8, 32768), H100), 128);
         // One sequence of 32K: 512 pages of 512 items are under 8 per SM.
@@ -238,6 +254,27 @@ mod tests {
             KernelConfig::reference(&dense)
         );
         assert_eq!(config_at(&shard, 0, Target::Sm80).bulk_copies, None);
+    }
+
+    #[test]
+    fn grouped_values_get_two_warps_and_quarter_page_tiles() {
+        let kivi2 = bundled("kivi2");
+        for name in ["int2", "int3"] {
+            let config = config(&kivi2, tier(&kivi2, name), shape(8, 32768), H100);
+            assert_eq!(
+                (config.page_items, config.warps, config.tile_items),
+                (512, GROUPED_VALUE_WARPS, Some(GROUPED_VALUE_TILE_ITEMS)),
+                "{name}"
+            );
+        }
+        // Values scaled per item (KIVI) keep the reference warps and whole-page tiles.
+        let kivi = bundled("kivi");
+        let int4 = config(&kivi, tier(&kivi, "int4"), shape(8, 32768), H100);
+        let reference = KernelConfig::reference(&kivi);
+        assert_eq!(
+            (int4.warps, int4.tile_items),
+            (reference.warps, reference.tile_items)
+        );
     }
 
     #[test]

@@ -317,12 +317,28 @@ fn planned<'a>(
     Ok((module, plan))
 }
 
-/// Whether `tier`'s key score runs on the tensor cores with `options` (the
-/// decision [`write_tier`] makes; a plan error counts as no).
-pub fn tensor_core_score(format: &Format, tier: usize, options: &Options) -> bool {
-    group_max(format, options)
-        .and_then(|group_max| planned(&format.tiers()[tier], group_max, options))
-        .is_ok_and(|(_, plan)| plan.mma.is_some_and(|m| m.score.is_some()))
+/// Which phases of `tier`'s kernel run on the tensor cores with `options`
+/// (the decisions [`write_tier`] makes; a plan error counts as none).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TensorCorePhases {
+    pub score: bool,
+    pub accumulate: bool,
+    /// The values take per-group scales (and zero points): one B fragment
+    /// per group and a zero sum per group and head.
+    pub grouped_values: bool,
+}
+
+pub fn tensor_core_phases(format: &Format, tier: usize, options: &Options) -> TensorCorePhases {
+    let plan = group_max(format, options)
+        .and_then(|group_max| planned(&format.tiers()[tier], group_max, options));
+    match plan.ok().and_then(|(_, plan)| plan.mma) {
+        Some(m) => TensorCorePhases {
+            score: m.score.is_some(),
+            accumulate: true,
+            grouped_values: m.channel.groups.is_some(),
+        },
+        None => TensorCorePhases::default(),
+    }
 }
 
 /// The append module of a live cache whose exact rows are `layout`'s pages
