@@ -19,13 +19,14 @@
 //!   [`PAGES_PER_SM`] pages for every SM, or short contexts at batch 1 leave
 //!   SMs idle.
 //!   Keys scaled per page and scored on the tensor cores (KIVI's per-channel
-//!   keys, subspace's coefficient scales) take [`PAGE_SCALED_KEY_ITEMS`]
-//!   where the batch still has [`SCALED_KEY_PAGES_PER_SM`] such pages per
-//!   SM, else half that: the query times the page's scales is prepared once
-//!   per page, a third of a 128-item page's time for kivi2 (512-item pages
-//!   were the winners of every such tier at batch 8 × 32K and batch 1 ×
-//!   128K). On the CUDA cores the preparation is a small part of a page's
-//!   time, and those tiers follow the general rule.
+//!   keys, subspace's coefficient scales) take [`PAGE_SCALED_KEY_ITEMS`],
+//!   halved only by the rule above: the query times the page's scales is
+//!   prepared once per page, a third of a 128-item page's time for kivi2
+//!   (512-item pages were the winners of every such tier at batch 8 × 32K,
+//!   batch 1 × 128K and batch 1 × 32K, 4 pages per SM, where 256-item
+//!   pages ran 7–30 % slower on the H200). On the CUDA cores the
+//!   preparation is a small part of a page's time, and those tiers follow
+//!   the general rule.
 //! - **warps**: values accumulated through per-item table reads (VQ
 //!   codebook rows) are latency-bound gathers; more, smaller CTAs hide them
 //!   (shard: 2 warps 15–20 % faster than 4). Elsewhere 4 warps were within
@@ -37,6 +38,10 @@
 //!   registers and by shared memory alike, and each barrier stalls all
 //!   four warps; 2-warp CTAs with 128-item tiles fit four (H200, batch 8 ×
 //!   32K: kivi2 int2 0.1041 → 0.0908 ms, 0.4 % off its tuned best).
+//!   Their fragment loads read four tokens two rows apart, so value rows
+//!   of a multiple of 32 bytes load by `cp.async` into padded rows, narrow
+//!   or not: unpadded, the four start on the same banks (kivi2 int3's
+//!   64-byte rows: 12–15 % faster at batch 8).
 //! - **copy path**: on sm_90, narrow rows (both streams under
 //!   [`NARROW_ROW_BYTES`]) load faster by bulk copies even where the padded
 //!   `cp.async` rows would avoid bank conflicts: few words per row conflict
@@ -47,7 +52,7 @@
 //!   8–17 % faster; 31 of the 46 corpus winners change the splits, both
 //!   ways), and no rule yet fits those.
 
-use kvcc_compiler::back::ptx::{tensor_core_phases, Target};
+use kvcc_compiler::back::ptx::{shared_stride, tensor_core_phases, Target};
 use kvcc_compiler::proc::{reads_header, reads_tables};
 use kvcc_compiler::Format;
 
@@ -61,8 +66,6 @@ pub const PAGE_ITEMS: [u32; 2] = [64, 128];
 /// Items per page where the keys are scaled per page ([`reads_header`]) and
 /// scored on the tensor cores.
 pub const PAGE_SCALED_KEY_ITEMS: u32 = 512;
-/// Pages of the whole batch per SM [`PAGE_SCALED_KEY_ITEMS`] need.
-pub const SCALED_KEY_PAGES_PER_SM: u32 = 8;
 /// Pages of the whole batch per SM below which pages are halved.
 pub const PAGES_PER_SM: u32 = 2;
 /// Item rows (per stream) narrower than this load by bulk copies.
@@ -110,7 +113,12 @@ pub fn config_at(format: &Format, tier: usize, target: Target) -> KernelConfig {
         false => reference.tile_items,
     };
     let narrow = layout.key.stride.max(layout.value.stride) < NARROW_ROW_BYTES;
-    let bulk_copies = if narrow && target == Target::Sm90 {
+    // Grouped values' fragment loads read four tokens two rows apart: rows a
+    // multiple of 32 bytes, unpadded, start them on the same banks.
+    let padded_values = grouped && shared_stride(layout.value.stride) != layout.value.stride;
+    let bulk_copies = if padded_values {
+        Some(false)
+    } else if narrow && target == Target::Sm90 {
         Some(true)
     } else {
         reference.bulk_copies
@@ -124,8 +132,7 @@ pub fn config_at(format: &Format, tier: usize, target: Target) -> KernelConfig {
 }
 
 /// Items per page for `tier` at `shape`: [`PAGE_SCALED_KEY_ITEMS`] for keys
-/// scaled per page and scored on the tensor cores (half that unless the
-/// batch has [`SCALED_KEY_PAGES_PER_SM`] of them per SM), else the smallest
+/// scaled per page and scored on the tensor cores, else the smallest
 /// of [`PAGE_ITEMS`] up to the CTA's threads whose page holds
 /// [`TILE_BYTES`]; halved while the batch has fewer than [`PAGES_PER_SM`]
 /// pages per SM, among the sizes the spec accepts.
@@ -146,10 +153,7 @@ pub fn page_items(format: &Format, tier: usize, shape: ShapeBucket, machine: Mac
     let per_page_keys = reads_header(&format.tiers()[tier].module().key.score.exprs)
         && tensor_core_phases(format, tier, &options).score;
     let mut items = if per_page_keys {
-        match pages(PAGE_SCALED_KEY_ITEMS) >= per_sm(SCALED_KEY_PAGES_PER_SM) {
-            true => PAGE_SCALED_KEY_ITEMS,
-            false => PAGE_SCALED_KEY_ITEMS / 2,
-        }
+        PAGE_SCALED_KEY_ITEMS
     } else {
         let threads = 32 * config.warps;
         let sizes: Vec<u32> = (PAGE_ITEMS.iter().copied())
@@ -224,10 +228,10 @@ mod tests {
         // Keys scored on the CUDA cores (spherical): the general rule.
         let spherical = bundled("spherical");
         assert_eq!(page_items(&spherical, 0, shape(8, 32768), H100), 128);
-        // One sequence of 32K: 512 pages of 512 items are under 8 per SM.
+        // One sequence of 32K: 512 pages of 512 items, about 4 per SM.
         let kivi = bundled("kivi");
         let int4 = tier(&kivi, "int4");
-        assert_eq!(page_items(&kivi, int4, shape(1, 32768), H100), 256);
+        assert_eq!(page_items(&kivi, int4, shape(1, 32768), H100), 512);
         assert_eq!(page_items(&kivi, int4, shape(1, 131072), H100), 512);
     }
 
@@ -267,6 +271,9 @@ mod tests {
                 "{name}"
             );
         }
+        // int3's 64-byte value rows are padded (cp.async), int2's 48-byte ones not.
+        let copies = |name| config(&kivi2, tier(&kivi2, name), shape(8, 32768), H100).bulk_copies;
+        assert_eq!((copies("int2"), copies("int3")), (Some(true), Some(false)));
         // Values scaled per item (KIVI) keep the reference warps and whole-page tiles.
         let kivi = bundled("kivi");
         let int4 = config(&kivi, tier(&kivi, "int4"), shape(8, 32768), H100);

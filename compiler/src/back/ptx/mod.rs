@@ -30,6 +30,7 @@ mod streams;
 mod tensor_cores;
 
 pub use append::NotExact;
+pub use streams::shared_stride;
 
 use crate::valid::ValidModule;
 use crate::Format;
