@@ -51,6 +51,14 @@ fn shape() -> ShapeBucket {
     ShapeBucket::of(8, 32, 8, 32768)
 }
 
+/// What the cost model knows of the H200.
+fn machine() -> model::Machine {
+    model::Machine {
+        target: h200().target(),
+        multiprocessors: 132,
+    }
+}
+
 fn candidate(config: KernelConfig, ms: Option<f64>) -> Candidate {
     Candidate {
         config,
@@ -110,9 +118,9 @@ fn entries_round_trip_and_are_found_by_key() {
     let mut cache = TuneCache::open(&path);
     assert!(cache.entries().is_empty() && cache.problems().is_empty());
     // Nothing tuned: defaults, with one reason for all tiers naming the command.
-    let r = resolve(&[&cache], &h200(), &f, shape());
+    let r = resolve(&[&cache], &h200(), machine(), &f, shape());
     let modeled: Vec<_> = (0..2)
-        .map(|t| model::config_at(&f, t, h200().target()))
+        .map(|t| model::config_at(&f, t, shape(), machine()))
         .collect();
     assert_eq!(r.configs, modeled);
     assert_eq!(r.sources[0], r.sources[1]);
@@ -170,7 +178,7 @@ fn a_winner_that_loses_the_confirmation_leaves_the_default() {
     let dir = tempfile::tempdir().unwrap();
     let mut cache = TuneCache::open(&dir.path().join("t.json"));
     cache.insert(e);
-    let r = resolve(&[&cache], &h200(), &f, shape());
+    let r = resolve(&[&cache], &h200(), machine(), &f, shape());
     assert_eq!(r.configs[0], KernelConfig::reference(&f));
     assert!(matches!(r.sources[0], Source::Tuned { ms, default_ms: Some(d), .. } if ms == d));
 }
@@ -223,10 +231,10 @@ fn a_spec_change_invalidates_the_entry() {
     let edited = spec(4, 64);
     let key = TuneKey::new(&h200(), &edited, 0, shape());
     assert!(matches!(cache.find(&key), Found::Stale(_)));
-    let resolution = resolve(&[&cache], &h200(), &edited, shape());
+    let resolution = resolve(&[&cache], &h200(), machine(), &edited, shape());
     assert_eq!(
         resolution.configs[0],
-        model::config_at(&edited, 0, h200().target())
+        model::config_at(&edited, 0, shape(), machine())
     );
     match &resolution.sources[0] {
         Source::Default { reason } => assert!(reason.contains("codegen changed"), "{reason}"),
@@ -252,14 +260,14 @@ fn the_runtime_uses_the_winner_for_its_page_size_and_never_another() {
 
     // Winner at the pages' size: used.
     cache.insert(entry(&f, 0, &h200(), 64));
-    let r = resolve(&[&cache], &h200(), &f, shape());
+    let r = resolve(&[&cache], &h200(), machine(), &f, shape());
     assert_eq!(r.configs[0].warps, 2);
     assert!(matches!(r.sources[0], Source::Tuned { ms, .. } if ms == 0.30));
     assert!(r.notes.is_empty());
 
     // Winner at 128-item pages, pages of 64: the best 64-item candidate, and a note.
     cache.insert(entry(&f, 0, &h200(), 128));
-    let r = resolve(&[&cache], &h200(), &f, shape());
+    let r = resolve(&[&cache], &h200(), machine(), &f, shape());
     assert_eq!(r.configs[0].page_items, 64);
     assert_eq!(r.configs[0].warps, 8);
     assert!(matches!(r.sources[0], Source::Tuned { ms, .. } if ms == 0.35));
@@ -272,16 +280,16 @@ fn the_runtime_uses_the_winner_for_its_page_size_and_never_another() {
     // Re-encoded at 128 items: the same entry (the key does not depend on the
     // spec's page size) gives the winner.
     let f128 = spec(8, 128);
-    let r = resolve(&[&cache], &h200(), &f128, shape());
+    let r = resolve(&[&cache], &h200(), machine(), &f128, shape());
     assert_eq!(r.configs[0].page_items, 128);
     assert_eq!(r.configs[0].warps, 2);
 
     // Pages of 32 items: no candidate at that size, defaults.
     let f32_pages = spec(8, 32);
-    let r = resolve(&[&cache], &h200(), &f32_pages, shape());
+    let r = resolve(&[&cache], &h200(), machine(), &f32_pages, shape());
     assert_eq!(
         r.configs[0],
-        model::config_at(&f32_pages, 0, h200().target())
+        model::config_at(&f32_pages, 0, shape(), machine())
     );
     assert!(
         matches!(&r.sources[0], Source::Default { reason } if reason.contains("32-item pages"))
@@ -315,7 +323,7 @@ fn corrupt_files_are_reported_ignored_and_kept_aside() {
     );
     // Lookups work (defaults) and saving keeps the corrupt file aside.
     let f = spec(8, 64);
-    let r = resolve(&[&cache], &h200(), &f, shape());
+    let r = resolve(&[&cache], &h200(), machine(), &f, shape());
     assert!(matches!(r.sources[0], Source::Default { .. }));
     cache.insert(entry(&f, 0, &h200(), 64));
     cache.save().unwrap();
@@ -394,7 +402,7 @@ fn exported_entries_import_into_another_cache() {
     target.save().unwrap();
     let target = TuneCache::open(&target_path);
     assert_eq!(target.entries().len(), 2);
-    let r = resolve(&[&target], &h200(), &f, shape());
+    let r = resolve(&[&target], &h200(), machine(), &f, shape());
     assert!(r.sources.iter().all(|s| matches!(s, Source::Tuned { .. })));
     assert_eq!(
         r.configs[0].warps, 2,
@@ -522,7 +530,7 @@ fn shipped_results_serve_any_driver_and_the_users_own_entries_win() {
 
     // The user's cache is empty: the shipped winner, marked as shipped.
     let user = TuneCache::open(&dir.path().join("user.json"));
-    let r = resolve(&[&user, &shipped], &h200(), &f, shape());
+    let r = resolve(&[&user, &shipped], &h200(), machine(), &f, shape());
     assert_eq!(r.configs[0].warps, 2);
     assert!(matches!(r.sources[0], Source::Tuned { shipped: true, .. }));
     // A user's cache file ignores entries of another driver.
@@ -539,7 +547,7 @@ fn shipped_results_serve_any_driver_and_the_users_own_entries_win() {
         ..own.default
     };
     user.insert(own);
-    let r = resolve(&[&user, &shipped], &h200(), &f, shape());
+    let r = resolve(&[&user, &shipped], &h200(), machine(), &f, shape());
     assert_eq!(r.configs[0].warps, 8);
     assert!(matches!(r.sources[0], Source::Tuned { shipped: false, .. }));
 

@@ -182,9 +182,9 @@ pub fn run(
                     }
                 };
                 let resolution = if options.tuned {
-                    lookup::resolve_default(&gpu.id(), paged, shape)
+                    lookup::resolve_default(&gpu.id(), gpu.machine(), paged, shape)
                 } else {
-                    lookup::defaults(paged, &gpu.id(), "--no-tune")
+                    lookup::defaults(paged, shape, gpu.machine(), "--no-tune")
                 };
                 let at = match loaded
                     .iter()

@@ -216,11 +216,13 @@ impl DeviceLiveCache {
             kv_heads,
             options.context,
         );
-        let mut configs = lookup::resolve_default(&gpu.id(), &serving.format, shape).configs;
+        let machine = gpu.machine();
+        let mut configs =
+            lookup::resolve_default(&gpu.id(), machine, &serving.format, shape).configs;
         let items = format.spec().page.items;
         for (tier, config) in configs.iter_mut().enumerate() {
             if config.page_items != items {
-                *config = crate::tune::model::config_at(&serving.format, tier, gpu.target());
+                *config = crate::tune::model::config_at(&serving.format, tier, shape, machine);
             }
         }
         let kernels = FormatKernels::load_configs(&gpu, &serving.format, &configs, group)?;

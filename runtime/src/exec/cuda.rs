@@ -58,7 +58,8 @@ impl CudaExecutor {
             .configs
             .entry((spec.clone(), shape))
             .or_insert_with(|| {
-                lookup::resolve_default(&self.gpu.id(), cache.format(), shape).configs
+                lookup::resolve_default(&self.gpu.id(), self.gpu.machine(), cache.format(), shape)
+                    .configs
             })
             .clone();
         let key = (spec, group, configs);

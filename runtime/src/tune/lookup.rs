@@ -63,6 +63,7 @@ fn find<'a>(caches: &[&'a TuneCache], key: &TuneKey) -> (Found<'a>, bool) {
 pub fn resolve(
     caches: &[&TuneCache],
     gpu: &GpuId,
+    machine: Machine,
     format: &Format,
     shape: ShapeBucket,
 ) -> Resolution {
@@ -76,7 +77,7 @@ pub fn resolve(
     for tier in 0..format.tiers().len() {
         let key = TuneKey::new(gpu, format, tier, shape);
         let what = format!("{}/{} ({shape}) on {}", key.format, key.tier, gpu.name);
-        let default = model::config_at(format, tier, gpu.target());
+        let default = model::config_at(format, tier, shape, machine);
         let (found, shipped) = find(caches, &key);
         let (config, source) = match found {
             Found::Hit(entry) => match entry.best_at(pages) {
@@ -147,12 +148,13 @@ pub fn resolve(
     resolution
 }
 
-/// The cost model's defaults for every tier at the pages' size, for `reason`.
-pub fn defaults(format: &Format, gpu: &GpuId, reason: &str) -> Resolution {
+/// The cost model's defaults for every tier at the pages' size and `shape`,
+/// for `reason`.
+pub fn defaults(format: &Format, shape: ShapeBucket, machine: Machine, reason: &str) -> Resolution {
     let tiers = format.tiers().len();
     Resolution {
         configs: (0..tiers)
-            .map(|tier| model::config_at(format, tier, gpu.target()))
+            .map(|tier| model::config_at(format, tier, shape, machine))
             .collect(),
         sources: vec![
             Source::Default {
@@ -217,11 +219,17 @@ pub fn lookups_disabled() -> bool {
 /// The runtime's lookup: the default cache file (read once per process, its
 /// problems reported once), then the shipped results, or the cost model's
 /// defaults when lookups are off.
-pub fn resolve_default(gpu: &GpuId, format: &Format, shape: ShapeBucket) -> Resolution {
+pub fn resolve_default(
+    gpu: &GpuId,
+    machine: Machine,
+    format: &Format,
+    shape: ShapeBucket,
+) -> Resolution {
     if lookups_disabled() {
-        return defaults(format, gpu, &format!("{SWITCH_VARIABLE}=off"));
+        return defaults(format, shape, machine, &format!("{SWITCH_VARIABLE}=off"));
     }
-    let resolution = resolve(&[default_cache(), shipped::cache()], gpu, format, shape);
+    let caches = [default_cache(), shipped::cache()];
+    let resolution = resolve(&caches, gpu, machine, format, shape);
     for source in &resolution.sources {
         if let Source::Default { reason } = source {
             report_once(reason);
