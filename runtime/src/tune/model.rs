@@ -86,7 +86,7 @@ const TABLE_READ_WARPS: u32 = 2;
 /// cores take [`FEW_PAGE_WARPS`].
 pub const FEW_PAGES_PER_SM: u32 = 8;
 /// Warps of a CTA when the batch has few pages per SM.
-const FEW_PAGE_WARPS: u32 = 8;
+pub const FEW_PAGE_WARPS: u32 = 8;
 /// Warps of a CTA whose values take group scales on the tensor cores.
 const GROUPED_VALUE_WARPS: u32 = 2;
 /// Items of a tile whose values take group scales on the tensor cores.
