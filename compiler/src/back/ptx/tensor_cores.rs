@@ -983,6 +983,17 @@ impl ValueGroups {
     }
 }
 
+/// How channel `c` of a windowed lane group's `bits`-bit codes
+/// ([`ValueGroups::windowed`]) becomes two tokens' f16 pair: the `prmt`
+/// selector that takes bytes `b, b + 1` of the two tokens' windows into the
+/// low and high halves, and the code's shift in each half (at most 7, so
+/// shift + bits stays inside f16's 10-bit mantissa).
+pub fn window_channel(c: u32, bits: u32) -> (u32, u32) {
+    let bit = c * bits;
+    let b = bit / 8;
+    (b | (b + 1) << 4 | (4 + b) << 8 | (5 + b) << 12, bit % 8)
+}
+
 /// The element `h` reads when it is channel c's of a row of packed elements:
 /// its kind and the bit offset of channel 0.
 fn channel_element(f: &Function, h: Handle<Expr>) -> Option<(Element, u32)> {
@@ -1349,5 +1360,73 @@ mod tests {
                 Some((unsigned(3), Some(0), Some(128), 12)),
             ]
         );
+    }
+
+    /// A windowed lane group's codes (3-bit, 12 and 24 bits a lane group):
+    /// lane group `r`'s start at bit `r · lane_bits` of its group, one
+    /// funnel shift of the one or two words holding them brings them to bit
+    /// 0, and [`window_channel`]'s byte permute and shift give each channel
+    /// of two tokens in the halves.
+    #[test]
+    fn windowed_value_codes_reach_their_halves() {
+        fn permute(a: u32, b: u32, selector: u32) -> u32 {
+            let bytes = [a.to_le_bytes(), b.to_le_bytes()].concat();
+            (0..4).fold(0, |x, n| {
+                x | u32::from(bytes[((selector >> (4 * n)) & 7) as usize]) << (8 * n)
+            })
+        }
+        let mut state = 0x2545_F491_4F6C_DD1Du64;
+        let mut random = || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state >> 32) as u32
+        };
+        let element = unsigned(3);
+        for size in [32, 64] {
+            let groups = ValueGroups {
+                size,
+                scale: 0,
+                zero: None,
+            };
+            assert!(groups.windowed(element));
+            let lane_bits = groups.lane_bits(element);
+            let per_group = lane_bits / 3;
+            // Two tokens' codes of one group, packed little-endian into words.
+            let codes: [Vec<u32>; 2] = [0, 1].map(|_| (0..size).map(|_| random() & 7).collect());
+            let words = codes.clone().map(|codes| {
+                let mut words = vec![0u32; (size * 3 / 32) as usize];
+                for (i, &code) in codes.iter().enumerate() {
+                    let bit = 3 * i;
+                    let wide = u64::from(code) << (bit % 32);
+                    words[bit / 32] |= wide as u32;
+                    if wide >> 32 != 0 {
+                        words[bit / 32 + 1] |= (wide >> 32) as u32;
+                    }
+                }
+                words
+            });
+            for row in 0..8 {
+                let first = row * lane_bits;
+                let (word, shift) = ((first / 32) as usize, first % 32);
+                let next = usize::from(shift + lane_bits > 32);
+                let window = |w: &Vec<u32>| {
+                    let wide = u64::from(w[word]) | u64::from(w[word + next]) << 32;
+                    (wide >> shift) as u32
+                };
+                let (first_token, second_token) = (window(&words[0]), window(&words[1]));
+                for c in 0..per_group {
+                    let (selector, shift) = window_channel(c, 3);
+                    assert!(shift + 3 <= 10);
+                    let x = permute(first_token, second_token, selector);
+                    let channel = (per_group * row + c) as usize;
+                    assert_eq!(
+                        [(x >> shift) & 7, (x >> (16 + shift)) & 7],
+                        [codes[0][channel], codes[1][channel]],
+                        "groups of {size}: lane group {row}, channel {c}"
+                    );
+                }
+            }
+        }
     }
 }

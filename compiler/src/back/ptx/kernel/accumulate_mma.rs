@@ -10,7 +10,9 @@
 //! meet in the accumulator array once, after the stream.
 
 use super::super::builder::{Cmp, Kernel, Op, Pred, Reg, Shared, F32, U32};
-use super::super::tensor_cores::{Element, MmaPlan, ValueGroups, ROW_LANES, TILE, WARP_LANES};
+use super::super::tensor_cores::{
+    window_channel, Element, MmaPlan, ValueGroups, ROW_LANES, TILE, WARP_LANES,
+};
 use super::cta::{divide, Cta, Rescale, Tile, HEADER_SLOT0};
 use super::fragments::{
     column_sigma, f16_part, f16_parts, scale_all, swizzled_if, unscale_of, Across, Fragments,
@@ -483,16 +485,20 @@ impl AccumulateMma<'_> {
                 let pairs: Vec<Vec<Reg<U32>>> = [(0, 1), (2, 3)]
                     .into_iter()
                     .map(|(x, y)| {
-                        // Bytes `b, b + 1` of both tokens as halves, per first byte.
-                        let mut halves: Vec<Option<Reg<U32>>> = vec![None; 3];
+                        // Both tokens' bytes as halves, once per selector.
+                        let mut halves: Vec<(u32, Reg<U32>)> = Vec::new();
                         (0..per_group)
                             .map(|c| {
-                                let bit = c * bits;
-                                let b = bit / 8;
-                                let selector = b | (b + 1) << 4 | (4 + b) << 8 | (5 + b) << 12;
-                                let x = *halves[b as usize]
-                                    .get_or_insert_with(|| k.prmt(codes[x], codes[y], selector));
-                                int_pair(k, x, bits, signed, bit % 8)
+                                let (selector, shift) = window_channel(c, bits);
+                                let x = match halves.iter().find(|(s, _)| *s == selector) {
+                                    Some(&(_, x)) => x,
+                                    None => {
+                                        let x = k.prmt(codes[x], codes[y], selector);
+                                        halves.push((selector, x));
+                                        x
+                                    }
+                                };
+                                int_pair(k, x, bits, signed, shift)
                             })
                             .collect()
                     })
