@@ -535,25 +535,13 @@ impl ScoreMma<'_> {
                             .flat_map(|c| {
                                 let at = Shared::at(lane_base)
                                     .plus(i64::from(offset + chunk * lane_chunk(spread, c)));
+                                let at = swizzled_if(k, m.key_rows.swizzled, at);
                                 match chunk {
-                                    CHUNK => {
-                                        let at = swizzled_if(k, m.key_rows.swizzled, at);
-                                        k.ld_shared_v4::<U32>(at).to_vec()
-                                    }
-                                    8 => {
-                                        let at = swizzled_if(k, m.key_rows.swizzled, at);
-                                        k.ld_shared_v2::<U32>(at).to_vec()
-                                    }
-                                    // 3-bit codes: three words.
+                                    CHUNK => k.ld_shared_v4::<U32>(at).to_vec(),
+                                    8 => k.ld_shared_v2::<U32>(at).to_vec(),
+                                    // 3-bit codes: three words (only f16 rows are swizzled).
                                     _ => (0..chunk / 4)
-                                        .map(|w| {
-                                            let at = swizzled_if(
-                                                k,
-                                                m.key_rows.swizzled,
-                                                at.plus(i64::from(4 * w)),
-                                            );
-                                            k.ld_shared::<U32>(at)
-                                        })
+                                        .map(|w| k.ld_shared::<U32>(at.plus(i64::from(4 * w))))
                                         .collect(),
                                 }
                             })
