@@ -402,6 +402,12 @@ impl MmaScore {
         self.key_dims / ROW_LANES / 2
     }
 
+    /// Whether the key's codes straddle bytes (3-bit): a lane's chunk is then
+    /// 12 bytes whose registers are transposed ([`triplet_register`]).
+    pub fn straddling(&self) -> bool {
+        !whole_bytes(self.key)
+    }
+
     /// Bytes of a key row's elements.
     pub fn row_bytes(&self) -> u32 {
         self.key_dims * self.key.bits() / 8
@@ -413,7 +419,7 @@ impl MmaScore {
     /// them, read as three words). Gathered rows count in 16-byte chunks
     /// (their lanes' chunks are runs of groups).
     pub fn chunk_bytes(&self) -> u32 {
-        if !whole_bytes(self.key) {
+        if self.straddling() {
             // 32 codes, each register of them taking one from each 24-bit quarter.
             return 4 * self.key.bits();
         }
@@ -486,7 +492,7 @@ impl MmaScore {
         let per_chunk = self.chunk_elements() / self.register_elements();
         let (c, x) = (r / per_chunk, r % per_chunk);
         let within = match self.key {
-            Element::Int { .. } if !whole_bytes(self.key) => per_chunk * e + x,
+            Element::Int { .. } if self.straddling() => per_chunk * e + x,
             Element::Int { bits, .. } => {
                 let n = 8 / bits;
                 4 * n * (x / n) + n * e + x % n

@@ -546,12 +546,11 @@ impl ScoreMma<'_> {
                                 }
                             })
                             .collect();
-                        match score.key {
-                            Element::Int { bits: 3, .. } => words
-                                .chunks(3)
+                        match score.straddling() {
+                            true => (words.chunks(3))
                                 .flat_map(|chunk| triplet_registers(k, chunk))
                                 .collect(),
-                            _ => (words.into_iter())
+                            false => (words.into_iter())
                                 .flat_map(|w| key_registers(k, score.key, w))
                                 .collect(),
                         }
