@@ -148,6 +148,8 @@ fn tensor_cores_serve_exactly_the_f16_exact_phases() {
             "kivi/int4 accumulate",
             "subspace/rank32 score",
             "subspace/rank32 accumulate",
+            "shard/pca64_vq score",
+            "shard/pca64_vq accumulate",
             "mosaic/keep25 score",
             "mosaic/keep25 accumulate",
             "fp8/e4m3 score",

@@ -308,23 +308,6 @@ impl Plan {
         };
         let accumulate = partition(threads, dims, head_block, pack, options.max_accumulators);
 
-        // Shared memory: staged tables and the arrays score/accumulate keep for
-        // the whole stream first; then the stream's region, which the epilogue's
-        // arrays overlap; the prologue's arrays after it when they fit, so the
-        // first tile can load while the prologue runs.
-        let mut bump = Bump(0);
-        let barriers = bulk.then(|| bump.take(2 * BARRIER_BYTES * options.stages));
-        let staged = staged_tables(module);
-        let tables = module
-            .tables
-            .iter()
-            .map(|(h, decl)| {
-                staged
-                    .contains(&h.index())
-                    .then(|| bump.take(array_bytes(decl.len)))
-            })
-            .collect();
-
         let fp8 = options.target.fp8_conversions();
         let mut mma = options
             .tensor_cores
@@ -339,12 +322,12 @@ impl Plan {
             let tensor_rows = |s: &Stream| {
                 bulk && s.stride.is_multiple_of(SWIZZLE_LINE) && tile_items <= MAX_BOX_ITEMS
             };
-            // Bitmap sides (gathered or staged rows) are read otherwise.
+            // Bitmap and codebook sides (gathered or staged rows) are read otherwise.
             let keys = tensor_rows(&key)
-                && m.key_rows.gather.is_none()
+                && m.key_rows.as_stored()
                 && (m.score.as_ref()).is_some_and(|s| s.key.is_half() && s.spread_chunks());
             let values = tensor_rows(&value)
-                && m.value_rows.gather.is_none()
+                && m.value_rows.as_stored()
                 && m.channel.element.is_half()
                 && m.value_aligned
                 && m.channel.scale.is_none();
@@ -364,15 +347,51 @@ impl Plan {
             );
             mma = super::tensor_cores::plan(module, group_max, tile_items, &key, &value, fp8);
         }
+        // Shared memory: staged tables and the arrays score/accumulate keep for
+        // the whole stream first; then the stream's region, which the epilogue's
+        // arrays overlap; the prologue's arrays after it when they fit, so the
+        // first tile can load while the prologue runs.
+        let mut bump = Bump(0);
+        let barriers = bulk.then(|| bump.take(2 * BARRIER_BYTES * options.stages));
+        let staged = staged_tables(module);
+        // A looked-up codebook is read as f16 (its own copy), not as the table.
+        let lookup = mma.as_mut().and_then(|m| m.value_rows.lookup.as_mut());
+        let looked_up = lookup.as_ref().map(|l| l.table);
+        let tables = module
+            .tables
+            .iter()
+            .map(|(h, decl)| {
+                (staged.contains(&h.index()) && looked_up != Some(h.index()))
+                    .then(|| bump.take(array_bytes(decl.len)))
+            })
+            .collect();
+        if let Some(l) = lookup {
+            l.book = bump.take(l.book_bytes());
+        }
+
         // A tensor-core score reads its query once, into registers before the
         // page loop: the score program's arrays need not outlive the prologue.
         let mma_score = mma.as_ref().is_some_and(|m| m.score.is_some());
         // Page-scaled values take their scales from the tile's header,
         // which the next copy may overwrite before a pipelined drain.
         let page_scaled = mma.as_ref().is_some_and(|m| m.channel.page_scale.is_some());
+        // Page-scaled keys on the tensor cores take each page's scales into
+        // the query at the page's first tile: the query (and bias) arrays are
+        // read again after the prologue, so they may not lie in the staged
+        // rows or under the stream's first tiles.
+        let rereads: HashSet<Handle<ArrayDecl>> = match mma.as_ref().and_then(|m| m.score.as_ref())
+        {
+            Some(s) if s.key_scale.is_some() => s.key_bias.into_iter().chain([s.query]).collect(),
+            _ => HashSet::new(),
+        };
+        let has_staged_rows = mma
+            .as_ref()
+            .is_some_and(|m| m.staging_bytes(tile_items) > 0);
         let mut score_reads = HashSet::new();
         if !mma_score {
             score_reads.extend(shared_reads(&module.key.score.exprs));
+        } else if has_staged_rows {
+            score_reads.extend(rereads.iter().copied());
         }
         let mut persistent = score_reads;
         persistent.insert(module.value.accumulator);
@@ -478,9 +497,13 @@ impl Plan {
             array_stride = prologue_stride;
             (true, prologue_end)
         } else {
+            let (kept, dead): (HashSet<_>, HashSet<_>) =
+                prologue.iter().partition(|a| rereads.contains(a));
             let mut overlap = Bump(stream_start);
-            place(&mut overlap, &prologue, &mut arrays, &mut array_stride);
-            (false, shared_end.max(overlap.0))
+            place(&mut overlap, &dead, &mut arrays, &mut array_stride);
+            let mut after = Bump(shared_end.max(overlap.0));
+            place(&mut after, &kept, &mut arrays, &mut array_stride);
+            (false, after.0)
         };
         if shared_bytes > limit {
             return Err(Error::SharedMemory {

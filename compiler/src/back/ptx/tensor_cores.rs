@@ -33,9 +33,10 @@
 use super::streams::{shared_stride, stride_align, Stream, CHUNK};
 use crate::ir::{ArrayDecl, BinaryOp, Expr, Function, Handle, Input, Literal, Module, UnaryOp};
 use crate::layout::{
-    bitmap_elem_bits, round_up, CodecLayout, FieldLayout, SlotRole, TransformLayout,
+    bitmap_elem_bits, round_up, CodecLayout, FieldLayout, SlotRole, TableLayout, TableStorage,
+    TransformLayout,
 };
-use crate::spec::{BitmapElem, Fp8};
+use crate::spec::{BitmapElem, CodewordKind, Fp8};
 
 /// The key row chunk lane `quad` loads as its `c`-th is a lane part plus
 /// this constant part: `quad` plus `4 · c`, or `spread` (swizzled rows)
@@ -177,7 +178,7 @@ fn lane_runs(lane_groups: u32, mask_words: u32) -> Option<(u32, u32)> {
 }
 
 /// Where the fragments read one side's rows: the tile buffer's stream, or
-/// the dense rows a gather expanded into the staging area.
+/// the dense rows a gather or a codebook lookup expanded into the staging area.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Rows {
     /// Byte offset of row 0: in a tile buffer, or (`staged`) in shared memory.
@@ -189,6 +190,8 @@ pub struct Rows {
     /// The side's bitmap field: expanded into the staged rows each tile, or
     /// (rows not staged) gathered into the fragments.
     pub gather: Option<Gather>,
+    /// The side's codebook field, looked up into the staged rows each tile.
+    pub lookup: Option<Lookup>,
 }
 
 impl Rows {
@@ -199,6 +202,7 @@ impl Rows {
             staged: false,
             swizzled: stream.swizzled,
             gather: None,
+            lookup: None,
         }
     }
 
@@ -212,17 +216,39 @@ impl Rows {
         }
     }
 
-    /// The dense f16 rows `gather` expands into, 16-byte aligned (zeroed
-    /// and read 16 bytes at a time) and padded like a stream's rows; placed
-    /// by the plan.
-    fn staged(gather: Gather) -> Rows {
+    /// Dense f16 rows of `dense_bytes` in the staging area, 16-byte aligned
+    /// (zeroed and read 16 bytes at a time) and padded like a stream's rows;
+    /// placed by the plan.
+    fn dense(dense_bytes: u32) -> Rows {
         Rows {
             offset: 0,
-            stride: shared_stride(round_up(gather.dense_bytes(), CHUNK)),
+            stride: shared_stride(round_up(dense_bytes, CHUNK)),
             staged: true,
             swizzled: false,
-            gather: Some(gather),
+            gather: None,
+            lookup: None,
         }
+    }
+
+    /// The dense f16 rows `gather` expands into.
+    fn staged(gather: Gather) -> Rows {
+        Rows {
+            gather: Some(gather),
+            ..Rows::dense(gather.dense_bytes())
+        }
+    }
+
+    /// The dense f16 rows `lookup` fills with codewords.
+    fn looked_up(lookup: Lookup) -> Rows {
+        Rows {
+            lookup: Some(lookup),
+            ..Rows::dense(lookup.dense_bytes())
+        }
+    }
+
+    /// Whether the fragments read the stream's rows as stored.
+    pub fn as_stored(&self) -> bool {
+        !self.staged && self.gather.is_none()
     }
 
     /// The bitmap whose groups the fragments gather.
@@ -238,6 +264,117 @@ impl Rows {
     pub(crate) fn align(&self) -> u32 {
         stride_align(self.stride)
     }
+}
+
+/// A codebook field of vector codewords (vector quantization, as Shard's
+/// values): channel `c` is element `c % group_size` of the codeword group
+/// `c / group_size`'s `bits`-bit code picks from its book. The books are
+/// stored f16 ([`TableStorage::F16`]), so every channel is an exact f16:
+/// each warp looks its tokens' codewords up into dense f16 rows once per
+/// tile (`kernel/lookup.rs`), which the fragments read as stored f16 values.
+/// One lane takes one 32-bit word of an item's codes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Lookup {
+    /// Bit offset of group 0's code in an item.
+    pub code_bit: u32,
+    pub groups: u32,
+    pub group_size: u32,
+    pub bits: u32,
+    /// The codebook (index in the module's tables).
+    pub table: usize,
+    /// Elements between consecutive groups' books: 0 for one shared book.
+    pub book_stride: u32,
+    /// Byte offset in shared memory of the books as f16, placed by the plan.
+    pub book: u32,
+}
+
+impl Lookup {
+    /// 32-bit words of an item's codes.
+    pub fn code_words(&self) -> u32 {
+        self.groups * self.bits / 32
+    }
+
+    /// Codes in one word.
+    pub fn word_codes(&self) -> u32 {
+        32 / self.bits
+    }
+
+    /// Bytes of the dense f16 channels one word's codes fill.
+    pub fn word_row_bytes(&self) -> u32 {
+        2 * self.word_codes() * self.group_size
+    }
+
+    /// Bytes of a dense row.
+    pub fn dense_bytes(&self) -> u32 {
+        2 * self.groups * self.group_size
+    }
+
+    /// Elements of the books (the table's length).
+    pub fn book_len(&self) -> u32 {
+        let books = if self.book_stride == 0 {
+            1
+        } else {
+            self.groups
+        };
+        books * (1 << self.bits) * self.group_size
+    }
+
+    /// Bytes of the f16 books in shared memory: whole 16-byte chunks, each
+    /// converted from four of the table's floats.
+    pub fn book_bytes(&self) -> u32 {
+        round_up(2 * self.book_len(), CHUNK)
+    }
+}
+
+/// The value codec's body when it is a lone codebook of vector codewords
+/// stored f16 covering its `dims`, whose codes the lanes can take a word at a
+/// time: whole 32-bit words of codes, words of whole codes, a power of two
+/// of words per item (a warp's lanes split evenly between its tokens), at a
+/// word-aligned place in the tile buffer.
+fn lookup(
+    codec: &CodecLayout,
+    tables: &[TableLayout],
+    dims: u32,
+    stream: &Stream,
+) -> Option<Lookup> {
+    let [FieldLayout::Codebook {
+        groups,
+        group_size,
+        bits,
+        codewords: CodewordKind::Vector,
+        per_group,
+        table,
+        ..
+    }] = codec.fields[..]
+    else {
+        return None;
+    };
+    let [code] = codec.slots[..] else {
+        return None;
+    };
+    let l = Lookup {
+        code_bit: code.bits.offset,
+        groups,
+        group_size,
+        bits,
+        table,
+        book_stride: match per_group {
+            true => (1 << bits) * group_size,
+            false => 0,
+        },
+        book: 0,
+    };
+    let words = (groups * bits).is_multiple_of(32).then(|| l.code_words());
+    let fits = code.role == SlotRole::CodebookIndex
+        && tables.get(table)?.storage == TableStorage::F16
+        && groups * group_size == dims
+        && bits <= 16
+        && 32 % bits == 0
+        && words.is_some_and(|w| w.is_power_of_two() && w <= WARP_LANES)
+        && l.code_bit.is_multiple_of(32)
+        && stream.shared_stride.is_multiple_of(4)
+        && stride_align(stream.buffer_offset + l.code_bit / 8) >= 4;
+    fits.then_some(l)
 }
 
 /// The tensor-core geometry of one tier's kernel: the accumulate, and the
@@ -516,26 +653,32 @@ pub fn plan(
 ) -> Option<MmaPlan> {
     let allowed = |e: Element| fp8 || !matches!(e, Element::Fp8(_));
     let value_dims = module.value.dims;
-    let (channel, value_rows) = match gather(&module.layout.value, value_dims, value) {
+    // Expanded, gathered and looked-up rows hold each channel as an f16.
+    let half = Channel {
+        element: Element::Half,
+        base: 0,
+        scale: None,
+        groups: None,
+        page_scale: None,
+    };
+    let codec = &module.layout.value;
+    let (channel, value_rows) = match gather(codec, value_dims, value) {
         Some(g) => (
-            Channel {
-                element: Element::Half,
-                base: 0,
-                scale: None,
-                groups: None,
-                page_scale: None,
-            },
+            half,
             match g.gathers_rows(value_dims / TILE, value.shared_stride) {
                 true => Rows::gathered(value, g),
                 false => Rows::staged(g),
             },
         ),
-        None => (
-            (scaled_channel(&module.value.accumulate))
-                .or_else(|| grouped_channel(&module.value.accumulate, value_dims))
-                .filter(|c| allowed(c.element))?,
-            Rows::of(value),
-        ),
+        None => match lookup(codec, &module.layout.tables, value_dims, value) {
+            Some(l) => (half, Rows::looked_up(l)),
+            None => (
+                (scaled_channel(&module.value.accumulate))
+                    .or_else(|| grouped_channel(&module.value.accumulate, value_dims))
+                    .filter(|c| allowed(c.element))?,
+                Rows::of(value),
+            ),
+        },
     };
     let group_bits = 2 * value_dims / TILE * channel.element.bits();
     let value_offset = channel.base / 8;
@@ -1366,6 +1509,57 @@ mod tests {
                 Some((unsigned(3), Some(0), Some(128), 12)),
             ]
         );
+    }
+
+    /// Vector codebooks stored f16 are looked up into dense rows, whatever
+    /// their code width, codeword length or books; f32 books (not exact
+    /// f16 operands) leave the tier's values per thread.
+    #[test]
+    fn f16_codebook_values_are_looked_up() {
+        let lookups = |source: &str| {
+            let format = crate::Format::parse(source, "vq.toml").expect("the test spec");
+            (format.tiers().iter())
+                .map(|tier| {
+                    let module = tier.module();
+                    let layout = &module.layout;
+                    let tile_items = 64;
+                    let mut key = Stream::new(layout.key_stream_offset, layout.key.stride, false);
+                    let mut value =
+                        Stream::new(layout.value_stream_offset, layout.value.stride, false);
+                    key.buffer_offset = layout.header_bytes;
+                    value.buffer_offset = key.buffer_offset + key.capacity(tile_items);
+                    let m = plan(module, 4, tile_items, &key, &value, true)?;
+                    let l = m.value_rows.lookup?;
+                    assert_eq!(m.channel.element, Element::Half);
+                    assert!(m.value_rows.staged && m.value_rows.stride >= l.dense_bytes());
+                    Some((
+                        l.groups,
+                        l.group_size,
+                        l.bits,
+                        l.book_stride,
+                        l.code_words(),
+                    ))
+                })
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(
+            lookups(include_str!(
+                "../../../../tests/in/tensor-cores/vq-values.toml"
+            )),
+            [
+                Some((16, 8, 4, 16 * 8, 2)),
+                Some((64, 2, 8, 0, 16)),
+                Some((8, 16, 4, 0, 1)),
+            ]
+        );
+        assert_eq!(
+            lookups(include_str!("../../../../specs/shard.toml")),
+            [Some((32, 4, 8, 0, 8))]
+        );
+        let f32_books = "name = \"vq\"\nhead_dim = 128\n[page]\nitems = 64\n[[tier]]\nname = \"t\"\n\
+             key.field = [{ kind = \"dense\", dtype = \"f16\" }]\n\
+             value.field = [{ kind = \"codebook\", group_size = 4, bits = 8, codewords = \"vector\", dtype = \"f32\" }]\n";
+        assert_eq!(lookups(f32_books), [None]);
     }
 
     /// A windowed lane group's codes (3-bit, 12 and 24 bits a lane group):

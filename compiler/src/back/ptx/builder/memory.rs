@@ -44,6 +44,11 @@ impl Kernel {
         debug_assert!(bits == 8 || bits == 16);
         self.line(format_args!("st.shared.u{bits} {at}, {value}"));
     }
+    /// 8 bytes; `at` must be 8-byte aligned.
+    pub fn st_shared_v2<T: Bits32>(&mut self, at: Shared, values: [Reg<T>; 2]) {
+        let list = vector(&values);
+        self.line(format_args!("st.shared.v2.{} {at}, {list}", T::SUFFIX));
+    }
     /// 16 bytes; `at` must be 16-byte aligned.
     pub fn st_shared_v4<T: Bits32>(&mut self, at: Shared, values: [Reg<T>; 4]) {
         let list = vector(&values);

@@ -15,7 +15,7 @@
 //! [`staging`] (copies, page lists, mbarriers), [`heads`] (queries, prologue,
 //! epilogue), [`score`] and [`softmax`] (CUDA cores), [`accumulate`],
 //! [`score_mma`], [`accumulate_mma`] and [`warp_tile`] (tensor cores, with
-//! [`fragments`], [`gather`] and [`expand`] for their operands) and
+//! [`fragments`], [`gather`], [`expand`] and [`lookup`] for their operands) and
 //! [`partials`]. This module sequences them.
 
 use super::abi::SHARED_SYMBOL;
@@ -29,6 +29,7 @@ use cta::{declare, kept, Cta, Params, Rescale, Tile, HEADER_SLOT0};
 use expand::Expand;
 use fragments::Fragments;
 use heads::Heads;
+use lookup::Lookups;
 use partials::Partials;
 use score::Score;
 use score_mma::ScoreMma;
@@ -43,6 +44,7 @@ mod expand;
 mod fragments;
 mod gather;
 mod heads;
+mod lookup;
 mod partials;
 mod score;
 mod score_mma;
@@ -77,6 +79,7 @@ pub fn decode(module: &ValidModule, plan: &Plan, name: &str) -> String {
             acc_mma,
         },
         expand: Expand { cta, frag },
+        lookup: Lookups { cta, frag },
     };
     decode.run(&mut k);
     k.finish()
@@ -161,6 +164,7 @@ struct Decode<'a> {
     acc_mma: AccumulateMma<'a>,
     warp_tile: WarpTile<'a>,
     expand: Expand<'a>,
+    lookup: Lookups<'a>,
 }
 
 impl Decode<'_> {
@@ -175,6 +179,9 @@ impl Decode<'_> {
 
         let bulk = plan.barriers.is_some();
         self.staging.stage_tables(k);
+        if let Some(m) = &plan.mma {
+            self.lookup.stage_books(k, m);
+        }
         // The tables' own group, unless the first tile's copies join it.
         if bulk || !plan.prefetch {
             k.cp_async_commit();
@@ -226,6 +233,7 @@ impl Decode<'_> {
         let warp_score =
             (plan.mma.as_ref()).and_then(|m| Some(self.score_mma.setup(k, m, m.score.as_ref()?)));
         let expand = (plan.mma.as_ref()).and_then(|m| self.expand.setup(k, m));
+        let lookup = (plan.mma.as_ref()).and_then(|m| self.lookup.setup(k, m));
         // Pipelined, tile t's values accumulate during tile t + 1, next to its
         // score: no dependency between the two, so one's latencies hide the other's.
         let pending = (plan.mma.as_ref())
@@ -332,13 +340,16 @@ impl Decode<'_> {
             items,
             first,
         };
+        let value_tile = match &pending {
+            Some(pending) => pending.span(),
+            None => (tile.buf, tile.items),
+        };
         if let Some(expand) = &expand {
-            let value_tile = match &pending {
-                Some(pending) => pending.span(),
-                None => (tile.buf, tile.items),
-            };
             self.expand
                 .tile(k, expand, [(tile.buf, tile.items), value_tile]);
+        }
+        if let Some(lookup) = &lookup {
+            self.lookup.tile(k, lookup, value_tile.0);
         }
         if let (Some(score), Some(values)) = (&warp_score, &values) {
             self.warp_tile
@@ -379,6 +390,9 @@ impl Decode<'_> {
                 let no_keys = k.mov(0u32);
                 self.expand
                     .tile(k, expand, [(pending.span().0, no_keys), pending.span()]);
+            }
+            if let Some(lookup) = &lookup {
+                self.lookup.tile(k, lookup, pending.span().0);
             }
             self.warp_tile.drain(k, pending, score, values, None);
         }
