@@ -27,10 +27,12 @@
 //!   pages ran 7–30 % slower on the H200). On the CUDA cores the
 //!   preparation is a small part of a page's time, and those tiers follow
 //!   the general rule.
-//! - **warps**: values accumulated through per-item table reads (VQ
-//!   codebook rows) are latency-bound gathers; more, smaller CTAs hide them
-//!   (shard: 2 warps 15–20 % faster than 4). Elsewhere 4 warps were within
-//!   2 % of the best.
+//! - **warps**: values accumulated per thread through per-item table reads
+//!   (VQ codebook rows the tensor cores cannot take: f32 books) are
+//!   latency-bound gathers; more, smaller CTAs hide them (shard before its
+//!   lookups: 2 warps 15–20 % faster than 4). Elsewhere 4 warps were within
+//!   2 % of the best (shard's looked-up values, H200: 4 warps and 128-item
+//!   pages 5–11 % faster than 2 warps and 64).
 //! - **grouped values** (a scale and zero point per token and group of
 //!   channels on the tensor cores: kivi2) take 2 warps and tiles of
 //!   [`GROUPED_VALUE_TILE_ITEMS`]: their lanes hold ~250 registers, so
@@ -143,8 +145,9 @@ fn layout_config(format: &Format, tier: usize, target: Target) -> KernelConfig {
     let layout = format.layout(tier);
     let module = format.tiers()[tier].module();
     let reference = KernelConfig::reference(format);
-    let grouped = tensor_core_phases(format, tier, &reference.options(target, 1)).grouped_values;
-    let warps = if reads_tables(&module.value.accumulate.exprs) {
+    let phases = tensor_core_phases(format, tier, &reference.options(target, 1));
+    let grouped = phases.grouped_values;
+    let warps = if reads_tables(&module.value.accumulate.exprs) && !phases.accumulate {
         TABLE_READ_WARPS
     } else if grouped {
         GROUPED_VALUE_WARPS
@@ -249,9 +252,11 @@ mod tests {
         assert_eq!(page_items(&dense, 0, shape(8, 32768), H100), 64);
         let mosaic = bundled("mosaic");
         assert_eq!(page_items(&mosaic, 0, shape(8, 32768), H100), 128);
-        // Two warps (values read through tables): 64 threads, 64 items.
+        // Values looked up for the tensor cores: 128 threads, 128 items.
         let shard = bundled("shard");
-        assert_eq!(page_items(&shard, 0, shape(8, 32768), H100), 64);
+        assert_eq!(page_items(&shard, 0, shape(8, 32768), H100), 128);
+        // Two warps (values read through f32 tables per thread): 64 items.
+        assert_eq!(page_items(&f32_books(), 0, shape(8, 32768), H100), 64);
     }
 
     #[test]
@@ -288,11 +293,27 @@ mod tests {
         assert_eq!(page_items(&kivi, int4, shape(1, 64), H100), 64);
     }
 
+    /// Shard with f32 value books: its values are read per thread.
+    fn f32_books() -> Format {
+        let shard = crate::builtin::SPECS
+            .iter()
+            .find(|(path, _)| *path == "specs/shard.toml")
+            .unwrap()
+            .1
+            .replace("dtype = \"f16\" }]", "dtype = \"f32\" }]");
+        Format::parse(&shard, "shard_f32.toml").unwrap()
+    }
+
     #[test]
     fn table_reading_values_get_small_ctas_and_narrow_rows_bulk_copies() {
+        let books = f32_books();
+        let config = layout_config(&books, 0, Target::Sm90);
+        assert_eq!(config.warps, TABLE_READ_WARPS);
+        assert_eq!(config.bulk_copies, Some(true));
+        // Looked up for the tensor cores: the reference warps.
         let shard = bundled("shard");
         let config = layout_config(&shard, 0, Target::Sm90);
-        assert_eq!(config.warps, TABLE_READ_WARPS);
+        assert_eq!(config.warps, KernelConfig::reference(&shard).warps);
         assert_eq!(config.bulk_copies, Some(true));
         let dense = bundled("dense_f16");
         assert_eq!(
