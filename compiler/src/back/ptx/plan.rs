@@ -276,6 +276,23 @@ impl Plan {
         options: &Options,
         tile_items: u32,
     ) -> Result<Plan, Error> {
+        match Plan::with_books(module, group_max, options, tile_items, true) {
+            Err(Error::SharedMemory { .. }) => {
+                Plan::with_books(module, group_max, options, tile_items, false)
+            }
+            result => result,
+        }
+    }
+
+    /// [`Plan::with_tile`], looked-up books copied across the banks
+    /// ([`super::tensor_cores::Lookup::bank_copies`]) when `bank_copies`, else held once.
+    fn with_books(
+        module: &Module,
+        group_max: u32,
+        options: &Options,
+        tile_items: u32,
+        bank_copies: bool,
+    ) -> Result<Plan, Error> {
         let layout = &module.layout;
         let threads = 32 * options.warps;
         let head_block = options.head_block.min(group_max);
@@ -366,6 +383,10 @@ impl Plan {
             })
             .collect();
         if let Some(l) = lookup {
+            l.copies = match bank_copies {
+                true => l.bank_copies(),
+                false => 1,
+            };
             l.book = bump.take(l.book_bytes());
         }
 

@@ -286,6 +286,9 @@ pub struct Lookup {
     pub book_stride: u32,
     /// Byte offset in shared memory of the books as f16, placed by the plan.
     pub book: u32,
+    /// Copies of each codeword side by side ([`Lookup::bank_copies`]), lane
+    /// `l` reading copy `l % copies`; 1 without copies.
+    pub copies: u32,
 }
 
 impl Lookup {
@@ -319,12 +322,35 @@ impl Lookup {
         books * (1 << self.bits) * self.group_size
     }
 
-    /// Bytes of the f16 books in shared memory: whole 16-byte chunks, each
-    /// converted from four of the table's floats.
+    /// Bytes of one f16 codeword.
+    pub fn codeword_bytes(&self) -> u32 {
+        2 * self.group_size
+    }
+
+    /// Bytes of the f16 books in shared memory, with their copies.
     pub fn book_bytes(&self) -> u32 {
-        round_up(2 * self.book_len(), CHUNK)
+        round_up(2 * self.book_len() * self.copies, CHUNK)
+    }
+
+    /// Copies of each codeword that make the lookups free of bank
+    /// conflicts: one for each lane of a shared-memory phase (128 bytes of
+    /// codewords), codeword `c`'s copies side by side, so the lanes of a
+    /// phase read distinct banks whatever their codes. Codewords of 4, 8 or
+    /// 16 bytes (an `ld.shared` each) whose copies fit [`BANK_COPIES_BYTES`];
+    /// else 1.
+    pub fn bank_copies(&self) -> u32 {
+        let bytes = self.codeword_bytes();
+        let copies = 128 / bytes;
+        let fits = 2 * self.book_len() * copies <= BANK_COPIES_BYTES;
+        match matches!(bytes, 4 | 8 | 16) && fits {
+            true => copies,
+            false => 1,
+        }
     }
 }
+
+/// Shared memory the copies of looked-up books may take ([`Lookup::bank_copies`]).
+pub const BANK_COPIES_BYTES: u32 = 32 * 1024;
 
 /// The value codec's body when it is a lone codebook of vector codewords
 /// stored f16 covering its `dims`, whose codes the lanes can take a word at a
@@ -363,6 +389,7 @@ fn lookup(
             false => 0,
         },
         book: 0,
+        copies: 1,
     };
     let words = (groups * bits).is_multiple_of(32).then(|| l.code_words());
     let fits = code.role == SlotRole::CodebookIndex
@@ -1512,8 +1539,9 @@ mod tests {
     }
 
     /// Vector codebooks stored f16 are looked up into dense rows, whatever
-    /// their code width, codeword length or books; f32 books (not exact
-    /// f16 operands) leave the tier's values per thread.
+    /// their code width, codeword length or books, copied across the banks
+    /// where one load reads a codeword and the copies fit; f32 books (not
+    /// exact f16 operands) leave the tier's values per thread.
     #[test]
     fn f16_codebook_values_are_looked_up() {
         let lookups = |source: &str| {
@@ -1533,11 +1561,8 @@ mod tests {
                     assert_eq!(m.channel.element, Element::Half);
                     assert!(m.value_rows.staged && m.value_rows.stride >= l.dense_bytes());
                     Some((
-                        l.groups,
-                        l.group_size,
-                        l.bits,
-                        l.book_stride,
-                        l.code_words(),
+                        (l.groups, l.group_size, l.bits, l.book_stride),
+                        (l.code_words(), l.bank_copies()),
                     ))
                 })
                 .collect::<Vec<_>>()
@@ -1547,14 +1572,17 @@ mod tests {
                 "../../../../tests/in/tensor-cores/vq-values.toml"
             )),
             [
-                Some((16, 8, 4, 16 * 8, 2)),
-                Some((64, 2, 8, 0, 16)),
-                Some((8, 16, 4, 0, 1)),
+                // 16-byte codewords: a copy for each of a phase's 8 lanes.
+                Some(((16, 8, 4, 16 * 8), (2, 8))),
+                // 4-byte codewords: 32 copies of 256 codewords fill the budget.
+                Some(((64, 2, 8, 0), (16, 32))),
+                // 32-byte codewords take two loads: not copied.
+                Some(((8, 16, 4, 0), (1, 1))),
             ]
         );
         assert_eq!(
             lookups(include_str!("../../../../specs/shard.toml")),
-            [Some((32, 4, 8, 0, 8))]
+            [Some(((32, 4, 8, 0), (8, 16)))]
         );
         let f32_books = "name = \"vq\"\nhead_dim = 128\n[page]\nitems = 64\n[[tier]]\nname = \"t\"\n\
              key.field = [{ kind = \"dense\", dtype = \"f16\" }]\n\

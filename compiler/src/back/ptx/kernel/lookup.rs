@@ -2,7 +2,11 @@
 //! quantized values such as Shard's; docs/ptx-backend.md, Tensor cores).
 //!
 //! The prologue converts the books to f16 in shared memory (exact: they are
-//! stored f16), half the bytes a lookup reads as f32. Per 16-token tile of
+//! stored f16), half the bytes a lookup reads as f32, and where they fit
+//! writes a copy of each codeword for every lane of a shared-memory phase,
+//! side by side: lane `l` reads copy `l % copies`, so the lanes of a phase
+//! hit distinct banks whatever their codes (random codes met about three to
+//! a bank). Per 16-token tile of
 //! the warp, lane `l` takes word `l % words` of the codes of token
 //! `l / words` of each round of `32 / words` tokens: it loads the word, then
 //! per code the codeword (vector loads as its alignment allows), and stores
@@ -63,10 +67,13 @@ impl Lookups<'_> {
         let token = k.mad_lo(warp, TILE, token_in);
         let code = k.mad_lo(word, 4u32, plan.value.buffer_offset + l.code_bit / 8);
         let codes = k.mad_lo(token, plan.value.shared_stride, code);
+        // The lane's copy of every codeword (lanes of a phase read distinct banks).
+        let copy = k.and(lane, l.copies - 1);
         let book = k.add(self.cta.smem, l.book);
+        let book = k.mad_lo(copy, l.codeword_bytes(), book);
         let book = match l.book_stride {
             0 => book,
-            stride => k.mad_lo(word, 2 * stride * l.word_codes(), book),
+            stride => k.mad_lo(word, 2 * stride * l.copies * l.word_codes(), book),
         };
         let rows = k.add(self.cta.smem, m.value_rows.offset);
         let run = k.mad_lo(word, l.word_row_bytes(), rows);
@@ -152,13 +159,13 @@ impl Lookups<'_> {
     /// The codewords of a word's codes as f16 pairs, in channel order.
     fn codewords(&self, k: &mut Kernel, lk: &MmaLookup, word: Reg<U32>) -> Vec<Reg<U32>> {
         let l = lk.lookup;
-        let bytes = 2 * l.group_size;
+        let bytes = l.codeword_bytes();
         let mut halves = Vec::new();
         let mut words = Vec::new();
         for c in 0..l.word_codes() {
             let code = k.bfe_u32(word, c * l.bits, l.bits);
-            let at = k.mad_lo(code, bytes, lk.book);
-            let at = Shared::at(at).plus(i64::from(2 * l.book_stride * c));
+            let at = k.mad_lo(code, bytes * l.copies, lk.book);
+            let at = Shared::at(at).plus(i64::from(2 * l.book_stride * l.copies * c));
             match load_units(k, at, bytes, stride_align(bytes)) {
                 (units, 2) => halves.extend(units),
                 (units, _) => words.extend(units),
@@ -174,7 +181,8 @@ impl Lookups<'_> {
     }
 
     /// Converts the value books to f16 in shared memory, four floats a
-    /// thread at a time; the barrier that shows the first tile shows them.
+    /// thread at a time, into each copy of their codewords; the barrier
+    /// that shows the first tile shows them.
     pub(super) fn stage_books(&self, k: &mut Kernel, m: &MmaPlan) {
         let Some(l) = m.value_rows.lookup else {
             return;
@@ -194,8 +202,31 @@ impl Lookups<'_> {
         let [a, b, c, d] = k.ld_global_nc_v4::<F32>(Global::at(from).plus(offset));
         let low = k.pack_f16x2(a, b);
         let high = k.pack_f16x2(c, d);
-        let to = k.mad_lo(q, 8u32, book);
-        k.st_shared_v2(Shared::at(to), [low, high]);
+        if l.copies == 1 {
+            let to = k.mad_lo(q, 8u32, book);
+            k.st_shared_v2(Shared::at(to), [low, high]);
+        } else {
+            // Copied codewords are 2, 4 or 8 elements (Lookup::bank_copies):
+            // the quad's first element starts codeword `4q / size` at `o`.
+            let size = l.group_size;
+            let bytes = l.codeword_bytes();
+            let first = k.shl(q, 2u32);
+            let codeword = k.shr(first, size.trailing_zeros());
+            let within = k.and(first, size - 1);
+            let at = k.mad_lo(within, 2u32, book);
+            let at = k.mad_lo(codeword, bytes * l.copies, at);
+            for j in 0..l.copies {
+                let copy = Shared::at(at).plus(i64::from(j * bytes));
+                match size {
+                    // Two codewords: the second's copies follow the first's.
+                    2 => {
+                        k.st_shared(copy, low);
+                        k.st_shared(copy.plus(i64::from(bytes * l.copies)), high);
+                    }
+                    _ => k.st_shared_v2(copy, [low, high]),
+                }
+            }
+        }
         k.add_to(q, q, plan.threads);
         k.bra(top);
         k.place(end);
