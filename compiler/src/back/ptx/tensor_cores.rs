@@ -284,6 +284,8 @@ pub struct Lookup {
     pub table: usize,
     /// Elements between consecutive groups' books: 0 for one shared book.
     pub book_stride: u32,
+    /// Elements of the books (the table's length).
+    pub book_len: u32,
     /// Byte offset in shared memory of the books as f16, placed by the plan.
     pub book: u32,
     /// Copies of each codeword side by side ([`Lookup::bank_copies`]), lane
@@ -312,16 +314,6 @@ impl Lookup {
         2 * self.groups * self.group_size
     }
 
-    /// Elements of the books (the table's length).
-    pub fn book_len(&self) -> u32 {
-        let books = if self.book_stride == 0 {
-            1
-        } else {
-            self.groups
-        };
-        books * (1 << self.bits) * self.group_size
-    }
-
     /// Bytes of one f16 codeword.
     pub fn codeword_bytes(&self) -> u32 {
         2 * self.group_size
@@ -329,7 +321,7 @@ impl Lookup {
 
     /// Bytes of the f16 books in shared memory, with their copies.
     pub fn book_bytes(&self) -> u32 {
-        round_up(2 * self.book_len() * self.copies, CHUNK)
+        round_up(2 * self.book_len * self.copies, CHUNK)
     }
 
     /// Copies of each codeword, side by side, that spread a shared-memory
@@ -345,7 +337,7 @@ impl Lookup {
         if !matches!(bytes, 4 | 8 | 16) {
             return 1;
         }
-        let fitting = BANK_COPIES_BYTES / (2 * self.book_len());
+        let fitting = BANK_COPIES_BYTES / (2 * self.book_len);
         match fitting {
             0 => 1,
             n => (128 / bytes).min(1 << n.ilog2()),
@@ -367,7 +359,7 @@ fn lookup(
     dims: u32,
     stream: &Stream,
 ) -> Option<Lookup> {
-    let [FieldLayout::Codebook {
+    let [ref field @ FieldLayout::Codebook {
         groups,
         group_size,
         bits,
@@ -379,6 +371,7 @@ fn lookup(
     else {
         return None;
     };
+    let book = tables.get(table)?;
     let [code] = codec.slots[..] else {
         return None;
     };
@@ -389,15 +382,16 @@ fn lookup(
         bits,
         table,
         book_stride: match per_group {
-            true => (1 << bits) * group_size,
+            true => field.book_len(),
             false => 0,
         },
+        book_len: book.len,
         book: 0,
         copies: 1,
     };
     let words = (groups * bits).is_multiple_of(32).then(|| l.code_words());
     let fits = code.role == SlotRole::CodebookIndex
-        && tables.get(table)?.storage == TableStorage::F16
+        && book.storage == TableStorage::F16
         && groups * group_size == dims
         && bits <= 16
         && 32 % bits == 0

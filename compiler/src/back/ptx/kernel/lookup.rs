@@ -192,7 +192,7 @@ impl Lookups<'_> {
         let tables = self.cta.tables(k);
         let offset = 4 * i64::from(TableBuffer::of(self.cta.m).offsets[l.table]);
         let book = k.add(self.cta.smem, l.book);
-        let quads = l.book_len().div_ceil(4);
+        let quads = l.book_len.div_ceil(4);
         let q = k.mov(self.cta.tid);
         let (top, end) = (k.label(), k.label());
         k.place(top);
@@ -236,9 +236,10 @@ impl Lookups<'_> {
 /// Stores `words` at `at`, as wide as `align` (the run's known alignment)
 /// allows.
 fn store_run(k: &mut Kernel, at: Shared, words: &[Reg<U32>], align: u32) {
+    // Runs are whole words: `align` is at least 4.
     let width = align.min(CHUNK) / 4;
-    for (i, unit) in words.chunks(width.max(1) as usize).enumerate() {
-        let at = at.plus(i64::from(4 * width.max(1) * i as u32));
+    for (i, unit) in words.chunks(width as usize).enumerate() {
+        let at = at.plus(i64::from(4 * width * i as u32));
         match *unit {
             [a, b, c, d] => k.st_shared_v4(at, [a, b, c, d]),
             [a, b] => k.st_shared_v2(at, [a, b]),
