@@ -229,13 +229,17 @@ mod tests {
         multiprocessors: 132,
     };
 
-    fn bundled(name: &str) -> Format {
+    fn bundled_source(name: &str) -> &'static str {
         let file = format!("specs/{name}.toml");
         let (_, source) = crate::builtin::SPECS
             .iter()
             .find(|(path, _)| *path == file)
             .unwrap();
-        Format::parse(source, &file).unwrap()
+        source
+    }
+
+    fn bundled(name: &str) -> Format {
+        Format::parse(bundled_source(name), &format!("specs/{name}.toml")).unwrap()
     }
 
     fn shape(batch: usize, context: usize) -> ShapeBucket {
@@ -295,12 +299,7 @@ mod tests {
 
     /// Shard with f32 value books: its values are read per thread.
     fn f32_books() -> Format {
-        let shard = crate::builtin::SPECS
-            .iter()
-            .find(|(path, _)| *path == "specs/shard.toml")
-            .unwrap()
-            .1
-            .replace("dtype = \"f16\" }]", "dtype = \"f32\" }]");
+        let shard = bundled_source("shard").replace("dtype = \"f16\" }]", "dtype = \"f32\" }]");
         Format::parse(&shard, "shard_f32.toml").unwrap()
     }
 
