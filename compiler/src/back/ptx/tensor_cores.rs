@@ -178,7 +178,7 @@ fn lane_runs(lane_groups: u32, mask_words: u32) -> Option<(u32, u32)> {
 }
 
 /// Where the fragments read one side's rows: the tile buffer's stream, or
-/// the dense rows a gather or a codebook lookup expanded into the staging area.
+/// the dense rows a gather expanded into the staging area.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Rows {
     /// Byte offset of row 0: in a tile buffer, or (`staged`) in shared memory.
@@ -190,7 +190,8 @@ pub struct Rows {
     /// The side's bitmap field: expanded into the staged rows each tile, or
     /// (rows not staged) gathered into the fragments.
     pub gather: Option<Gather>,
-    /// The side's codebook field, looked up into the staged rows each tile.
+    /// The side's codebook field, whose codewords the fragment loads look
+    /// up in the stream's codes.
     pub lookup: Option<Lookup>,
 }
 
@@ -238,17 +239,18 @@ impl Rows {
         }
     }
 
-    /// The dense f16 rows `lookup` fills with codewords.
-    fn looked_up(lookup: Lookup) -> Rows {
+    /// The stream's codes, whose codewords the fragment loads look up.
+    fn looked_up(stream: &Stream, lookup: Lookup) -> Rows {
         Rows {
+            swizzled: false,
             lookup: Some(lookup),
-            ..Rows::dense(lookup.dense_bytes())
+            ..Rows::of(stream)
         }
     }
 
     /// Whether the fragments read the stream's rows as stored.
     pub fn as_stored(&self) -> bool {
-        !self.staged && self.gather.is_none()
+        !self.staged && self.gather.is_none() && self.lookup.is_none()
     }
 
     /// The bitmap whose groups the fragments gather.
@@ -269,10 +271,11 @@ impl Rows {
 /// A codebook field of vector codewords (vector quantization, as Shard's
 /// values): channel `c` is element `c % group_size` of the codeword group
 /// `c / group_size`'s `bits`-bit code picks from its book. The books are
-/// stored f16 ([`TableStorage::F16`]), so every channel is an exact f16:
-/// each warp looks its tokens' codewords up into dense f16 rows once per
-/// tile (`kernel/lookup.rs`), which the fragments read as stored f16 values.
-/// One lane takes one 32-bit word of an item's codes.
+/// stored f16 ([`TableStorage::F16`]), so every channel is an exact f16: the
+/// prologue stages the books as f16, and where dense values would load a
+/// lane group's channels of a token, the lane loads that token's codes of
+/// them and looks their codewords up (`kernel/lookup.rs`). A lane group's
+/// channels are whole codewords or part of one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Lookup {
     /// Bit offset of group 0's code in an item.
@@ -280,6 +283,8 @@ pub struct Lookup {
     pub groups: u32,
     pub group_size: u32,
     pub bits: u32,
+    /// Channels of a lane group ([`MmaPlan::group_channels`]).
+    pub lane_channels: u32,
     /// The codebook (index in the module's tables).
     pub table: usize,
     /// Elements between consecutive groups' books: 0 for one shared book.
@@ -294,24 +299,24 @@ pub struct Lookup {
 }
 
 impl Lookup {
-    /// 32-bit words of an item's codes.
-    pub fn code_words(&self) -> u32 {
-        self.groups * self.bits / 32
+    /// Codes of a lane group's channels: 1 where they are part of one codeword.
+    pub fn lane_codes(&self) -> u32 {
+        (self.lane_channels / self.group_size).max(1)
     }
 
-    /// Codes in one word.
-    pub fn word_codes(&self) -> u32 {
-        32 / self.bits
+    /// Lane groups whose channels one codeword holds.
+    pub fn code_lanes(&self) -> u32 {
+        (self.group_size / self.lane_channels).max(1)
     }
 
-    /// Bytes of the dense f16 channels one word's codes fill.
-    pub fn word_row_bytes(&self) -> u32 {
-        2 * self.word_codes() * self.group_size
+    /// Bits of a lane group's codes, consecutive in the item.
+    pub fn lane_code_bits(&self) -> u32 {
+        self.lane_codes() * self.bits
     }
 
-    /// Bytes of a dense row.
-    pub fn dense_bytes(&self) -> u32 {
-        2 * self.groups * self.group_size
+    /// Bytes of a codeword a lane group reads: all of it, or its channels'.
+    pub fn read_bytes(&self) -> u32 {
+        2 * self.group_size.min(self.lane_channels)
     }
 
     /// Bytes of one f16 codeword.
@@ -349,10 +354,11 @@ impl Lookup {
 pub const BANK_COPIES_BYTES: u32 = 32 * 1024;
 
 /// The value codec's body when it is a lone codebook of vector codewords
-/// stored f16 covering its `dims`, whose codes the lanes can take a word at a
-/// time: whole 32-bit words of codes, words of whole codes, a power of two
-/// of words per item (a warp's lanes split evenly between its tokens), at a
-/// word-aligned place in the tile buffer.
+/// stored f16 covering its `dims`, whose codes a lane group can take in
+/// whole words: each lane group's channels whole codewords (or part of one)
+/// and its codes a power-of-two part of a 32-bit word or whole words, the
+/// codes starting at a word-aligned place in the tile buffer; codewords
+/// (or the parts read) of whole words.
 fn lookup(
     codec: &CodecLayout,
     tables: &[TableLayout],
@@ -375,11 +381,17 @@ fn lookup(
     let [code] = codec.slots[..] else {
         return None;
     };
+    // A lane group's channels ([`MmaPlan::group_channels`]).
+    let lane_channels = 2 * (dims / TILE);
+    if lane_channels == 0 {
+        return None;
+    }
     let l = Lookup {
         code_bit: code.bits.offset,
         groups,
         group_size,
         bits,
+        lane_channels,
         table,
         book_stride: match per_group {
             true => field.book_len(),
@@ -389,13 +401,18 @@ fn lookup(
         book: 0,
         copies: 1,
     };
-    let words = (groups * bits).is_multiple_of(32).then(|| l.code_words());
+    let lane_bits = l.lane_code_bits();
     let fits = code.role == SlotRole::CodebookIndex
         && book.storage == TableStorage::F16
         && groups * group_size == dims
         && bits <= 16
         && 32 % bits == 0
-        && words.is_some_and(|w| w.is_power_of_two() && w <= WARP_LANES)
+        && (lane_channels.is_multiple_of(group_size) || group_size.is_multiple_of(lane_channels))
+        && l.read_bytes().is_multiple_of(4)
+        && match lane_bits {
+            1..=32 => 32 % lane_bits == 0,
+            _ => lane_bits.is_multiple_of(32),
+        }
         && l.code_bit.is_multiple_of(32)
         && stream.shared_stride.is_multiple_of(4)
         && stride_align(stream.buffer_offset + l.code_bit / 8) >= 4;
@@ -696,7 +713,7 @@ pub fn plan(
             },
         ),
         None => match lookup(codec, &module.layout.tables, value_dims, value) {
-            Some(l) => (half, Rows::looked_up(l)),
+            Some(l) => (half, Rows::looked_up(value, l)),
             None => (
                 (scaled_channel(&module.value.accumulate))
                     .or_else(|| grouped_channel(&module.value.accumulate, value_dims))
@@ -1536,10 +1553,10 @@ mod tests {
         );
     }
 
-    /// Vector codebooks stored f16 are looked up into dense rows, whatever
-    /// their code width, codeword length or books, copied across the banks
-    /// where one load reads a codeword and the copies fit; f32 books (not
-    /// exact f16 operands) leave the tier's values per thread.
+    /// Vector codebooks stored f16 are looked up by the fragment loads,
+    /// whatever their code width, codeword length or books, copied across
+    /// the banks where one load reads a codeword and the copies fit; f32
+    /// books (not exact f16 operands) leave the tier's values per thread.
     #[test]
     fn f16_codebook_values_are_looked_up() {
         let lookups = |source: &str| {
@@ -1557,10 +1574,11 @@ mod tests {
                     let m = plan(module, 4, tile_items, &key, &value, true)?;
                     let l = m.value_rows.lookup?;
                     assert_eq!(m.channel.element, Element::Half);
-                    assert!(m.value_rows.staged && m.value_rows.stride >= l.dense_bytes());
+                    assert!(!m.value_rows.staged && !m.value_rows.as_stored());
+                    assert_eq!(m.staging_bytes(tile_items), 0);
                     Some((
                         (l.groups, l.group_size, l.bits, l.book_stride),
-                        (l.code_words(), l.bank_copies()),
+                        (l.lane_codes(), l.code_lanes(), l.bank_copies()),
                     ))
                 })
                 .collect::<Vec<_>>()
@@ -1571,16 +1589,18 @@ mod tests {
             )),
             [
                 // 16-byte codewords: a copy for each of a phase's 8 lanes.
-                Some(((16, 8, 4, 16 * 8), (2, 8))),
+                Some(((16, 8, 4, 16 * 8), (2, 1, 8))),
                 // 4-byte codewords: 32 copies of 256 codewords fill the budget.
-                Some(((64, 2, 8, 0), (16, 32))),
+                Some(((64, 2, 8, 0), (8, 1, 32))),
                 // 32-byte codewords take two loads: not copied.
-                Some(((8, 16, 4, 0), (1, 1))),
+                Some(((8, 16, 4, 0), (1, 1, 1))),
+                // Two lane groups read halves of a 64-byte codeword.
+                Some(((4, 32, 8, 0), (1, 2, 1))),
             ]
         );
         assert_eq!(
             lookups(include_str!("../../../../specs/shard.toml")),
-            [Some(((32, 4, 8, 0), (8, 16)))]
+            [Some(((32, 4, 8, 0), (4, 1, 16)))]
         );
         let f32_books = "name = \"vq\"\nhead_dim = 128\n[page]\nitems = 64\n[[tier]]\nname = \"t\"\n\
              key.field = [{ kind = \"dense\", dtype = \"f16\" }]\n\

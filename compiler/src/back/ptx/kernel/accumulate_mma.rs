@@ -19,6 +19,7 @@ use super::fragments::{
     Lanes, StepTokens, HALF_EXPONENT, MAX_EXPONENT,
 };
 use super::gather::FragmentGather;
+use super::lookup::{LaneLookup, Lookups};
 use super::softmax::RESCALE_SLACK_BITS;
 
 /// The accumulate on the tensor cores.
@@ -56,6 +57,8 @@ pub(super) struct MmaValues {
     pub(super) value_lane: Reg<U32>,
     /// Gathered value fragments: the lane's state.
     pub(super) gather: Option<FragmentGather>,
+    /// Looked-up value fragments: the lane's state.
+    pub(super) lookup: Option<LaneLookup>,
     /// With gathered values: per row half of a weights pair, the `prmt`
     /// selector that moves that half to the lane's B column parity
     /// ([`parity_fragments`]).
@@ -159,7 +162,9 @@ impl AccumulateMma<'_> {
             .map(|g| FragmentGather::for_values(k, g, m, &self.cta.plan.value, lanes.row));
         let mut byte_selectors = Vec::new();
         let mut window = None;
+        let lookup = Lookups { cta: self.cta }.setup(k, m, &lanes);
         let channels = match (gather.as_ref(), m.channel.groups) {
+            _ if lookup.is_some() => lookup.as_ref().expect("looked up").1,
             (Some(_), _) => k.mov(0u32),
             (None, Some(groups)) if groups.windowed(m.channel.element) => {
                 let bits = groups.lane_bits(m.channel.element);
@@ -202,6 +207,7 @@ impl AccumulateMma<'_> {
             sigma,
             value_lane,
             gather,
+            lookup: lookup.map(|(lane, _)| lane),
             parity_selectors,
             token,
             steps: steps.offsets(),
@@ -382,7 +388,16 @@ impl AccumulateMma<'_> {
                 None => (t.steps.iter())
                     .map(|&d| {
                         let offset = (first + d) * stride;
-                        let mut token = self.value_words(k, m, lane_base, offset);
+                        let mut token = match &t.lookup {
+                            Some(lookup) => {
+                                let at = Shared::at(lane_base).plus(i64::from(offset));
+                                TokenWords {
+                                    words: lookup.words(k, at),
+                                    skew: 0,
+                                }
+                            }
+                            None => self.value_words(k, m, lane_base, offset),
+                        };
                         // Stale f16 rows past the tile's items may hold any
                         // bits (0 · NaN poisons a sum); integers are always finite.
                         if m.channel.element.is_half() {

@@ -79,7 +79,7 @@ pub fn decode(module: &ValidModule, plan: &Plan, name: &str) -> String {
             acc_mma,
         },
         expand: Expand { cta, frag },
-        lookup: Lookups { cta, frag },
+        lookup: Lookups { cta },
     };
     decode.run(&mut k);
     k.finish()
@@ -233,7 +233,6 @@ impl Decode<'_> {
         let warp_score =
             (plan.mma.as_ref()).and_then(|m| Some(self.score_mma.setup(k, m, m.score.as_ref()?)));
         let expand = (plan.mma.as_ref()).and_then(|m| self.expand.setup(k, m));
-        let lookup = (plan.mma.as_ref()).and_then(|m| self.lookup.setup(k, m));
         // Pipelined, tile t's values accumulate during tile t + 1, next to its
         // score: no dependency between the two, so one's latencies hide the other's.
         let pending = (plan.mma.as_ref())
@@ -348,9 +347,6 @@ impl Decode<'_> {
             self.expand
                 .tile(k, expand, [(tile.buf, tile.items), value_tile]);
         }
-        if let Some(lookup) = &lookup {
-            self.lookup.tile(k, lookup, value_tile.0);
-        }
         if let (Some(score), Some(values)) = (&warp_score, &values) {
             self.warp_tile
                 .tile(k, &tile, pending.as_ref(), score, values);
@@ -390,9 +386,6 @@ impl Decode<'_> {
                 let no_keys = k.mov(0u32);
                 self.expand
                     .tile(k, expand, [(pending.span().0, no_keys), pending.span()]);
-            }
-            if let Some(lookup) = &lookup {
-                self.lookup.tile(k, lookup, pending.span().0);
             }
             self.warp_tile.drain(k, pending, score, values, None);
         }
