@@ -15,7 +15,12 @@
 //!   one item of the tile, and a second one per thread ran up to 1.7×
 //!   slower (random-spec corpus, 46 tiers at batch 8 × 32K on an H200: this
 //!   rule's page within 10 % of each tier's best page size on 41, within
-//!   15 % on all). Pages stay small enough that the grid has
+//!   15 % on all). A score on the tensor cores whose key rows are read as
+//!   stored takes any tile: its page holds [`TILE_BYTES`] of codes up to
+//!   [`TENSOR_PAGE_ITEMS`]' largest (shard, 66 bytes an item, H200: 512
+//!   items 6–12 % faster than 128 at batch 8 and batch 1). MosaicKV's
+//!   gathered keys keep the cap (256 items 8 % slower than 128 at batch 8).
+//!   Pages stay small enough that the grid has
 //!   [`PAGES_PER_SM`] pages for every SM, or short contexts at batch 1 leave
 //!   SMs idle.
 //!   Keys scaled per page and scored on the tensor cores (KIVI's per-channel
@@ -75,6 +80,9 @@ use super::{KernelConfig, ShapeBucket};
 pub const TILE_BYTES: u32 = 32 * 1024;
 /// Page sizes the model picks from, smallest first.
 pub const PAGE_ITEMS: [u32; 2] = [64, 128];
+/// Page sizes the model picks from where the score is on the tensor cores,
+/// its rows read as stored.
+pub const TENSOR_PAGE_ITEMS: [u32; 4] = [64, 128, 256, 512];
 /// Items per page where the keys are scaled per page ([`reads_header`]) and
 /// scored on the tensor cores.
 pub const PAGE_SCALED_KEY_ITEMS: u32 = 512;
@@ -195,13 +203,19 @@ pub fn page_items(format: &Format, tier: usize, shape: ShapeBucket, machine: Mac
     let config = layout_config(format, tier, machine.target);
     let group = (shape.q_heads / shape.kv_heads.max(1)).max(1);
     let options = config.options(machine.target, group);
-    let per_page_keys = reads_header(&format.tiers()[tier].module().key.score.exprs)
-        && tensor_core_phases(format, tier, &options).score;
+    let phases = tensor_core_phases(format, tier, &options);
+    let per_page_keys =
+        reads_header(&format.tiers()[tier].module().key.score.exprs) && phases.score;
     let mut items = if per_page_keys {
         PAGE_SCALED_KEY_ITEMS
     } else {
-        let threads = 32 * config.warps;
-        let sizes: Vec<u32> = (PAGE_ITEMS.iter().copied())
+        // A tensor-core score takes a tile of any size; a CUDA-core one
+        // gives each thread an item of it.
+        let (candidates, threads) = match phases.score && !phases.gathered_keys {
+            true => (&TENSOR_PAGE_ITEMS[..], u32::MAX),
+            false => (&PAGE_ITEMS[..], 32 * config.warps),
+        };
+        let sizes: Vec<u32> = (candidates.iter().copied())
             .filter(|&items| items <= threads && fits(items))
             .collect();
         let largest = sizes.last().copied().unwrap_or(smallest);
@@ -254,11 +268,15 @@ mod tests {
     fn pages_hold_a_tile_of_codes_and_an_item_per_thread() {
         let dense = bundled("dense_f16");
         assert_eq!(page_items(&dense, 0, shape(8, 32768), H100), 64);
+        // Gathered keys on the tensor cores: 128 threads, 128 items.
         let mosaic = bundled("mosaic");
         assert_eq!(page_items(&mosaic, 0, shape(8, 32768), H100), 128);
-        // Values looked up for the tensor cores: 128 threads, 128 items.
+        // Keys read as stored on the tensor cores: 32 KiB of codes.
+        let fp8 = bundled("fp8");
+        assert_eq!(page_items(&fp8, 0, shape(8, 32768), H100), 128);
         let shard = bundled("shard");
-        assert_eq!(page_items(&shard, 0, shape(8, 32768), H100), 128);
+        assert_eq!(page_items(&shard, 0, shape(8, 32768), H100), 512);
+        assert_eq!(page_items(&shard, 0, shape(1, 32768), H100), 512);
         // Two warps (values read through f32 tables per thread): 64 items.
         assert_eq!(page_items(&f32_books(), 0, shape(8, 32768), H100), 64);
     }

@@ -327,6 +327,8 @@ pub struct TensorCorePhases {
     /// The values take per-group scales (and zero points): one B fragment
     /// per group and a zero sum per group and head.
     pub grouped_values: bool,
+    /// The score gathers its key rows' groups from a bitmap.
+    pub gathered_keys: bool,
 }
 
 pub fn tensor_core_phases(format: &Format, tier: usize, options: &Options) -> TensorCorePhases {
@@ -337,6 +339,7 @@ pub fn tensor_core_phases(format: &Format, tier: usize, options: &Options) -> Te
             score: m.score.is_some(),
             accumulate: true,
             grouped_values: m.channel.groups.is_some(),
+            gathered_keys: m.score.is_some() && m.key_rows.gather.is_some(),
         },
         None => TensorCorePhases::default(),
     }
