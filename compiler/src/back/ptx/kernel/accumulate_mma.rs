@@ -163,10 +163,10 @@ impl AccumulateMma<'_> {
         let mut byte_selectors = Vec::new();
         let mut window = None;
         let lookup = Lookups { cta: self.cta }.setup(k, m, &lanes);
-        let channels = match (gather.as_ref(), m.channel.groups) {
-            _ if lookup.is_some() => lookup.as_ref().expect("looked up").1,
-            (Some(_), _) => k.mov(0u32),
-            (None, Some(groups)) if groups.windowed(m.channel.element) => {
+        let channels = match (&lookup, gather.as_ref(), m.channel.groups) {
+            (Some(lookup), _, _) => lookup.codes,
+            (None, Some(_), _) => k.mov(0u32),
+            (None, None, Some(groups)) if groups.windowed(m.channel.element) => {
                 let bits = groups.lane_bits(m.channel.element);
                 let first = k.mul(lanes.row, bits);
                 let shift = k.and(first, 31u32);
@@ -179,7 +179,7 @@ impl AccumulateMma<'_> {
                 let word = k.shr(first, 5u32);
                 k.mad_lo(word, 4u32, m.value_offset())
             }
-            (None, Some(groups)) => {
+            (None, None, Some(groups)) => {
                 // The word holding the lane group's codes of group 0.
                 let lane_bytes = groups.lane_bytes(m.channel.element);
                 let bytes = k.mul(lanes.row, lane_bytes);
@@ -193,7 +193,7 @@ impl AccumulateMma<'_> {
                 let word = k.and(bytes, !3u32);
                 k.add(word, m.value_offset())
             }
-            (None, None) => k.mad_lo(lanes.row, m.group_words() * 4, m.value_offset()),
+            (None, None, None) => k.mad_lo(lanes.row, m.group_words() * 4, m.value_offset()),
         };
         let value_lane = k.mad_lo(token, m.value_rows.stride, channels);
         MmaValues {
@@ -207,7 +207,7 @@ impl AccumulateMma<'_> {
             sigma,
             value_lane,
             gather,
-            lookup: lookup.map(|(lane, _)| lane),
+            lookup,
             parity_selectors,
             token,
             steps: steps.offsets(),

@@ -34,18 +34,13 @@ pub(super) struct LaneLookup {
     book: Reg<U32>,
     /// Codes narrower than a word: where the lane group's start in the word.
     shift: Option<Reg<U32>>,
+    /// Byte offset in an item of the word holding the lane group's first code.
+    pub(super) codes: Reg<U32>,
 }
 
 impl Lookups<'_> {
-    /// The lane's lookup state and the byte offset, in an item, of the word
-    /// holding its lane group's first code; `None` unless the values are
-    /// looked up.
-    pub(super) fn setup(
-        &self,
-        k: &mut Kernel,
-        m: &MmaPlan,
-        lanes: &Lanes,
-    ) -> Option<(LaneLookup, Reg<U32>)> {
+    /// The lane's lookup state; `None` unless the values are looked up.
+    pub(super) fn setup(&self, k: &mut Kernel, m: &MmaPlan, lanes: &Lanes) -> Option<LaneLookup> {
         let l = m.value_rows.lookup?;
         let lane = k.and(self.cta.tid, 31u32);
         let copy = k.and(lane, l.copies - 1);
@@ -63,16 +58,14 @@ impl Lookups<'_> {
         };
         let bit = k.mad_lo(code, l.bits, l.code_bit);
         let word = k.shr(bit, 5u32);
-        let offset = k.shl(word, 2u32);
+        let codes = k.shl(word, 2u32);
         let shift = (l.lane_code_bits() < 32).then(|| k.and(bit, 31u32));
-        Some((
-            LaneLookup {
-                lookup: l,
-                book,
-                shift,
-            },
-            offset,
-        ))
+        Some(LaneLookup {
+            lookup: l,
+            book,
+            shift,
+            codes,
+        })
     }
 
     /// Converts the value books to f16 in shared memory, four floats a
