@@ -157,6 +157,36 @@ fn gpu_matches_interpreter_on_tensor_core_formats() {
     check_tiers(&executor, &tensor_core_formats(), seed, &[1, 4, 8], 4);
 }
 
+/// Random specs whose values the kernels look up in the codebooks where the
+/// tensor cores' fragments load them ([`common::random_vq_value_specs`]):
+/// on the CPU, that every tier takes that path on both targets; on the GPU,
+/// each tier alone at GQA 1 and 4, then mixed tiers.
+#[test]
+fn gpu_matches_interpreter_on_random_vq_values() {
+    use kvcc::compiler::back::ptx::{tensor_core_phases, Target};
+    use kvcc::runtime::tune::KernelConfig;
+    let seed = fresh_seed("gpu_random_vq_values");
+    let mut formats = Vec::new();
+    for source in common::random_vq_value_specs(seed, 8) {
+        let format = Format::parse(&source, "vq.toml")
+            .unwrap_or_else(|e| panic!("generated spec rejected: {e}\n{source}"));
+        for target in [Target::Sm80, Target::Sm90] {
+            let options = KernelConfig::reference(&format).options(target, 4);
+            for tier in 0..format.tiers().len() {
+                assert!(
+                    tensor_core_phases(&format, tier, &options).accumulate,
+                    "tier {tier} on {target:?}: values not looked up for the tensor cores\n{source}"
+                );
+            }
+        }
+        formats.push(format);
+    }
+    let Some(executor) = gpu("gpu_matches_interpreter_on_random_vq_values") else {
+        return;
+    };
+    check_tiers(&executor, &formats, seed, &[1, 4], 4);
+}
+
 #[test]
 fn gpu_matches_interpreter_on_random_specs() {
     let Some(executor) = gpu("gpu_matches_interpreter_on_random_specs") else {

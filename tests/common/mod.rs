@@ -250,7 +250,7 @@ pub fn assert_rows_close(what: &str, got: &[f32], want: &[f32], row: usize, tole
 }
 
 #[allow(unused_imports)]
-pub use spec_gen::{random_specs, SplitMix64};
+pub use spec_gen::{random_specs, random_vq_value_specs, SplitMix64};
 
 /// Random valid spec generator (`tests/random_specs.rs`, `tests/gpu.rs`).
 mod spec_gen {
@@ -647,6 +647,62 @@ mod spec_gen {
     /// specs, with random parameters within the shared-memory budget. Spec 0 is a
     /// 3-tier head_dim 64 spec, spec 1 a 3-tier head_dim 256 spec, specs 2-5 have
     /// head_dim 16, 32, 96 and 128; the rest are fully random.
+    /// `count` random specs whose values are vector codebooks of f16 books
+    /// that the GPU kernels look up where the tensor cores' fragments load
+    /// them: head_dim a multiple of 16 up to 256, a lane group's `head_dim / 8`
+    /// channels whole codewords or part of one, 1-, 2-, 4- or 8-bit codes in
+    /// whole words an item, whose lane-group run is a power-of-two part of a
+    /// word or whole words,
+    /// shared or per-group books; dense, 8-bit page-scaled or 4-bit
+    /// component-scaled keys; a Hadamard rotation of the values at a
+    /// power-of-two head_dim half the time; 1-3 tiers, 16 or 64 items a page.
+    pub fn random_vq_value_specs(seed: u64, count: usize) -> Vec<String> {
+        let mut rng = SplitMix64(seed);
+        (0..count)
+            .map(|index| {
+                let head_dim = 16 * rng.range(1, 16);
+                let lane = head_dim / 8;
+                let mut out = format!(
+                    "name = \"vq_values_{index}\"\nhead_dim = {head_dim}\n[page]\nitems = {}\n",
+                    rng.pick(&[16, 64])
+                );
+                for tier in 0..rng.range(1, 3) {
+                    let books: Vec<(u32, u32)> = (2..=head_dim)
+                        .filter(|&g| head_dim.is_multiple_of(g))
+                        .filter(|&g| lane.is_multiple_of(g) || g.is_multiple_of(lane))
+                        .filter(|&g| (2 * g.min(lane)).is_multiple_of(4))
+                        .flat_map(|g| [1, 2, 4, 8].map(|bits| (g, bits)))
+                        // Items of whole 32-bit words of codes.
+                        .filter(|&(g, bits)| (head_dim / g * bits).is_multiple_of(32))
+                        .filter(|&(g, bits)| {
+                            let run = (lane / g).max(1) * bits;
+                            if run <= 32 { 32 % run == 0 } else { run.is_multiple_of(32) }
+                        })
+                        // Books within the shared-memory estimate.
+                        .filter(|&(g, bits)| (1u32 << bits) * head_dim <= 16 * 1024 || g >= 8)
+                        .collect();
+                    let (group_size, bits) = rng.pick(&books);
+                    let per_group = rng.coin() && (1u32 << bits) * head_dim <= 16 * 1024;
+                    let key = rng.pick(&[
+                        "{ kind = \"dense\", dtype = \"f16\" }",
+                        "{ kind = \"coeff\", bits = 8, scale = \"page_component\" }",
+                        "{ kind = \"coeff\", bits = 4, scale = \"component\" }",
+                    ]);
+                    writeln!(out, "[[tier]]\nname = \"t{tier}\"\nkey.field = [{key}]").unwrap();
+                    if head_dim.is_power_of_two() && rng.coin() {
+                        writeln!(out, "value.transform = {{ kind = \"hadamard\" }}").unwrap();
+                    }
+                    writeln!(
+                        out,
+                        "value.field = [{{ kind = \"codebook\", group_size = {group_size}, bits = {bits}, codewords = \"vector\", per_group = {per_group} }}]"
+                    )
+                    .unwrap();
+                }
+                out
+            })
+            .collect()
+    }
+
     pub fn random_specs(seed: u64, count: usize) -> Vec<String> {
         let mut generator = Generator {
             rng: SplitMix64(seed),
