@@ -36,8 +36,8 @@
 //!   (VQ codebook rows the tensor cores cannot take: f32 books) are
 //!   latency-bound gathers; more, smaller CTAs hide them (shard before its
 //!   lookups: 2 warps 15–20 % faster than 4). Elsewhere 4 warps were within
-//!   2 % of the best (shard's looked-up values, H200: 4 warps and 128-item
-//!   pages 5–11 % faster than 2 warps and 64).
+//!   2 % of the best (shard's looked-up values, H200, 512-item pages: 2
+//!   warps 55 % slower than 4, 8 warps 2 %).
 //! - **grouped values** (a scale and zero point per token and group of
 //!   channels on the tensor cores: kivi2) take 2 warps and tiles of
 //!   [`GROUPED_VALUE_TILE_ITEMS`]: their lanes hold ~250 registers, so
