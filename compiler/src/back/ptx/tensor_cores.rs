@@ -304,7 +304,8 @@ impl Lookup {
         (self.lane_channels / self.group_size).max(1)
     }
 
-    /// Lane groups whose channels one codeword holds.
+    /// Lane groups whose channels one codeword holds: `8 / groups` where a
+    /// codeword spans lane groups, so a power of two.
     pub fn code_lanes(&self) -> u32 {
         (self.group_size / self.lane_channels).max(1)
     }
@@ -381,8 +382,7 @@ fn lookup(
     let [code] = codec.slots[..] else {
         return None;
     };
-    // A lane group's channels ([`MmaPlan::group_channels`]).
-    let lane_channels = 2 * (dims / TILE);
+    let lane_channels = lane_group_channels(dims);
     if lane_channels == 0 {
         return None;
     }
@@ -417,6 +417,12 @@ fn lookup(
         && stream.shared_stride.is_multiple_of(4)
         && stride_align(stream.buffer_offset + l.code_bit / 8) >= 4;
     fits.then_some(l)
+}
+
+/// Channels of `dims` each of a warp's 8 lane groups (fragment rows) holds:
+/// two per 16-channel tile of the accumulate.
+fn lane_group_channels(dims: u32) -> u32 {
+    2 * (dims / TILE)
 }
 
 /// The tensor-core geometry of one tier's kernel: the accumulate, and the
@@ -543,7 +549,7 @@ impl MmaPlan {
     /// channel `size · (c / n) + n · r + c % n` of the row, `n` those per group
     /// (`kernel/accumulate_mma.rs` stores them so).
     pub fn group_channels(&self) -> u32 {
-        2 * self.channel_tiles()
+        lane_group_channels(self.value_dims)
     }
 
     /// 32-bit words of one token's channels of a lane group.
