@@ -639,21 +639,13 @@ mod spec_gen {
         }
     }
 
-    /// `count` random specs (TOML text) that `front::check` must accept: head_dim
-    /// from {16, 32, 64, 96, 128, 256} (no hadamard/srht at 96), 1-3 tiers, page
-    /// items from {1, 7, 16, 64}; every codec a transform (identity, hadamard, srht,
-    /// pca) and a body (dense, coeff, vector codebook, radius + direction codebook,
-    /// bitmap), both kinds taken round-robin so each appears in every batch of 5+
-    /// specs, with random parameters within the shared-memory budget. Spec 0 is a
-    /// 3-tier head_dim 64 spec, spec 1 a 3-tier head_dim 256 spec, specs 2-5 have
-    /// head_dim 16, 32, 96 and 128; the rest are fully random.
     /// `count` random specs whose values are vector codebooks of f16 books
     /// that the GPU kernels look up where the tensor cores' fragments load
     /// them: head_dim a multiple of 16 up to 256, a lane group's `head_dim / 8`
     /// channels whole codewords or part of one, 1-, 2-, 4- or 8-bit codes in
     /// whole words an item, whose lane-group run is a power-of-two part of a
-    /// word or whole words,
-    /// shared or per-group books; dense, 8-bit page-scaled or 4-bit
+    /// word or whole words, shared or per-group books within the
+    /// shared-memory budget; dense, 8-bit page-scaled or 4-bit
     /// component-scaled keys; a Hadamard rotation of the values at a
     /// power-of-two head_dim half the time; 1-3 tiers, 16 or 64 items a page.
     pub fn random_vq_value_specs(seed: u64, count: usize) -> Vec<String> {
@@ -667,6 +659,7 @@ mod spec_gen {
                     rng.pick(&[16, 64])
                 );
                 for tier in 0..rng.range(1, 3) {
+                    let per_group = rng.coin();
                     let books: Vec<(u32, u32)> = (2..=head_dim)
                         .filter(|&g| head_dim.is_multiple_of(g))
                         .filter(|&g| lane.is_multiple_of(g) || g.is_multiple_of(lane))
@@ -678,11 +671,17 @@ mod spec_gen {
                             let run = (lane / g).max(1) * bits;
                             if run <= 32 { 32 % run == 0 } else { run.is_multiple_of(32) }
                         })
-                        // Books within the shared-memory estimate.
-                        .filter(|&(g, bits)| (1u32 << bits) * head_dim <= 16 * 1024 || g >= 8)
+                        .filter(|&(group_size, bits)| {
+                            let book = Book {
+                                group_size,
+                                bits,
+                                per_group,
+                                f32_table: false,
+                            };
+                            book.floats(head_dim).1 <= SHARED_MEMORY_FLOATS
+                        })
                         .collect();
                     let (group_size, bits) = rng.pick(&books);
-                    let per_group = rng.coin() && (1u32 << bits) * head_dim <= 16 * 1024;
                     let key = rng.pick(&[
                         "{ kind = \"dense\", dtype = \"f16\" }",
                         "{ kind = \"coeff\", bits = 8, scale = \"page_component\" }",
@@ -703,6 +702,14 @@ mod spec_gen {
             .collect()
     }
 
+    /// `count` random specs (TOML text) that `front::check` must accept: head_dim
+    /// from {16, 32, 64, 96, 128, 256} (no hadamard/srht at 96), 1-3 tiers, page
+    /// items from {1, 7, 16, 64}; every codec a transform (identity, hadamard, srht,
+    /// pca) and a body (dense, coeff, vector codebook, radius + direction codebook,
+    /// bitmap), both kinds taken round-robin so each appears in every batch of 5+
+    /// specs, with random parameters within the shared-memory budget. Spec 0 is a
+    /// 3-tier head_dim 64 spec, spec 1 a 3-tier head_dim 256 spec, specs 2-5 have
+    /// head_dim 16, 32, 96 and 128; the rest are fully random.
     pub fn random_specs(seed: u64, count: usize) -> Vec<String> {
         let mut generator = Generator {
             rng: SplitMix64(seed),
