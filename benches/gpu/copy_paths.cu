@@ -136,6 +136,9 @@ int main() {
     if (r != CUDA_SUCCESS) { printf("cuTensorMapEncodeTiled: %d\n", (int)r); exit(1); }
     return map;
   };
+  using Kernel = void (*)(const uint8_t*, size_t, int, float*, const __grid_constant__ CUtensorMap);
+  const Kernel kernels[] = {stream<0>, stream<1>, stream<2>, stream<3>, stream<4>, stream<5>, stream<6>};
+  for (Kernel k : kernels) CK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
   for (int mode = 0; mode < 7; mode++)
   for (int threads : {64, 128})
   for (int tile : {16384, 32768, 65536})
@@ -150,24 +153,8 @@ int main() {
     std::vector<CUtensorMap> maps(copies);
     for (int c = 0; c < copies; c++) if (mode >= 3) maps[c] = encode(bufs[c], mode, tile);
     auto launch = [&](int r) {
-      const CUtensorMap& m = maps[r % copies];
-      switch (mode) {
-        case 0: stream<0><<<ctas, threads, smem>>>(bufs[r % copies], per_cta, tile, out, m); break;
-        case 1: stream<1><<<ctas, threads, smem>>>(bufs[r % copies], per_cta, tile, out, m); break;
-        case 2: stream<2><<<ctas, threads, smem>>>(bufs[r % copies], per_cta, tile, out, m); break;
-        case 3: stream<3><<<ctas, threads, smem>>>(bufs[r % copies], per_cta, tile, out, m); break;
-        case 4: stream<4><<<ctas, threads, smem>>>(bufs[r % copies], per_cta, tile, out, m); break;
-        case 5: stream<5><<<ctas, threads, smem>>>(bufs[r % copies], per_cta, tile, out, m); break;
-        default: stream<6><<<ctas, threads, smem>>>(bufs[r % copies], per_cta, tile, out, m); break;
-      }
+      kernels[mode]<<<ctas, threads, smem>>>(bufs[r % copies], per_cta, tile, out, maps[r % copies]);
     };
-    CK(cudaFuncSetAttribute(stream<0>, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
-    CK(cudaFuncSetAttribute(stream<1>, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
-    CK(cudaFuncSetAttribute(stream<2>, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
-    CK(cudaFuncSetAttribute(stream<3>, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
-    CK(cudaFuncSetAttribute(stream<4>, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
-    CK(cudaFuncSetAttribute(stream<5>, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
-    CK(cudaFuncSetAttribute(stream<6>, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
     for (int r = 0; r < 5; r++) launch(r);
     CK(cudaDeviceSynchronize());
     std::vector<cudaEvent_t> ev(42);
