@@ -462,7 +462,8 @@ impl DeviceDecode {
             // One full wave: as many CTAs as the GPU holds at once (occupancy
             // from the kernel's registers and shared memory). A partial second
             // wave (e.g. 576 CTAs on 396 slots) leaves SMs idle for its whole
-            // duration; more, smaller splits only repeat per-CTA setup.
+            // duration; more, smaller splits only repeat per-CTA setup, and
+            // CTAs of a few pages are mostly that (`model::splits`).
             None => {
                 let mut splits = Vec::with_capacity(kernels.decode.len());
                 for (((function, kernel), &max), preferred) in kernels
@@ -482,11 +483,10 @@ impl DeviceDecode {
                             None,
                         )
                         .during(|| format!("reading the occupancy of {}", kernel.name))?;
-                    let slots = resident.max(1) * gpu.multiprocessors;
                     splits.push(if max == 0 {
                         0
                     } else {
-                        (slots / rows).clamp(1, max)
+                        crate::tune::model::splits(resident, gpu.multiprocessors, rows, max)
                     });
                 }
                 splits

@@ -63,11 +63,19 @@
 //!   [`NARROW_ROW_BYTES`]) load faster by bulk copies even where the padded
 //!   `cp.async` rows would avoid bank conflicts: few words per row conflict
 //!   (subspace: 13–18 % faster, shard 4–5 %).
-//! - **splits** stay one wave of CTAs, **tiles** a page, two buffers: within
+//! - **splits** ([`splits`]): one wave of CTAs, except where its CTAs
+//!   each get fewer than [`MIN_CTA_PAGES`] pages: then at most
+//!   [`MAX_SHORT_CTAS_PER_SM`] CTAs per SM. Small CTAs (2 warps, little shared
+//!   memory) fit 10–20 to an SM, and each pays its prologue, its epilogue
+//!   (a PCA basis applied to the values) and a partial for the merge;
+//!   beyond 8 an SM streams no faster (H200, batch 8, the 11 random-spec
+//!   tiers whose wave was 20–41 splits: 1.10–1.37× faster at 8K, 1.02–1.16×
+//!   at 32K; at 128K their CTAs hold 50 pages or more and keep the wave;
+//!   capping at 4 CTAs per SM instead lost up to 20 % at 8K).
+//! - **tiles** a page, two buffers: within
 //!   7 % of the best alternative on every bundled tier in the H100
 //!   calibration; not so elsewhere (subspace on the H200 wants 4 buffers,
-//!   8–17 % faster; 31 of the 46 corpus winners change the splits, both
-//!   ways), and no rule yet fits those.
+//!   8–17 % faster), and no rule yet fits those.
 
 use kvcc_compiler::back::ptx::{shared_stride, tensor_core_phases, Target};
 use kvcc_compiler::proc::{reads_header, reads_tables};
@@ -101,6 +109,26 @@ pub const FEW_PAGE_WARPS: u32 = 8;
 const GROUPED_VALUE_WARPS: u32 = 2;
 /// Items of a tile whose values take group scales on the tensor cores.
 pub const GROUPED_VALUE_TILE_ITEMS: u32 = 128;
+
+/// Pages below which a CTA of one wave is mostly its fixed costs.
+pub const MIN_CTA_PAGES: u32 = 32;
+/// CTAs per SM [`splits`] keeps at most when they are short.
+pub const MAX_SHORT_CTAS_PER_SM: u32 = 8;
+
+/// Splits (CTAs per row) of a step over `rows` rows of at most `row_pages`
+/// pages, for a kernel of which `resident` CTAs fit an SM: one wave over the
+/// `multiprocessors` SMs; when that gives each CTA fewer than
+/// [`MIN_CTA_PAGES`] pages, at most [`MAX_SHORT_CTAS_PER_SM`] CTAs per SM
+/// (module docs, splits). Never more than the row's pages, never 0.
+pub fn splits(resident: u32, multiprocessors: u32, rows: u32, row_pages: u32) -> u32 {
+    let rows = rows.max(1);
+    let row_pages = row_pages.max(1);
+    let wave = (resident.max(1) * multiprocessors / rows).clamp(1, row_pages);
+    if row_pages.div_ceil(wave) >= MIN_CTA_PAGES {
+        return wave;
+    }
+    wave.min((MAX_SHORT_CTAS_PER_SM * multiprocessors / rows).max(1))
+}
 
 /// What the model knows of the GPU.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -383,6 +411,22 @@ mod tests {
         let int2 = tier(&kivi2, "int2");
         let warps = config(&kivi2, int2, shape(1, 32768), H100).warps;
         assert_eq!(warps, GROUPED_VALUE_WARPS);
+    }
+
+    #[test]
+    fn waves_of_short_ctas_keep_at_most_eight_to_an_sm() {
+        // 2-warp CTAs, 20 to an SM, batch 8 × 8 kv heads, 512 pages a row:
+        // one wave is 41 splits of 12.5 pages; 8 CTAs per SM are 16 splits.
+        assert_eq!(splits(20, 132, 64, 512), 16);
+        // Long rows already give each CTA of the wave 32 pages or more.
+        assert_eq!(splits(20, 132, 64, 2048), 41);
+        // Waves of at most 8 CTAs per SM stay, however short.
+        assert_eq!(splits(6, 132, 64, 64), 12);
+        // One sequence (8 rows) keeps its wave.
+        assert_eq!(splits(3, 132, 8, 64), 49);
+        // Never more splits than pages, never none.
+        assert_eq!(splits(20, 132, 64, 3), 3);
+        assert_eq!(splits(0, 132, 0, 0), 1);
     }
 
     #[test]
