@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <vector>
 #include <algorithm>
+#include <iterator>
 #include <cuda.h>
 #include <cuda_runtime.h>
 #define CK(x) do { cudaError_t err_ = (x); if (err_ != cudaSuccess) { printf("%s: %s\n", #x, cudaGetErrorString(err_)); exit(1);} } while (0)
@@ -138,8 +139,11 @@ int main() {
   };
   using Kernel = void (*)(const uint8_t*, size_t, int, float*, const __grid_constant__ CUtensorMap);
   const Kernel kernels[] = {stream<0>, stream<1>, stream<2>, stream<3>, stream<4>, stream<5>, stream<6>};
+  const char* names[] = {"cp.async16 padded", "bulk/row padded", "bulk/half-tile", "tensor swz128 L2:256",
+                         "tensor swz128 L2:128", "tensor swz128 L2:none", "tensor unswizzled"};
+  static_assert(std::size(kernels) == std::size(names), "one name per mode");
   for (Kernel k : kernels) CK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
-  for (int mode = 0; mode < 7; mode++)
+  for (int mode = 0; mode < (int)std::size(kernels); mode++)
   for (int threads : {64, 128})
   for (int tile : {16384, 32768, 65536})
   for (int per_sm : {1, 2, 3, 5}) {
@@ -165,8 +169,6 @@ int main() {
     for (int r = 0; r < 21; r++) CK(cudaEventElapsedTime(&ms[r], ev[2 * r], ev[2 * r + 1]));
     std::sort(ms.begin(), ms.end());
     double bytes = (double)per_cta * ctas;
-    const char* names[] = {"cp.async16 padded", "bulk/row padded", "bulk/half-tile", "tensor swz128 L2:256",
-                           "tensor swz128 L2:128", "tensor swz128 L2:none", "tensor unswizzled"};
     printf("%-18s t%-4d %4d(%d/SM) %6d %9.4f %7.2f\n", names[mode], threads, ctas, per_sm, tile / 1024, ms[10], bytes / ms[10] / 1e9);
     for (auto& e : ev) CK(cudaEventDestroy(e));
   }
