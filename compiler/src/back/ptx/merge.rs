@@ -12,7 +12,7 @@ use super::builder::{Axis, Cmp, Global, Kernel, Pred, Reg, F32, U32, U64};
 
 /// Slots whose records are loaded together: their loads are in flight at
 /// once, so a row costs about `slots / SLOTS_IN_FLIGHT` load latencies.
-const SLOTS_IN_FLIGHT: u32 = 8;
+const SLOTS_IN_FLIGHT: u32 = 16;
 
 /// One partial record of a group, its fields read under `inside`.
 struct Slot {

@@ -145,6 +145,10 @@ pub struct Plan {
     /// added; the softmax states and sums past the buffers are read beside
     /// them), else past everything.
     pub warp_sums: u32,
+    /// Page-scaled keys on the tensor cores
+    /// ([`super::tensor_cores::MmaScore::padded_page_queries`]): their padded
+    /// query rows and each warp's padded copy of a page's header rows.
+    pub page_queries: Option<PageQueries>,
     pub shared_bytes: u32,
 }
 
@@ -192,6 +196,17 @@ impl Bump {
         self.0 = round_up(self.0 + bytes, CHUNK);
         at
     }
+}
+
+/// Where a page's query preparation reads its operands from, in rows of
+/// padded chunks ([`super::tensor_cores::MmaScore::padded_chunk_bytes`]):
+/// the query of each head of the group, copied once per CTA, and per warp
+/// the page's header scales (and zero points), copied by the warp at each
+/// page's first tile.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PageQueries {
+    pub query: u32,
+    pub headers: u32,
 }
 
 /// Bytes of one head's copy of an array (16-byte aligned, for vector access).
@@ -447,6 +462,13 @@ impl Plan {
         // Every head of every score block has a slot (the last block may pass group_max).
         let head_stride = (head_blocks * head_block).div_ceil(4) * 4;
         let tile_max = bump.take(4 * head_stride);
+        let page_queries = (mma.as_ref())
+            .and_then(|m| m.score.as_ref())
+            .filter(|s| s.padded_page_queries())
+            .map(|s| PageQueries {
+                query: bump.take(group_max * s.padded_row_bytes()),
+                headers: bump.take(options.warps * s.header_rows() * s.padded_row_bytes()),
+            });
 
         let stream_start = bump.0;
         if swizzled {
@@ -590,6 +612,7 @@ impl Plan {
             head_stride,
             prefetch,
             warp_sums,
+            page_queries,
             shared_bytes,
         })
     }

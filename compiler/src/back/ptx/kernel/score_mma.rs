@@ -8,11 +8,12 @@
 //! zero points (`code · scale + zero`) score their codes so, and add the
 //! page's `Σ query · zero` per head ([`Queries::bias`]).
 
-use super::super::builder::{Cmp, Kernel, Pred, Reg, Shared, F32, S32, U32};
+use super::super::builder::{Cmp, Kernel, Op, Pred, Reg, Shared, F32, S32, U32};
+use super::super::plan::PageQueries;
 use super::super::streams::CHUNK;
 use super::super::tensor_cores::{
     code_register, lane_chunk, triplet_register, Element, MmaPlan, MmaScore, ROW_LANES, TILE,
-    TRIPLET_SELECTORS,
+    TRIPLET_SELECTORS, WARP_LANES,
 };
 use super::cta::{Cta, Tile};
 use super::fragments::{
@@ -100,6 +101,25 @@ pub(super) struct Queries {
     /// `Σ query · zero` of the page, in the C sums' units (what the sums
     /// would hold for it: times σ, over the codes' factor).
     pub(super) bias: Option<Vec<Reg<F32>>>,
+}
+
+/// Where a page's query preparation reads the header scales (and zero points).
+#[derive(Clone, Copy)]
+pub(super) enum PageHeader {
+    /// The tile's header: scale slot 0's address.
+    Slots(Reg<U32>),
+    /// A warp's padded copy ([`ScoreMma::pad_header`]).
+    Padded(Reg<U32>),
+}
+
+/// The address of 16-byte vector `vector` of a key row in the padded row at
+/// `row` ([`MmaScore::padded_chunk_bytes`]).
+fn padded_vector(k: &mut Kernel, s: &MmaScore, row: Reg<U32>, vector: Reg<U32>) -> Shared {
+    let per_chunk = s.chunk_elements() / 4;
+    let chunk = k.shr(vector, per_chunk.trailing_zeros());
+    let within = k.and(vector, per_chunk - 1);
+    let at = k.mad_lo(chunk, s.padded_chunk_bytes(), row);
+    Shared::at(k.mad_lo(within, CHUNK, at))
 }
 
 /// A slot's score sums per column tile: f16 keys in `chains` chains of f32
@@ -204,13 +224,21 @@ impl ScoreMma<'_> {
         let chunk = self.frag.lane_chunk_part(k, &lanes);
         let query = s.query.index();
         let query_base = self.cta.array_base(k, query);
+        let (rows, row_bytes, chunk_bytes) = match plan.page_queries {
+            Some(pq) => {
+                self.pad_queries(k, s, pq, query_base);
+                let rows = k.add(self.cta.smem, pq.query);
+                (rows, s.padded_row_bytes(), s.padded_chunk_bytes())
+            }
+            None => (query_base, plan.array_stride[query], 4 * s.chunk_elements()),
+        };
         let query_at: Vec<(Reg<U32>, Reg<Pred>)> = (0..m.column_tiles)
             .map(|ct| {
                 let head = k.add(row_head, 4 * ct);
                 let ok = k.setp(Cmp::Lt, head, self.cta.group);
                 let (clamped, _) = self.frag.head_slot(k, head);
-                let at = k.mad_lo(clamped, plan.array_stride[query], query_base);
-                (k.mad_lo(chunk, 4 * s.chunk_elements(), at), ok)
+                let at = k.mad_lo(clamped, row_bytes, rows);
+                (k.mad_lo(chunk, chunk_bytes, at), ok)
             })
             .collect();
         let key_row = k.mad_lo(lanes.warp, TILE, lanes.row);
@@ -285,10 +313,69 @@ impl ScoreMma<'_> {
         }
     }
 
-    /// The lane's query pairs of every column tile (times the header scales
-    /// at `header` when the key has them) scaled by σ and split into parts,
-    /// the factor from its C sums to logits in log2 units, and (zero points
-    /// at `header`) the sums' bias.
+    /// Every head's query in the padded rows at `pq.query`, once per CTA.
+    /// The barrier first: the key prologue may have written the query; the
+    /// page loop's first barrier makes the copy visible.
+    fn pad_queries(&self, k: &mut Kernel, s: &MmaScore, pq: PageQueries, query_base: Reg<U32>) {
+        let plan = self.cta.plan;
+        k.bar_sync();
+        let vectors = s.key_dims / 4;
+        let stride = plan.array_stride[s.query.index()];
+        let rows = k.add(self.cta.smem, pq.query);
+        let count = Op::Imm(plan.group_max * vectors);
+        self.cta
+            .strided(k, self.cta.tid, count, plan.threads, |k, i| {
+                let head = k.div_u32(i, vectors);
+                let vector = k.rem_u32(i, vectors);
+                let src = k.mad_lo(head, stride, query_base);
+                let src = k.mad_lo(vector, CHUNK, src);
+                let x = k.ld_shared_v4::<F32>(Shared::at(src));
+                let row = k.mad_lo(head, s.padded_row_bytes(), rows);
+                let dst = padded_vector(k, s, row, vector);
+                k.st_shared_v4(dst, x);
+            });
+    }
+
+    /// The page's header scales (and zero points) in this warp's padded
+    /// rows at `pq.headers`, whose address it returns: each lane moves whole
+    /// 16-byte vectors from `header` (scale slot 0's address).
+    fn pad_header(
+        &self,
+        k: &mut Kernel,
+        s: &MmaScore,
+        pq: PageQueries,
+        header: Reg<U32>,
+    ) -> Reg<U32> {
+        let warp = k.shr(self.cta.tid, 5u32);
+        let lane = k.and(self.cta.tid, WARP_LANES - 1);
+        let row_bytes = s.padded_row_bytes();
+        let rows = k.add(self.cta.smem, pq.headers);
+        let rows = k.mad_lo(warp, s.header_rows() * row_bytes, rows);
+        let vectors = s.key_dims / 4;
+        let slots: Vec<u32> = [s.key_scale, s.key_zero].into_iter().flatten().collect();
+        // The warp's reads of the previous page's rows are done.
+        k.bar_warp_sync();
+        for pass in 0..vectors.div_ceil(WARP_LANES) {
+            let vector = k.add(lane, pass * WARP_LANES);
+            let inside = k.setp(Cmp::Lt, vector, vectors);
+            k.guarded(inside, true, |k| {
+                let src = k.mad_lo(vector, CHUNK, header);
+                for (r, &slot0) in (0u32..).zip(&slots) {
+                    let x = k.ld_shared_v4::<F32>(Shared::at(src).plus(i64::from(4 * slot0)));
+                    let row = k.add(rows, r * row_bytes);
+                    let dst = padded_vector(k, s, row, vector);
+                    k.st_shared_v4(dst, x);
+                }
+            });
+        }
+        k.bar_warp_sync();
+        rows
+    }
+
+    /// The lane's query pairs of every column tile (times the page's header
+    /// scales when the key has them) scaled by σ and split into parts, the
+    /// factor from its C sums to logits in log2 units, and (zero points in
+    /// the header) the sums' bias.
     pub(super) fn queries(
         &self,
         k: &mut Kernel,
@@ -296,19 +383,38 @@ impl ScoreMma<'_> {
         lanes: &Lanes,
         query_at: &[(Reg<U32>, Reg<Pred>)],
         bias_at: &[Reg<U32>],
-        header: Option<Reg<U32>>,
+        header: Option<PageHeader>,
     ) -> Queries {
         let chunk = m.chunk_elements();
         let spread = self.frag.spread_chunks();
-        // The lane's chunk c holds elements chunk · (its chunk index), contiguous.
-        let lane_header = header.map(|h| {
-            let lane_chunk = self.frag.lane_chunk_part(k, lanes);
-            k.mad_lo(lane_chunk, 4 * chunk, h)
-        });
-        let mut slots_at =
-            |slot0: Option<u32>| (lane_header.zip(slot0)).map(|(h, slot0)| k.add(h, 4 * slot0));
-        let scales_at = slots_at(m.key_scale);
-        let zeros_at = slots_at(m.key_zero);
+        // The lane's chunk c holds elements chunk · (its chunk index),
+        // contiguous; chunks `chunk_bytes` apart.
+        let chunk_bytes = match header {
+            Some(PageHeader::Padded(_)) => m.padded_chunk_bytes(),
+            _ => 4 * chunk,
+        };
+        let (scales_at, zeros_at) = match header {
+            None => (None, None),
+            Some(header) => {
+                let part = self.frag.lane_chunk_part(k, lanes);
+                let (base, scales, zeros) = match header {
+                    PageHeader::Slots(h) => {
+                        (h, m.key_scale.map(|s| 4 * s), m.key_zero.map(|z| 4 * z))
+                    }
+                    PageHeader::Padded(rows) => {
+                        (rows, Some(0), m.key_zero.map(|_| m.padded_row_bytes()))
+                    }
+                };
+                let lane = k.mad_lo(part, chunk_bytes, base);
+                let mut row = |offset: Option<u32>| {
+                    offset.map(|o| match o {
+                        0 => lane,
+                        o => k.add(lane, o),
+                    })
+                };
+                (row(scales), row(zeros))
+            }
+        };
         // Logits in log2 units; 4- and 2-bit codes enter as 16 or 64 times the code.
         let code_scale = match m.key {
             Element::Int { bits, .. } => 1.0 / (1u32 << (8 - bits)) as f32,
@@ -325,7 +431,7 @@ impl ScoreMma<'_> {
             let mut query_zeros: [Option<Reg<F32>>; 4] = [None; 4];
             for c in 0..m.lane_chunks() {
                 for v in 0..chunk / 4 {
-                    let offset = i64::from(4 * (chunk * lane_chunk(spread, c) + 4 * v));
+                    let offset = i64::from(chunk_bytes * lane_chunk(spread, c) + CHUNK * v);
                     let q = k.ld_shared_v4::<F32>(Shared::at(at).plus(offset));
                     let s = scales_at.map(|s| k.ld_shared_v4::<F32>(Shared::at(s).plus(offset)));
                     let z = zeros_at.map(|z| k.ld_shared_v4::<F32>(Shared::at(z).plus(offset)));
@@ -479,14 +585,11 @@ impl ScoreMma<'_> {
                 let page_start = k.setp(Cmp::Eq, first, 0u32);
                 k.bra_if(page_start, false, later);
             }
-            let page = self.queries(
-                k,
-                score,
-                &t.lanes,
-                &t.query_at,
-                &t.bias_at,
-                Some(tile.header),
-            );
+            let header = match plan.page_queries {
+                Some(pq) => PageHeader::Padded(self.pad_header(k, score, pq, tile.header)),
+                None => PageHeader::Slots(tile.header),
+            };
+            let page = self.queries(k, score, &t.lanes, &t.query_at, &t.bias_at, Some(header));
             let registers = |q: &Queries| q.tiles.iter().flatten().flatten().copied().collect();
             let (to, from): (Vec<Reg<U32>>, Vec<Reg<U32>>) = (registers(queries), registers(&page));
             for (to, from) in to.iter().zip(&from) {
