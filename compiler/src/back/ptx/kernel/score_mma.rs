@@ -395,24 +395,17 @@ impl ScoreMma<'_> {
         };
         let (scales_at, zeros_at) = match header {
             None => (None, None),
-            Some(header) => {
+            Some(PageHeader::Slots(h)) => {
                 let part = self.frag.lane_chunk_part(k, lanes);
-                let (base, scales, zeros) = match header {
-                    PageHeader::Slots(h) => {
-                        (h, m.key_scale.map(|s| 4 * s), m.key_zero.map(|z| 4 * z))
-                    }
-                    PageHeader::Padded(rows) => {
-                        (rows, Some(0), m.key_zero.map(|_| m.padded_row_bytes()))
-                    }
-                };
-                let lane = k.mad_lo(part, chunk_bytes, base);
-                let mut row = |offset: Option<u32>| {
-                    offset.map(|o| match o {
-                        0 => lane,
-                        o => k.add(lane, o),
-                    })
-                };
-                (row(scales), row(zeros))
+                let lane = k.mad_lo(part, chunk_bytes, h);
+                let mut slot = |slot0: Option<u32>| slot0.map(|s| k.add(lane, 4 * s));
+                (slot(m.key_scale), slot(m.key_zero))
+            }
+            Some(PageHeader::Padded(rows)) => {
+                let part = self.frag.lane_chunk_part(k, lanes);
+                let lane = k.mad_lo(part, chunk_bytes, rows);
+                let zeros = m.key_zero.map(|_| k.add(lane, m.padded_row_bytes()));
+                (Some(lane), zeros)
             }
         };
         // Logits in log2 units; 4- and 2-bit codes enter as 16 or 64 times the code.
