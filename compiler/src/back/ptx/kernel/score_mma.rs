@@ -395,17 +395,21 @@ impl ScoreMma<'_> {
         };
         let (scales_at, zeros_at) = match header {
             None => (None, None),
-            Some(PageHeader::Slots(h)) => {
+            Some(header) => {
+                let (PageHeader::Slots(base) | PageHeader::Padded(base)) = header;
                 let part = self.frag.lane_chunk_part(k, lanes);
-                let lane = k.mad_lo(part, chunk_bytes, h);
-                let mut slot = |slot0: Option<u32>| slot0.map(|s| k.add(lane, 4 * s));
-                (slot(m.key_scale), slot(m.key_zero))
-            }
-            Some(PageHeader::Padded(rows)) => {
-                let part = self.frag.lane_chunk_part(k, lanes);
-                let lane = k.mad_lo(part, chunk_bytes, rows);
-                let zeros = m.key_zero.map(|_| k.add(lane, m.padded_row_bytes()));
-                (Some(lane), zeros)
+                let lane = k.mad_lo(part, chunk_bytes, base);
+                match header {
+                    PageHeader::Slots(_) => {
+                        let mut slot = |slot0: Option<u32>| slot0.map(|s| k.add(lane, 4 * s));
+                        (slot(m.key_scale), slot(m.key_zero))
+                    }
+                    // Scales in the first row, zero points in the second.
+                    PageHeader::Padded(_) => {
+                        let zeros = m.key_zero.map(|_| k.add(lane, m.padded_row_bytes()));
+                        (Some(lane), zeros)
+                    }
+                }
             }
         };
         // Logits in log2 units; 4- and 2-bit codes enter as 16 or 64 times the code.
