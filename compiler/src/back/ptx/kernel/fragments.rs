@@ -184,12 +184,19 @@ pub(super) fn column_sigma(
     across: Across,
     exponent: u32,
 ) -> Reg<F32> {
+    let bits = column_magnitude(k, values, across);
+    sigma_of_magnitude(k, bits, exponent)
+}
+
+/// The bits of the largest |x| of `values` in the lanes `across`
+/// (magnitudes' bits order as their values, NaN above them all).
+pub(super) fn column_magnitude(k: &mut Kernel, values: &[Reg<F32>], across: Across) -> Reg<U32> {
     let mut most = k.abs_f32(values[0]);
     for &x in &values[1..] {
         let a = k.abs_f32(x);
         most = k.max(most, a);
     }
-    let bits = match across {
+    match across {
         Across::Butterfly(masks) => {
             for &mask in masks {
                 let other = k.shfl_bfly(most, mask);
@@ -197,12 +204,15 @@ pub(super) fn column_sigma(
             }
             k.bitcast::<F32, U32>(most)
         }
-        // Magnitudes' bits order as their values (NaN above them all).
         Across::Warp => {
             let bits = k.bitcast::<F32, U32>(most);
             k.redux_max_u32(bits)
         }
-    };
+    }
+}
+
+/// [`column_sigma`]'s σ for a largest magnitude of bits `bits`.
+pub(super) fn sigma_of_magnitude(k: &mut Kernel, bits: Reg<U32>, exponent: u32) -> Reg<F32> {
     let biased = k.shr(bits, 23u32);
     let field = k.sub(2 * BIAS + exponent, biased);
     let field = k.min(field, MAX_EXPONENT);

@@ -385,8 +385,42 @@ impl ScoreMma<'_> {
         bias_at: &[Reg<U32>],
         header: Option<PageHeader>,
     ) -> Queries {
+        let source = self.query_source(k, m, lanes, header);
+        let (factor, code_scale) = self.logit_factor(k, m);
+        let registers: Vec<u32> = (0..m.key_registers()).collect();
+        let mut tiles = Vec::new();
+        let mut to_logits = Vec::new();
+        let mut bias = Vec::new();
+        for (ct, &(at, ok)) in query_at.iter().enumerate() {
+            let (elements, lane_zeros) = self.lane_elements(k, m, &source, at, ok, &registers);
+            let query_zeros = lane_zeros.map(|sum| row_sum(k, sum, ok));
+            let query_zeros = self.plus_bias(k, query_zeros, bias_at.get(ct));
+            let values: Vec<Reg<F32>> = elements.iter().flatten().copied().collect();
+            let sigma = column_sigma(k, &values, Across::Butterfly(&[1, 2]), exponent(m));
+            let sigma = bounded_sigma(k, sigma, query_zeros);
+            tiles.push(self.pack(k, m, lanes, &elements, sigma, &registers));
+            let (logit_factor, page_bias) =
+                column_factors(k, lanes, sigma, query_zeros, factor, code_scale);
+            to_logits.push(logit_factor);
+            bias.extend(page_bias);
+        }
+        Queries {
+            tiles,
+            to_logits,
+            bias: (!bias.is_empty()).then_some(bias),
+        }
+    }
+
+    /// Where the lane's query chunks and the page's header scales (and
+    /// zero points) lie.
+    pub(super) fn query_source(
+        &self,
+        k: &mut Kernel,
+        m: &MmaScore,
+        lanes: &Lanes,
+        header: Option<PageHeader>,
+    ) -> QuerySource {
         let chunk = m.chunk_elements();
-        let spread = self.frag.spread_chunks();
         // The lane's chunk c holds elements chunk · (its chunk index),
         // contiguous; chunks `chunk_bytes` apart.
         let chunk_bytes = match header {
@@ -412,148 +446,164 @@ impl ScoreMma<'_> {
                 }
             }
         };
-        // Logits in log2 units; 4- and 2-bit codes enter as 16 or 64 times the code.
+        QuerySource {
+            chunk_bytes,
+            spread: self.frag.spread_chunks(),
+            scales_at,
+            zeros_at,
+        }
+    }
+
+    /// The factor from C sums (over σ) to logits in log2 units, and the
+    /// codes' own factor: 4- and 2-bit codes enter as 16 or 64 times the code.
+    pub(super) fn logit_factor(&self, k: &mut Kernel, m: &MmaScore) -> (Reg<F32>, f32) {
         let code_scale = match m.key {
             Element::Int { bits, .. } => 1.0 / (1u32 << (8 - bits)) as f32,
             Element::Half | Element::Fp8(_) => 1.0,
         };
         let softmax_scale = k.ld_param(&self.cta.p.softmax_scale);
         let factor = k.mul(softmax_scale, std::f32::consts::LOG2_E * code_scale);
-        let mut tiles = Vec::new();
-        let mut to_logits = Vec::new();
-        let mut bias = Vec::new();
-        for (ct, &(at, ok)) in query_at.iter().enumerate() {
-            let mut elements = Vec::new();
-            // The lane's Σ query · zero, in four chains (one per vector lane).
-            let mut query_zeros: [Option<Reg<F32>>; 4] = [None; 4];
-            for c in 0..m.lane_chunks() {
-                for v in 0..chunk / 4 {
-                    let offset = i64::from(chunk_bytes * lane_chunk(spread, c) + CHUNK * v);
-                    let q = k.ld_shared_v4::<F32>(Shared::at(at).plus(offset));
-                    let s = scales_at.map(|s| k.ld_shared_v4::<F32>(Shared::at(s).plus(offset)));
-                    let z = zeros_at.map(|z| k.ld_shared_v4::<F32>(Shared::at(z).plus(offset)));
-                    for (i, x) in q.into_iter().enumerate() {
-                        if let Some(z) = z {
-                            query_zeros[i] = Some(match query_zeros[i] {
-                                Some(sum) => k.fma(x, z[i], sum),
-                                None => k.mul(x, z[i]),
-                            });
-                        }
-                        let x = match s {
-                            Some(s) => k.mul(x, s[i]),
-                            None => x,
-                        };
-                        elements.push(k.selp(x, 0.0f32, ok));
+        (factor, code_scale)
+    }
+
+    /// The lane's query elements of the fragment registers `registers` (the
+    /// others `None`), times the page's header scales, zero where the B
+    /// column's head does not exist (`ok`); and with zero points the lane's
+    /// part of its head's `Σ query · zero` over those elements.
+    pub(super) fn lane_elements(
+        &self,
+        k: &mut Kernel,
+        m: &MmaScore,
+        source: &QuerySource,
+        at: Reg<U32>,
+        ok: Reg<Pred>,
+        registers: &[u32],
+    ) -> (Vec<Option<Reg<F32>>>, Option<Reg<F32>>) {
+        let chunk = m.chunk_elements();
+        let mut wanted = vec![false; (m.lane_chunks() * chunk) as usize];
+        for &r in registers {
+            for at in register_positions(m, r) {
+                wanted[at] = true;
+            }
+        }
+        let mut elements = vec![None; wanted.len()];
+        // The lane's Σ query · zero, in four chains (one per vector lane).
+        let mut query_zeros: [Option<Reg<F32>>; 4] = [None; 4];
+        for c in 0..m.lane_chunks() {
+            for v in 0..chunk / 4 {
+                let first = (c * chunk + 4 * v) as usize;
+                if !wanted[first..first + 4].iter().any(|&w| w) {
+                    continue;
+                }
+                let offset =
+                    i64::from(source.chunk_bytes * lane_chunk(source.spread, c) + CHUNK * v);
+                let q = k.ld_shared_v4::<F32>(Shared::at(at).plus(offset));
+                let s =
+                    (source.scales_at).map(|s| k.ld_shared_v4::<F32>(Shared::at(s).plus(offset)));
+                let z =
+                    (source.zeros_at).map(|z| k.ld_shared_v4::<F32>(Shared::at(z).plus(offset)));
+                for (i, x) in q.into_iter().enumerate() {
+                    if !wanted[first + i] {
+                        continue;
                     }
+                    if let Some(z) = z {
+                        query_zeros[i] = Some(match query_zeros[i] {
+                            Some(sum) => k.fma(x, z[i], sum),
+                            None => k.mul(x, z[i]),
+                        });
+                    }
+                    let x = match s {
+                        Some(s) => k.mul(x, s[i]),
+                        None => x,
+                    };
+                    elements[first + i] = Some(k.selp(x, 0.0f32, ok));
                 }
             }
-            // Element i of the row is the lane's (i / 4·chunk)-th chunk's
-            // (i % 4·chunk)-th: `elements` holds the chunks back to back.
-            let position =
-                |i: u32| (i / (ROW_LANES * chunk) * chunk + i % (ROW_LANES * chunk)) as usize;
-            let of_register = |r: u32| -> Vec<usize> {
-                (0..m.register_elements())
-                    .map(|e| position(m.key_element(r, e)))
-                    .collect()
-            };
-            // The B column's head's Σ query · zero: the four lanes of its row.
-            let lane_sum = query_zeros.into_iter().flatten().reduce(|a, b| k.add(a, b));
-            let query_zeros = lane_sum.map(|lane_sum| {
-                let mut sum = k.selp(lane_sum, 0.0f32, ok);
-                for mask in [1, 2] {
-                    let other = k.shfl_bfly(sum, mask);
-                    sum = k.add(sum, other);
-                }
-                sum
-            });
-            // Plus the head's own bias term.
-            let constant = bias_at
-                .get(ct)
-                .map(|&at| k.ld_shared::<F32>(Shared::at(at)));
-            let query_zeros = match (query_zeros, constant) {
-                (Some(sum), Some(c)) => Some(k.add(sum, c)),
-                (sum, c) => sum.or(c),
-            };
-            // A B column's lanes: the four of its row.
-            let exponent = match m.key {
-                Element::Half | Element::Fp8(_) => HALF_EXPONENT,
-                Element::Int { .. } => INT_EXPONENT,
-            };
-            let sigma = column_sigma(k, &elements, Across::Butterfly(&[1, 2]), exponent);
-            // The bias times σ stays finite where the scaled queries are
-            // (near) zero, as on a page of one item (every scale 0).
-            let sigma = match query_zeros {
-                Some(sum) => {
-                    let bound = column_sigma(k, &[sum], Across::Butterfly(&[]), BIAS_EXPONENT);
-                    k.min(sigma, bound)
-                }
-                None => sigma,
-            };
-            let column_tiles = match m.key {
-                Element::Half | Element::Fp8(_) => {
-                    let scaled: Vec<Reg<F32>> = elements.iter().map(|&x| k.mul(x, sigma)).collect();
-                    let pairs = (0..m.key_registers())
-                        .map(|r| {
-                            let at = of_register(r);
-                            f16_part(k, scaled[at[0]], scaled[at[1]], lanes.low_part)
-                        })
-                        .collect();
-                    vec![pairs]
-                }
-                Element::Int { .. } => {
-                    // Q = d0 · 2^16 + d1 · 2^8 + d2 with signed bytes: d2 is
-                    // Q's byte 0, d1 byte 1 of Q + 2^7, d0 byte 2 of Q +
-                    // 2^15 + 2^7 (each carry rounds the digits above).
-                    let odd = lanes.low_part;
-                    let carry = k.selp(0x80u32, 0x8080u32, odd);
-                    let byte = k.selp(0x51u32, 0x62u32, odd);
-                    let even = k.selp(0u32, u32::MAX, odd);
-                    let digits: Vec<[Reg<U32>; 2]> = (elements.iter())
-                        .map(|&x| {
-                            let scaled = k.mul(x, sigma);
+        }
+        let lane_sum = query_zeros.into_iter().flatten().reduce(|a, b| k.add(a, b));
+        (elements, lane_sum)
+    }
+
+    /// A head's `Σ query · zero` plus its own bias term (at `bias_at`).
+    pub(super) fn plus_bias(
+        &self,
+        k: &mut Kernel,
+        query_zeros: Option<Reg<F32>>,
+        bias_at: Option<&Reg<U32>>,
+    ) -> Option<Reg<F32>> {
+        let constant = bias_at.map(|&at| k.ld_shared::<F32>(Shared::at(at)));
+        match (query_zeros, constant) {
+            (Some(sum), Some(c)) => Some(k.add(sum, c)),
+            (sum, c) => sum.or(c),
+        }
+    }
+
+    /// The lane's fragment registers `registers` of each B tile, from its
+    /// elements ([`ScoreMma::lane_elements`]) times σ: f16 hi / lo parts,
+    /// or the bytes of a 24-bit integer ([`Queries`]).
+    pub(super) fn pack(
+        &self,
+        k: &mut Kernel,
+        m: &MmaScore,
+        lanes: &Lanes,
+        elements: &[Option<Reg<F32>>],
+        sigma: Reg<F32>,
+        registers: &[u32],
+    ) -> Vec<Vec<Reg<U32>>> {
+        let element = |at: usize| elements[at].expect("the register's elements are computed");
+        match m.key {
+            Element::Half | Element::Fp8(_) => {
+                let scaled: Vec<Option<Reg<F32>>> = (elements.iter())
+                    .map(|x| x.map(|x| k.mul(x, sigma)))
+                    .collect();
+                let pairs = (registers.iter())
+                    .map(|&r| {
+                        let at = register_positions(m, r);
+                        let [a, b] = [at[0], at[1]].map(|i| scaled[i].expect("computed"));
+                        f16_part(k, a, b, lanes.low_part)
+                    })
+                    .collect();
+                vec![pairs]
+            }
+            Element::Int { .. } => {
+                // Q = d0 · 2^16 + d1 · 2^8 + d2 with signed bytes: d2 is
+                // Q's byte 0, d1 byte 1 of Q + 2^7, d0 byte 2 of Q +
+                // 2^15 + 2^7 (each carry rounds the digits above).
+                let odd = lanes.low_part;
+                let carry = k.selp(0x80u32, 0x8080u32, odd);
+                let byte = k.selp(0x51u32, 0x62u32, odd);
+                let even = k.selp(0u32, u32::MAX, odd);
+                let digits: Vec<Option<[Reg<U32>; 2]>> = (0..elements.len())
+                    .map(|at| {
+                        elements[at].map(|_| {
+                            let scaled = k.mul(element(at), sigma);
                             let q = k.f32_to_s32(scaled);
                             let q = k.bitcast::<S32, U32>(q);
                             [k.add(q, carry), q]
                         })
-                        .collect();
-                    [(byte, None), (k.mov(0x40u32), Some(even))]
-                        .into_iter()
-                        .enumerate()
-                        .map(|(tile, (selector, mask))| {
-                            (0..m.key_registers())
-                                .map(|r| {
-                                    let at = of_register(r);
-                                    let [a, b, c, d] = [0, 1, 2, 3].map(|i| digits[at[i]][tile]);
-                                    let low = k.prmt_by(a, b, selector);
-                                    let high = k.prmt_by(c, d, selector);
-                                    let packed = k.prmt(low, high, 0x5410);
-                                    match mask {
-                                        Some(mask) => k.and(packed, mask),
-                                        None => packed,
-                                    }
-                                })
-                                .collect()
-                        })
-                        .collect()
-                }
-            };
-            tiles.push(column_tiles);
-            // 1/σ of head 4·ct + quad: lane 8·quad's B column is that head's.
-            let inverse = unscale_of(k, sigma);
-            let owner = k.shl(lanes.quad, 3u32);
-            let inverse = k.shfl_idx(inverse, owner);
-            to_logits.push(k.mul(inverse, factor));
-            if let Some(sum) = query_zeros {
-                // In the C sums' units, to the C columns' head as 1/σ.
-                let scaled = k.mul(sum, sigma);
-                let units = k.mul(scaled, 1.0 / code_scale);
-                bias.push(k.shfl_idx(units, owner));
+                    })
+                    .collect();
+                [(byte, None), (k.mov(0x40u32), Some(even))]
+                    .into_iter()
+                    .enumerate()
+                    .map(|(tile, (selector, mask))| {
+                        (registers.iter())
+                            .map(|&r| {
+                                let at = register_positions(m, r);
+                                let [a, b, c, d] =
+                                    [0, 1, 2, 3].map(|i| digits[at[i]].expect("computed")[tile]);
+                                let low = k.prmt_by(a, b, selector);
+                                let high = k.prmt_by(c, d, selector);
+                                let packed = k.prmt(low, high, 0x5410);
+                                match mask {
+                                    Some(mask) => k.and(packed, mask),
+                                    None => packed,
+                                }
+                            })
+                            .collect()
+                    })
+                    .collect()
             }
-        }
-        Queries {
-            tiles,
-            to_logits,
-            bias: (!bias.is_empty()).then_some(bias),
         }
     }
 
@@ -698,6 +748,85 @@ impl ScoreMma<'_> {
             })
             .collect()
     }
+}
+
+/// Where a lane's query elements come from ([`ScoreMma::query_source`]).
+pub(super) struct QuerySource {
+    /// Bytes from one of the lane's query chunks to the next.
+    chunk_bytes: u32,
+    spread: bool,
+    /// The lane's first header scale and zero point.
+    scales_at: Option<Reg<U32>>,
+    zeros_at: Option<Reg<U32>>,
+}
+
+/// Where the elements of fragment register `r` lie among a lane's elements
+/// ([`ScoreMma::lane_elements`]: its chunks back to back).
+pub(super) fn register_positions(m: &MmaScore, r: u32) -> Vec<usize> {
+    let chunk = m.chunk_elements();
+    // Element i of the row is the lane's (i / 4·chunk)-th chunk's (i % 4·chunk)-th.
+    let position = |i: u32| (i / (ROW_LANES * chunk) * chunk + i % (ROW_LANES * chunk)) as usize;
+    (0..m.register_elements())
+        .map(|e| position(m.key_element(r, e)))
+        .collect()
+}
+
+/// The sum over a B column's four lanes (its row) of the lanes' `sum`,
+/// zero where the column's head does not exist.
+pub(super) fn row_sum(k: &mut Kernel, sum: Reg<F32>, ok: Reg<Pred>) -> Reg<F32> {
+    let mut sum = k.selp(sum, 0.0f32, ok);
+    for mask in [1, 2] {
+        let other = k.shfl_bfly(sum, mask);
+        sum = k.add(sum, other);
+    }
+    sum
+}
+
+/// The exponent of the queries' σ ([`column_sigma`]).
+pub(super) fn exponent(m: &MmaScore) -> u32 {
+    match m.key {
+        Element::Half | Element::Fp8(_) => HALF_EXPONENT,
+        Element::Int { .. } => INT_EXPONENT,
+    }
+}
+
+/// σ, lowered so that the bias times σ stays finite where the scaled
+/// queries are (near) zero, as on a page of one item (every scale 0).
+pub(super) fn bounded_sigma(
+    k: &mut Kernel,
+    sigma: Reg<F32>,
+    query_zeros: Option<Reg<F32>>,
+) -> Reg<F32> {
+    match query_zeros {
+        Some(sum) => {
+            let bound = column_sigma(k, &[sum], Across::Butterfly(&[]), BIAS_EXPONENT);
+            k.min(sigma, bound)
+        }
+        None => sigma,
+    }
+}
+
+/// The C columns' head's factor to logits (`factor` over its σ), and its
+/// bias in the C sums' units (the head's `Σ query · zero` times σ over the
+/// codes' factor): lane 8·quad's B column is head `quad`'s.
+pub(super) fn column_factors(
+    k: &mut Kernel,
+    lanes: &Lanes,
+    sigma: Reg<F32>,
+    query_zeros: Option<Reg<F32>>,
+    factor: Reg<F32>,
+    code_scale: f32,
+) -> (Reg<F32>, Option<Reg<F32>>) {
+    let inverse = unscale_of(k, sigma);
+    let owner = k.shl(lanes.quad, 3u32);
+    let inverse = k.shfl_idx(inverse, owner);
+    let to_logits = k.mul(inverse, factor);
+    let bias = query_zeros.map(|sum| {
+        let scaled = k.mul(sum, sigma);
+        let units = k.mul(scaled, 1.0 / code_scale);
+        k.shfl_idx(units, owner)
+    });
+    (to_logits, bias)
 }
 
 /// The fragment registers of one word of key elements
