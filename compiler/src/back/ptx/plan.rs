@@ -9,7 +9,7 @@ use super::abi::{
     tensor_map_slot, DecodeKernel, PartialLayout, TableBuffer, TensorMap, SWIZZLE_LINE,
 };
 use super::streams::{shared_stride, Stream, CHUNK};
-use super::tensor_cores::MmaPlan;
+use super::tensor_cores::{MmaPlan, WARP_LANES};
 use super::{Error, Options};
 use crate::ir::{ArrayDecl, Expr, Handle, Module, Stage};
 use crate::layout::{round_up, Side, TierLayout};
@@ -149,6 +149,9 @@ pub struct Plan {
     /// ([`super::tensor_cores::MmaScore::padded_page_queries`]): their padded
     /// query rows and each warp's padded copy of a page's header rows.
     pub page_queries: Option<PageQueries>,
+    /// Page-scaled keys on the tensor cores in CTAs of several warps: where
+    /// the warps meet to prepare each page's query together.
+    pub page_fragments: Option<PageFragments>,
     pub shared_bytes: u32,
 }
 
@@ -208,6 +211,22 @@ pub struct PageQueries {
     pub query: u32,
     pub headers: u32,
 }
+
+/// A page's query preparation split over the CTA's warps
+/// (`kernel/page_fragments.rs`): each warp's largest magnitude and
+/// `Σ query · zero` of each head ([`PAGE_STATS_BYTES`] per column tile,
+/// warp and head of the tile), in the logits rows (dead during the
+/// stream); and every fragment register of the page's query, lane-major
+/// (`[column tile][B tile][register][lane]`), in the warps' padded header
+/// rows when they fit (dead once the warps meet), else apart.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PageFragments {
+    pub stats: u32,
+    pub registers: u32,
+}
+
+/// Bytes of one warp's statistics of one head ([`PageFragments`]).
+pub const PAGE_STATS_BYTES: u32 = 8;
 
 /// Bytes of one head's copy of an array (16-byte aligned, for vector access).
 fn array_bytes(len: u32) -> u32 {
@@ -470,6 +489,22 @@ impl Plan {
                 headers: bump.take(options.warps * s.header_rows() * s.padded_row_bytes()),
             });
 
+        // Every fragment register of a page's query, once per CTA, where
+        // each warp has one to prepare (subspace's two registers a lane ran
+        // 1-2 % slower split over 4 warps on an H200).
+        let page_registers = (mma.as_ref())
+            .filter(|_| options.warps > 1)
+            .and_then(|m| m.score.as_ref().map(|s| (m, s)))
+            .filter(|(_, s)| s.key_scale.is_some() && s.key_registers() >= options.warps)
+            .map(|(m, s)| {
+                let bytes = m.column_tiles * s.query_tiles() * s.key_registers() * 4 * WARP_LANES;
+                let headers = options.warps * s.header_rows() * s.padded_row_bytes();
+                match page_queries {
+                    Some(pq) if bytes <= headers => pq.headers,
+                    _ => bump.take(bytes),
+                }
+            });
+
         let stream_start = bump.0;
         if swizzled {
             bump.0 = round_up(bump.0, SWIZZLE_ALIGN);
@@ -479,6 +514,15 @@ impl Plan {
             true => bump.take(head_stride * 4 * 2 * options.warps),
             false => bump.take(head_stride * 4 * tile_items),
         };
+        let page_fragments = page_registers.map(|registers| {
+            let m = mma.as_ref().expect("page fragments are the tensor cores'");
+            let stats = m.column_tiles * options.warps * 4 * PAGE_STATS_BYTES;
+            debug_assert!(stats <= head_stride * 4 * 2 * options.warps);
+            PageFragments {
+                stats: logits,
+                registers,
+            }
+        });
         // Staged rows: [start, end) of shared memory, written only inside the
         // page loop (after the barrier that ends the prologue).
         let staged_rows = mma.as_mut().map(|m| {
@@ -613,6 +657,7 @@ impl Plan {
             prefetch,
             warp_sums,
             page_queries,
+            page_fragments,
             shared_bytes,
         })
     }

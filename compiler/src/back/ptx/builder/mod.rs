@@ -420,6 +420,8 @@ impl Kernel {
 
     /// A comment line in the output, to keep the PTX reviewable.
     pub fn comment(&mut self, text: &str) {
+        // ptxas (13.0) rejects any non-ASCII character, comments included.
+        assert!(text.is_ascii(), "PTX comments are ASCII: {text}");
         let _ = writeln!(self.body, "\t// {text}");
     }
 
@@ -463,6 +465,11 @@ impl Kernel {
     }
     pub fn bar_sync(&mut self) {
         self.line(format_args!("bar.sync 0"));
+    }
+    /// `bar.sync` that the CTA's warps may reach at different instructions
+    /// (`bar.sync` is `barrier.sync.aligned`: one instruction for all).
+    pub fn barrier_sync(&mut self) {
+        self.line(format_args!("barrier.sync 0"));
     }
     /// `bar.sync` that also returns, to every thread, whether `p` held in any
     /// thread of the CTA (`__syncthreads_or`); it orders memory as `bar.sync`.

@@ -45,6 +45,7 @@ mod fragments;
 mod gather;
 mod heads;
 mod lookup;
+mod page_fragments;
 mod partials;
 mod score;
 mod score_mma;

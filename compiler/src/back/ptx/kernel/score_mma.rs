@@ -607,6 +607,54 @@ impl ScoreMma<'_> {
         }
     }
 
+    /// At a page's first tile, with keys scaled per page: the lane's
+    /// queries (`t.queries`) times the page's header scales. Before the
+    /// tile's other shared loads, which would otherwise wait, live, through
+    /// the preparation's barriers.
+    pub(super) fn page_queries(&self, k: &mut Kernel, tile: &Tile, t: &MmaScoreThread) {
+        let plan = self.cta.plan;
+        let m = plan.mma.as_ref().expect("tensor-core plan");
+        let score = m.score.as_ref().expect("tensor-core score");
+        let queries = &t.queries;
+        if score.key_scale.is_none() {
+            return;
+        }
+        k.comment("a page's first tile: the query times the page's header scales");
+        let later = k.label();
+        if let Some(first) = tile.first {
+            let page_start = k.setp(Cmp::Eq, first, 0u32);
+            k.bra_if(page_start, false, later);
+        }
+        let header = match plan.page_queries {
+            Some(pq) => PageHeader::Padded(self.pad_header(k, score, pq, tile.header)),
+            None => PageHeader::Slots(tile.header),
+        };
+        match plan.page_fragments {
+            Some(shared) => self.shared_queries(k, score, t, header, shared),
+            None => {
+                let page = self.queries(k, score, &t.lanes, &t.query_at, &t.bias_at, Some(header));
+                let registers = |q: &Queries| q.tiles.iter().flatten().flatten().copied().collect();
+                let (to, from): (Vec<Reg<U32>>, Vec<Reg<U32>>) =
+                    (registers(queries), registers(&page));
+                for (to, from) in to.iter().zip(&from) {
+                    k.assign(*to, *from);
+                }
+                for (to, from) in queries.to_logits.iter().zip(&page.to_logits) {
+                    k.assign(*to, *from);
+                }
+                for (to, from) in queries
+                    .bias
+                    .iter()
+                    .flatten()
+                    .zip(page.bias.iter().flatten())
+                {
+                    k.assign(*to, *from);
+                }
+            }
+        }
+        k.place(later);
+    }
+
     /// The lane's C sums, by slot, column tile and row half, in units of
     /// their column tile's `to_logits` (the softmax folds that factor into
     /// the step it takes anyway): token
@@ -625,36 +673,6 @@ impl ScoreMma<'_> {
         let m = plan.mma.as_ref().expect("tensor-core plan");
         let score = m.score.as_ref().expect("tensor-core score");
         let queries = &t.queries;
-        if score.key_scale.is_some() {
-            k.comment("a page's first tile: the query times the page's header scales");
-            let later = k.label();
-            if let Some(first) = tile.first {
-                let page_start = k.setp(Cmp::Eq, first, 0u32);
-                k.bra_if(page_start, false, later);
-            }
-            let header = match plan.page_queries {
-                Some(pq) => PageHeader::Padded(self.pad_header(k, score, pq, tile.header)),
-                None => PageHeader::Slots(tile.header),
-            };
-            let page = self.queries(k, score, &t.lanes, &t.query_at, &t.bias_at, Some(header));
-            let registers = |q: &Queries| q.tiles.iter().flatten().flatten().copied().collect();
-            let (to, from): (Vec<Reg<U32>>, Vec<Reg<U32>>) = (registers(queries), registers(&page));
-            for (to, from) in to.iter().zip(&from) {
-                k.assign(*to, *from);
-            }
-            for (to, from) in queries.to_logits.iter().zip(&page.to_logits) {
-                k.assign(*to, *from);
-            }
-            for (to, from) in queries
-                .bias
-                .iter()
-                .flatten()
-                .zip(page.bias.iter().flatten())
-            {
-                k.assign(*to, *from);
-            }
-            k.place(later);
-        }
         let stride = m.key_rows.stride;
         let spread = self.frag.spread_chunks();
         let base = self.frag.rows(k, tile.buf, m.key_rows);

@@ -84,6 +84,7 @@ impl WarpTile<'_> {
                 .as_ref()
                 .map(|g| (g, values_buf, values_items)),
         );
+        self.score_mma.page_queries(k, tile, score);
         let Some(pending) = pending else {
             // The item scales and σ first: they do not wait for the score.
             let scales = self.item_scales(k, score, values, tile.buf, &in_tile);
