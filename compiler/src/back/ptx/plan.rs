@@ -9,7 +9,7 @@ use super::abi::{
     tensor_map_slot, DecodeKernel, PartialLayout, TableBuffer, TensorMap, SWIZZLE_LINE,
 };
 use super::streams::{shared_stride, Stream, CHUNK};
-use super::tensor_cores::{MmaPlan, WARP_LANES};
+use super::tensor_cores::{MmaPlan, TILE_HEADS, WARP_LANES};
 use super::{Error, Options};
 use crate::ir::{ArrayDecl, Expr, Handle, Module, Stage};
 use crate::layout::{round_up, Side, TierLayout};
@@ -516,7 +516,7 @@ impl Plan {
         };
         let page_fragments = page_registers.map(|registers| {
             let m = mma.as_ref().expect("page fragments are the tensor cores'");
-            let stats = m.column_tiles * options.warps * 4 * PAGE_STATS_BYTES;
+            let stats = m.column_tiles * options.warps * TILE_HEADS * PAGE_STATS_BYTES;
             debug_assert!(stats <= head_stride * 4 * 2 * options.warps);
             PageFragments {
                 stats: logits,

@@ -68,8 +68,10 @@ pub fn padded_chunk_bytes(elements: u32) -> u32 {
 /// Rows (tokens or channels) of one `m16n8k16` tile, and its reduction depth
 /// (an integer `m16n8k32` step is two of them deep).
 pub const TILE: u32 = 16;
-/// Columns of one tile: (head, part) pairs, so 4 heads per tile.
+/// Columns of one tile: (head, part) pairs, so [`TILE_HEADS`] heads per tile.
 pub const COLUMNS: u32 = 8;
+/// Heads of one column tile.
+pub const TILE_HEADS: u32 = COLUMNS / 2;
 /// Lanes sharing one fragment row (`lane % 4`), each loading its chunks of it.
 pub const ROW_LANES: u32 = 4;
 /// Lanes of a warp.

@@ -11,7 +11,7 @@
 
 use super::super::builder::{Cmp, Kernel, Op, Pred, Reg, Shared, F32, U32};
 use super::super::tensor_cores::{
-    window_channel, Element, MmaPlan, ValueGroups, ROW_LANES, TILE, WARP_LANES,
+    window_channel, Element, MmaPlan, ValueGroups, ROW_LANES, TILE, TILE_HEADS, WARP_LANES,
 };
 use super::cta::{divide, Cta, Rescale, Tile, HEADER_SLOT0};
 use super::fragments::{
@@ -130,7 +130,7 @@ impl AccumulateMma<'_> {
         };
         let (mut out_ok, mut acc) = (Vec::new(), Vec::new());
         for ct in 0..m.column_tiles {
-            let out_head = k.add(lanes.quad, 4 * ct);
+            let out_head = k.add(lanes.quad, TILE_HEADS * ct);
             out_ok.push(k.setp(Cmp::Lt, out_head, self.cta.group));
             acc.push(
                 (0..acc_tiles)
@@ -228,12 +228,12 @@ impl AccumulateMma<'_> {
         let row_bytes = 4 * plan.head_stride;
         let (mut columns, mut state) = (Vec::new(), Vec::new());
         for ct in 0..m.column_tiles {
-            let head = k.add(row_head, 4 * ct);
+            let head = k.add(row_head, TILE_HEADS * ct);
             let ok = k.setp(Cmp::Lt, head, self.cta.group);
             let (clamped, _) = self.frag.head_slot(k, head);
             let column = k.mad_lo(clamped, 4u32, logits);
             columns.push((k.mad_lo(token, row_bytes, column), ok));
-            let out_head = k.add(lanes.quad, 4 * ct);
+            let out_head = k.add(lanes.quad, TILE_HEADS * ct);
             state.push(self.frag.head_slot(k, out_head).1);
         }
         SharedWeights { columns, state }

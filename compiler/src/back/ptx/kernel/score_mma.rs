@@ -13,7 +13,7 @@ use super::super::plan::PageQueries;
 use super::super::streams::CHUNK;
 use super::super::tensor_cores::{
     code_register, lane_chunk, triplet_register, Element, MmaPlan, MmaScore, ROW_LANES, TILE,
-    TRIPLET_SELECTORS, WARP_LANES,
+    TILE_HEADS, TRIPLET_SELECTORS, WARP_LANES,
 };
 use super::cta::{Cta, Tile};
 use super::fragments::{
@@ -234,7 +234,7 @@ impl ScoreMma<'_> {
         };
         let query_at: Vec<(Reg<U32>, Reg<Pred>)> = (0..m.column_tiles)
             .map(|ct| {
-                let head = k.add(row_head, 4 * ct);
+                let head = k.add(row_head, TILE_HEADS * ct);
                 let ok = k.setp(Cmp::Lt, head, self.cta.group);
                 let (clamped, _) = self.frag.head_slot(k, head);
                 let at = k.mad_lo(clamped, row_bytes, rows);
@@ -260,7 +260,7 @@ impl ScoreMma<'_> {
                 let base = self.cta.array_base(k, index);
                 (0..m.column_tiles)
                     .map(|ct| {
-                        let head = k.add(row_head, 4 * ct);
+                        let head = k.add(row_head, TILE_HEADS * ct);
                         let (clamped, _) = self.frag.head_slot(k, head);
                         k.mad_lo(clamped, plan.array_stride[index], base)
                     })

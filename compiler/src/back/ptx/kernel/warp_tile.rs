@@ -9,7 +9,7 @@
 //! score. The warps' softmax states meet once, after the stream.
 
 use super::super::builder::{Cmp, Kernel, Pred, Reg, Shared, F32, U32};
-use super::super::tensor_cores::{MmaPlan, TILE};
+use super::super::tensor_cores::{MmaPlan, TILE, TILE_HEADS};
 use super::accumulate_mma::{item_scale, parity_fragments, AccumulateMma, MmaValues, ValueTile};
 use super::cta::{Cta, Tile};
 use super::fragments::{f16_parts, Across, Fragments};
@@ -279,7 +279,7 @@ impl WarpTile<'_> {
         let top = k.setp(Cmp::Eq, t.lanes.row, 0u32);
         let mut slots = Vec::new();
         for ((ct, head), &head_ok) in (0u32..).zip(&t.heads).zip(&v.out_ok) {
-            let index = k.add(t.lanes.quad, 4 * ct);
+            let index = k.add(t.lanes.quad, TILE_HEADS * ct);
             let (clamped, state) = self.frag.head_slot(k, index);
             let slot = k.mad_lo(clamped, 4u32, area);
             let mine = k.mad_lo(t.lanes.warp, warp_bytes, slot);
