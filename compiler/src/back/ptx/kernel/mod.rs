@@ -47,6 +47,7 @@ mod heads;
 mod lookup;
 mod page_fragments;
 mod partials;
+mod queries;
 mod score;
 mod score_mma;
 mod softmax;

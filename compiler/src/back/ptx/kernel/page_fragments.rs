@@ -15,9 +15,8 @@ use super::super::builder::{Cmp, Kernel, Reg, Shared, F32, U32};
 use super::super::plan::{PageFragments, PAGE_STATS_BYTES};
 use super::super::tensor_cores::{MmaScore, ROW_LANES, TILE_HEADS, WARP_LANES};
 use super::fragments::{column_magnitude, sigma_of_magnitude, Across};
-use super::score_mma::{
-    bounded_sigma, column_factors, exponent, row_sum, MmaScoreThread, PageHeader, ScoreMma,
-};
+use super::queries::{bounded_sigma, column_factors, exponent, row_sum, PageHeader};
+use super::score_mma::{MmaScoreThread, ScoreMma};
 
 /// The fragment registers warp `warp` of `warps` prepares: a run of
 /// consecutive ones (none for some warps when there are fewer registers).
