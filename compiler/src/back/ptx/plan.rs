@@ -9,7 +9,7 @@ use super::abi::{
     tensor_map_slot, DecodeKernel, PartialLayout, TableBuffer, TensorMap, SWIZZLE_LINE,
 };
 use super::streams::{shared_stride, Stream, CHUNK};
-use super::tensor_cores::{MmaPlan, TILE_HEADS, WARP_LANES};
+use super::tensor_cores::{MmaPlan, MmaScore, TILE_HEADS, WARP_LANES};
 use super::{Error, Options};
 use crate::ir::{ArrayDecl, Expr, Handle, Module, Stage};
 use crate::layout::{round_up, Side, TierLayout};
@@ -481,12 +481,13 @@ impl Plan {
         // Every head of every score block has a slot (the last block may pass group_max).
         let head_stride = (head_blocks * head_block).div_ceil(4) * 4;
         let tile_max = bump.take(4 * head_stride);
+        let headers_bytes = |s: &MmaScore| options.warps * s.header_rows() * s.padded_row_bytes();
         let page_queries = (mma.as_ref())
             .and_then(|m| m.score.as_ref())
             .filter(|s| s.padded_page_queries())
             .map(|s| PageQueries {
                 query: bump.take(group_max * s.padded_row_bytes()),
-                headers: bump.take(options.warps * s.header_rows() * s.padded_row_bytes()),
+                headers: bump.take(headers_bytes(s)),
             });
 
         // Every fragment register of a page's query, once per CTA, where
@@ -498,9 +499,8 @@ impl Plan {
             .filter(|(_, s)| s.key_scale.is_some() && s.key_registers() >= options.warps)
             .map(|(m, s)| {
                 let bytes = m.column_tiles * s.query_tiles() * s.key_registers() * 4 * WARP_LANES;
-                let headers = options.warps * s.header_rows() * s.padded_row_bytes();
                 match page_queries {
-                    Some(pq) if bytes <= headers => pq.headers,
+                    Some(pq) if bytes <= headers_bytes(s) => pq.headers,
                     _ => bump.take(bytes),
                 }
             });
@@ -510,14 +510,16 @@ impl Plan {
             bump.0 = round_up(bump.0, SWIZZLE_ALIGN);
         }
         let buffers = bump.take(options.stages * buffer_bytes);
-        let logits = match mma_score {
-            true => bump.take(head_stride * 4 * 2 * options.warps),
-            false => bump.take(head_stride * 4 * tile_items),
+        let logits_bytes = match mma_score {
+            true => head_stride * 4 * 2 * options.warps,
+            false => head_stride * 4 * tile_items,
         };
+        let logits = bump.take(logits_bytes);
         let page_fragments = page_registers.map(|registers| {
             let m = mma.as_ref().expect("page fragments are the tensor cores'");
             let stats = m.column_tiles * options.warps * TILE_HEADS * PAGE_STATS_BYTES;
-            debug_assert!(stats <= head_stride * 4 * 2 * options.warps);
+            // A tile's heads are within the head stride, rounded to 4.
+            assert!(stats <= logits_bytes, "page statistics fit the logits rows");
             PageFragments {
                 stats: logits,
                 registers,

@@ -19,7 +19,8 @@ use super::queries::{bounded_sigma, column_factors, exponent, row_sum, PageHeade
 use super::score_mma::{MmaScoreThread, ScoreMma};
 
 /// The fragment registers warp `warp` of `warps` prepares: a run of
-/// consecutive ones (none for some warps when there are fewer registers).
+/// consecutive ones, at least one where there are as many registers as
+/// warps (the plan splits a page's preparation only then).
 pub(super) fn owned_registers(registers: u32, warps: u32, warp: u32) -> Vec<u32> {
     (0..registers)
         .filter(|&r| r * warps / registers == warp)
@@ -39,6 +40,7 @@ impl ScoreMma<'_> {
         shared: PageFragments,
     ) {
         let warps = self.cta.plan.warps;
+        assert!(m.key_registers() >= warps, "every warp packs a register");
         let lanes = &t.lanes;
         let source = self.query_source(k, m, lanes, Some(header));
         let (factor, code_scale) = self.logit_factor(k, m);
@@ -82,15 +84,9 @@ impl ScoreMma<'_> {
             for (ct, &(at, ok)) in t.query_at.iter().enumerate() {
                 let (lane_elements, lane_zeros) = self.lane_elements(k, m, &source, at, ok, &own);
                 let values: Vec<Reg<F32>> = lane_elements.iter().flatten().copied().collect();
-                let most = match values.is_empty() {
-                    true => k.mov(0u32),
-                    false => column_magnitude(k, &values, Across::Butterfly(&[1, 2])),
-                };
-                let zero_sum = zeros.then(|| {
-                    let sum = match lane_zeros {
-                        Some(sum) => row_sum(k, sum, ok),
-                        None => k.mov(0.0f32),
-                    };
+                let most = column_magnitude(k, &values, Across::Butterfly(&[1, 2]));
+                let zero_sum = lane_zeros.map(|sum| {
+                    let sum = row_sum(k, sum, ok);
                     k.bitcast::<F32, U32>(sum)
                 });
                 let at = Shared::at(head_stats).plus(slot(ct, w));
@@ -187,6 +183,8 @@ mod tests {
                     registers.div_ceil(warps),
                     "{registers} / {warps}"
                 );
+                let least = owned.iter().map(Vec::len).min().unwrap();
+                assert_eq!(least > 0, registers >= warps, "{registers} / {warps}");
             }
         }
     }
