@@ -1026,6 +1026,40 @@ mod tests {
         assert_eq!(values_pack(quad), PACK);
     }
 
+    /// A plan for keys of `bits`-bit codes scaled per page (KIVI's) and
+    /// values scaled per item, at `warps` warps and 4 query heads.
+    fn page_scaled_plan(bits: u32, head_dim: u32, warps: u32) -> Plan {
+        let spec = format!(
+            "name = \"p\"\nhead_dim = {head_dim}\n[page]\nitems = 512\n[[tier]]\nname = \"t\"\n\
+             key.field = [{{ kind = \"coeff\", bits = {bits}, scale = \"page_component\" }}]\n\
+             value.field = [{{ kind = \"coeff\", bits = 8, scale = \"item\" }}]\n"
+        );
+        let format = crate::Format::parse(&spec, "p.toml").expect("valid spec");
+        let options = Options {
+            warps,
+            ..Options::for_target(super::super::Target::Sm90)
+        };
+        Plan::new(format.tiers()[0].module(), 4, &options).expect("plans")
+    }
+
+    #[test]
+    fn page_fragments_take_dead_rows_where_every_warp_packs_a_register() {
+        // 4-bit keys of 128 dims: 8 fragment registers a lane.
+        for warps in [2, 4, 8] {
+            let plan = page_scaled_plan(4, 128, warps);
+            let fragments = plan.page_fragments.expect("split over the warps");
+            assert_eq!(fragments.stats, plan.logits, "{warps} warps");
+            // Two B tiles of 8 registers: 2 KiB, in the padded header rows
+            // once 4 warps' rows hold them.
+            let headers = plan.page_queries.expect("padded").headers;
+            assert_eq!(fragments.registers == headers, warps >= 4, "{warps} warps");
+        }
+        assert_eq!(page_scaled_plan(4, 128, 1).page_fragments, None);
+        // 8-bit keys of 32 dims (subspace's): 2 registers, fewer than 4 warps.
+        assert!(page_scaled_plan(8, 32, 2).page_fragments.is_some());
+        assert_eq!(page_scaled_plan(8, 32, 4).page_fragments, None);
+    }
+
     #[test]
     fn codewords_of_other_sizes_stay_one_channel_per_thread() {
         let pair = "{ kind = \"codebook\", group_size = 2, bits = 8, codewords = \"vector\", dtype = \"f16\" }";
