@@ -40,11 +40,11 @@ impl ScoreMma<'_> {
         shared: PageFragments,
     ) {
         let warps = self.cta.plan.warps;
-        assert!(m.key_registers() >= warps, "every warp packs a register");
+        let registers = m.key_registers();
+        assert!(registers >= warps, "every warp packs a register");
         let lanes = &t.lanes;
         let source = self.query_source(k, m, lanes, Some(header));
         let (factor, code_scale) = self.logit_factor(k, m);
-        let registers = m.key_registers();
         let query_tiles = m.query_tiles();
         let zeros = m.key_zero.is_some();
         // Statistics [column tile][warp][head of the tile]; lane 8·h writes head h's.
@@ -66,7 +66,9 @@ impl ScoreMma<'_> {
         };
         // The page's σ and Σ query · zero of each column tile: set in each
         // warp's own block, whose registers its elements never leave (a
-        // register used in another warp's block would be live everywhere).
+        // register used in another warp's block would be live everywhere);
+        // the loads of every register there too (KIVI int8: 96 registers a
+        // lane, 124 with the loads after the blocks).
         let sigmas: Vec<Reg<F32>> = t.query_at.iter().map(|_| k.mov(0.0f32)).collect();
         let query_zeros: Vec<Option<Reg<F32>>> = (t.query_at.iter())
             .map(|_| (zeros || !t.bias_at.is_empty()).then(|| k.mov(0.0f32)))
