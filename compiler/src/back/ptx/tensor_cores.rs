@@ -513,6 +513,20 @@ impl MmaPlan {
         self.column_tiles * (4 * self.channel_tiles() + tile_sums + self.zero_sums() + queries)
     }
 
+    /// Whether integer value codes enter the `mma` as f16 subnormals: the
+    /// code's bits as stored, at [`subnormal_shift`], are `code · 2^(shift −
+    /// 24)` by one `and`, and each accumulator takes `2^(24 − shift)` once,
+    /// at the store. Unsigned codes only: signed ones would carry an offset
+    /// times the weights' sum (H200: KIVI int4 unchanged, int8 1–2 % faster,
+    /// at twice the rounding error); page-scaled values meet their scales
+    /// every tile. The others take `1024 + code`.
+    pub fn subnormal_codes(&self) -> bool {
+        matches!(self.channel.element, Element::Int { signed: false, .. })
+            && self.channel.page_scale.is_none()
+            && self.value_rows.gather.is_none()
+            && self.value_rows.lookup.is_none()
+    }
+
     /// Byte offset of value channel 0 in a value row.
     pub fn value_offset(&self) -> u32 {
         self.channel.base / 8
@@ -1234,8 +1248,33 @@ impl ValueGroups {
 pub fn window_channel(c: u32, bits: u32) -> (u32, u32) {
     let bit = c * bits;
     let b = bit / 8;
-    (b | (b + 1) << 4 | (4 + b) << 8 | (5 + b) << 12, bit % 8)
+    (
+        b | (b + 1) << 4 | (4 + b) << 8 | (5 + b) << 12,
+        code_shift(c, bits),
+    )
 }
+
+/// The bit at which lane-group channel `c` of a value group (of the lane
+/// group without groups) starts in the byte the fragment takes it from.
+pub fn code_shift(c: u32, bits: u32) -> u32 {
+    c * bits % 8
+}
+
+/// The bit at which a code found at bit `shift` enters the `mma` as an f16
+/// subnormal ([`MmaPlan::subnormal_codes`]): codes below bit 4 move up 4
+/// where they still fit the 10-bit mantissa. The tensor cores keep a
+/// product's bits from the smallest normal exponent down, so a subnormal's
+/// leading zeros cost precision: H200, 2-bit codes at bit 0 summed 1.6e-5
+/// off, at bit 6 as exactly as normal f16s.
+pub fn subnormal_shift(shift: u32, bits: u32) -> u32 {
+    match shift < SUBNORMAL_LIFT && shift + SUBNORMAL_LIFT + bits <= 10 {
+        true => shift + SUBNORMAL_LIFT,
+        false => shift,
+    }
+}
+
+/// How far [`subnormal_shift`] moves low codes up.
+pub const SUBNORMAL_LIFT: u32 = 4;
 
 /// The element `h` reads when it is channel c's of a row of packed elements:
 /// its kind and the bit offset of channel 0.
@@ -1657,6 +1696,58 @@ mod tests {
                 Some((unsigned(3), Some(0), Some(128), 12)),
             ]
         );
+    }
+
+    /// Unsigned value codes enter the tensor cores as f16 subnormals;
+    /// signed (KIVI) and page-scaled (subspace) ones as 1024 + code.
+    #[test]
+    fn unsigned_value_codes_enter_as_subnormals() {
+        let subnormal = |source: &str| -> Vec<bool> {
+            let format = crate::Format::parse(source, "spec.toml").expect("the bundled spec");
+            (format.tiers().iter())
+                .map(|tier| {
+                    let module = tier.module();
+                    let layout = &module.layout;
+                    let mut key = Stream::new(layout.key_stream_offset, layout.key.stride, false);
+                    let mut value =
+                        Stream::new(layout.value_stream_offset, layout.value.stride, false);
+                    key.buffer_offset = layout.header_bytes;
+                    value.buffer_offset = key.buffer_offset + key.capacity(64);
+                    let m = plan(module, 4, 64, &key, &value, true).expect("values qualify");
+                    m.subnormal_codes()
+                })
+                .collect()
+        };
+        assert_eq!(
+            subnormal(include_str!("../../../../specs/kivi2.toml")),
+            [true; 2]
+        );
+        assert_eq!(
+            subnormal(include_str!("../../../../specs/kivi.toml")),
+            [false; 2]
+        );
+        assert_eq!(
+            subnormal(include_str!("../../../../specs/subspace.toml")),
+            [false]
+        );
+    }
+
+    /// Every code of a byte enters at bit 4 or above where it still fits
+    /// f16's 10-bit mantissa (8-bit codes fill it from bit 0), moved by 0 or 4.
+    #[test]
+    fn subnormal_codes_sit_high_in_the_mantissa() {
+        for bits in [2, 3, 4, 8] {
+            for c in 0..32 {
+                let shift = code_shift(c, bits);
+                let lifted = subnormal_shift(shift, bits);
+                assert!(lifted + bits <= 10, "{bits}-bit channel {c} at {lifted}");
+                assert!(
+                    lifted >= 4 || bits == 8,
+                    "{bits}-bit channel {c} at {lifted}"
+                );
+                assert!([0, SUBNORMAL_LIFT].contains(&(lifted - shift)));
+            }
+        }
     }
 
     /// Vector codebooks stored f16 are looked up by the fragment loads,

@@ -11,7 +11,8 @@
 
 use super::super::builder::{Cmp, Kernel, Op, Pred, Reg, Shared, F32, U32};
 use super::super::tensor_cores::{
-    window_channel, Element, MmaPlan, ValueGroups, ROW_LANES, TILE, TILE_HEADS, WARP_LANES,
+    code_shift, subnormal_shift, window_channel, Element, MmaPlan, ValueGroups, ROW_LANES, TILE,
+    TILE_HEADS, WARP_LANES,
 };
 use super::cta::{divide, Cta, Rescale, Tile, HEADER_SLOT0};
 use super::fragments::{
@@ -418,10 +419,10 @@ impl AccumulateMma<'_> {
                 for (tile_index, c) in sums.iter().enumerate() {
                     let channel = 2 * tile_index as u32;
                     let a = [
-                        token_pair(k, m.channel.element, &values[0], &values[1], channel),
-                        token_pair(k, m.channel.element, &values[0], &values[1], channel + 1),
-                        token_pair(k, m.channel.element, &values[2], &values[3], channel),
-                        token_pair(k, m.channel.element, &values[2], &values[3], channel + 1),
+                        token_pair(k, m, &values[0], &values[1], channel),
+                        token_pair(k, m, &values[0], &values[1], channel + 1),
+                        token_pair(k, m, &values[2], &values[3], channel),
+                        token_pair(k, m, &values[2], &values[3], channel + 1),
                     ];
                     k.mma_f16_f32(*c, a, b[ct][0]);
                 }
@@ -486,6 +487,7 @@ impl AccumulateMma<'_> {
         let per_group = m.group_channels() / m.value_groups();
         let tiles = groups.size / TILE;
         let window_end = t.window.map(|w| k.add(lane_base, w.next));
+        let subnormal = m.subnormal_codes();
         for g in 0..m.value_groups() {
             if let (Some(window), Some(end)) = (t.window, window_end) {
                 // Each token's codes as the low bits of one funnel-shifted word.
@@ -513,7 +515,7 @@ impl AccumulateMma<'_> {
                                         x
                                     }
                                 };
-                                int_pair(k, x, bits, signed, shift)
+                                int_pair(k, x, bits, signed, shift, subnormal)
                             })
                             .collect()
                     })
@@ -549,8 +551,8 @@ impl AccumulateMma<'_> {
                         .collect();
                     (0..per_group)
                         .map(|c| {
-                            let bit = c * bits;
-                            int_pair(k, bytes[(bit / 8) as usize], bits, signed, bit % 8)
+                            let byte = bytes[(c * bits / 8) as usize];
+                            int_pair(k, byte, bits, signed, code_shift(c, bits), subnormal)
                         })
                         .collect()
                 })
@@ -715,6 +717,14 @@ impl AccumulateMma<'_> {
                     Some(second) => k.add(first, second),
                     None => first,
                 };
+                // Subnormal codes: their channel's power of two off.
+                let sum = match m.channel.element {
+                    Element::Int { bits, .. } if m.subnormal_codes() => {
+                        let shift = subnormal_shift(code_shift(channel % per_group, bits), bits);
+                        k.mul(sum, f32::from_bits((127 + 24 - shift) << 23))
+                    }
+                    _ => sum,
+                };
                 let sum = match zero_sums.get((channel / per_group) as usize) {
                     Some(&zeros) => k.add(sum, zeros),
                     None => sum,
@@ -862,11 +872,12 @@ impl TokenWords {
 /// two tokens' words.
 pub(super) fn token_pair(
     k: &mut Kernel,
-    element: Element,
+    m: &MmaPlan,
     first: &TokenWords,
     second: &TokenWords,
     channel: u32,
 ) -> Reg<U32> {
+    let element = m.channel.element;
     // The channel's (first) byte: f16 halves and integer bytes never
     // straddle a word, as skews are even.
     let byte = channel * element.bits() / 8;
@@ -881,8 +892,8 @@ pub(super) fn token_pair(
         Element::Int { bits, signed } => {
             // The element's byte of both tokens at bytes 0 and 2.
             let x = k.prmt(a, b, i | i << 4 | (4 + j) << 8 | (4 + j) << 12);
-            let shift = if bits == 4 && channel % 2 == 1 { 4 } else { 0 };
-            int_pair(k, x, bits, signed, shift)
+            let shift = code_shift(channel, bits);
+            int_pair(k, x, bits, signed, shift, m.subnormal_codes())
         }
     }
 }
@@ -927,17 +938,25 @@ pub(super) fn channel_pair_products(
 }
 
 /// The exact f16 pair of the `bits`-wide integers at bits `shift..` and
-/// `16 + shift..` of `x` (shift + bits ≤ 10, f16's mantissa): the integer (offset to
-/// unsigned) times 2^shift becomes the mantissa of 1024 by one `lop3`, and
-/// one f16 op takes 1024 (and the offset, and the 2^shift) off again.
+/// `16 + shift..` of `x` (shift + bits ≤ 10, f16's mantissa), offset to
+/// unsigned when `signed`. `subnormal` ([`MmaPlan::subnormal_codes`]): the
+/// field's bits alone (moved up to [`subnormal_shift`] by one `shl`) are the
+/// f16 subnormal `2^(shift − 24) · u`, one `and`. Else
+/// `2^shift · u` becomes the mantissa of 1024 by one `lop3`, and one f16 op
+/// takes 1024 (and the offset, and the 2^shift) off again.
 pub(super) fn int_pair(
     k: &mut Kernel,
     x: Reg<U32>,
     bits: u32,
     signed: bool,
     shift: u32,
+    subnormal: bool,
 ) -> Reg<U32> {
     const MAGIC: u32 = 0x6400_6400; // 1024.0 in both halves
+    let (x, shift) = match subnormal_shift(shift, bits) {
+        lifted if subnormal && lifted != shift => (k.shl(x, lifted - shift), lifted),
+        _ => (x, shift),
+    };
     let field = (1u32 << bits) - 1;
     let mask = (field | field << 16) << shift;
     let sign = 1u32 << (bits - 1);
@@ -948,6 +967,13 @@ pub(super) fn int_pair(
     };
     // (x & mask) ^ c: the field's bits flipped by c's, elsewhere c's bits.
     let lut = (0xF0 & 0xCC) ^ 0xAA;
+    if subnormal {
+        assert!(
+            !signed,
+            "subnormal codes are unsigned (MmaPlan::subnormal_codes)"
+        );
+        return k.and(x, mask);
+    }
     let biased = k.lop3(x, mask, MAGIC | flip, lut);
     let offset = if signed { sign } else { 0 };
     if shift > 0 {
