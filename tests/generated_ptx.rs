@@ -39,7 +39,11 @@ fn generated_ptx_matches_the_committed_snapshots() {
                     )
                 })
                 .collect();
-            files.push((ptx::merge_file_name(target), output.merge.ptx.as_str(), 0));
+            files.push((
+                ptx::merge_file_name(target),
+                output.merge.ptx.as_str(),
+                output.merge.kernel.shared_bytes,
+            ));
             for (name, fresh, shared_bytes) in files {
                 let path = dir.join(&name);
                 if bless {

@@ -407,6 +407,59 @@ fn gpu_tuning_space_matches_interpreter_and_page_size_is_enforced() {
     }
 }
 
+/// Rows of many partials, most of them empty: each tier split up to 70 ways
+/// over sequences of 1 to 12000 tokens, tiers mixed. The merge's thread
+/// groups (4 of 16 slots a run) then walk several runs, and some find none
+/// live.
+#[test]
+fn gpu_merges_rows_of_many_mostly_empty_partials() {
+    use kvcc::runtime::cuda::measure::max_rel_error;
+    use kvcc::runtime::cuda::{DeviceCache, DeviceDecode, FormatKernels};
+    use kvcc::runtime::tune::KernelConfig;
+
+    let Some(executor) = gpu("gpu_merges_rows_of_many_mostly_empty_partials") else {
+        return;
+    };
+    let gpu = executor.gpu();
+    let seed = fresh_seed("gpu_merges_rows_of_many_mostly_empty_partials");
+    const SPLITS: u32 = 70;
+    for format in bundled() {
+        let tiers = format.tiers().len();
+        let plan = |s: usize, p: usize| (s + p) % tiers;
+        let (cache, queries) =
+            cache_and_queries(&format, seed, 2, 8, &[1, 150, 12000], &plan, &encode_page);
+        let want = Interpreter::new(format.tiers(), Options::default())
+            .decode(&cache.view(), &queries, 8)
+            .expect("interpreter");
+        let configs = vec![KernelConfig::reference(&format); tiers];
+        let kernels = FormatKernels::load_configs(gpu, &format, &configs, 4)
+            .unwrap_or_else(|e| panic!("{}: {e}", format.name()));
+        let device = DeviceCache::upload(gpu, &kernels, &cache).expect("upload");
+        let mut step = DeviceDecode::new(gpu, &kernels, &device, 8, Some(vec![SPLITS; tiers]))
+            .expect("decode step");
+        // Splits stop at a row's pages: 12000 tokens hold 94 to 188 pages.
+        assert!(
+            step.slots() > 64,
+            "{}: {} slots",
+            format.name(),
+            step.slots()
+        );
+        step.set_queries(gpu, &kernels, &device, &queries)
+            .expect("queries");
+        step.poison(gpu).expect("poison");
+        step.launch(gpu, &kernels, &device).expect("launch");
+        let got = step
+            .output(gpu, &device, format.head_dim() as usize)
+            .expect("output");
+        let error = max_rel_error(&got, &want, format.head_dim() as usize);
+        assert!(
+            error <= 1e-4,
+            "{}: max relative error {error:.2e}",
+            format.name()
+        );
+    }
+}
+
 #[path = "support/encode_check.rs"]
 mod encode_check;
 

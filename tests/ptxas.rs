@@ -54,7 +54,7 @@ fn jobs_of(what: &str, output: &ptx::Output, dir: Option<&Path>) -> Vec<Job> {
         what: format!("{what}/merge ({})", target.name()),
         ptx: output.merge.ptx.clone(),
         target,
-        shared_bytes: 0,
+        shared_bytes: output.merge.kernel.shared_bytes,
         report: dir.map(|d| {
             d.join(ptx::merge_file_name(target))
                 .with_extension("report")

@@ -527,6 +527,11 @@ impl DeviceDecode {
         }
     }
 
+    /// Partials the merge combines into each output row: every tier's splits.
+    pub fn slots(&self) -> u32 {
+        self.slot_count
+    }
+
     /// Whether the splits were planned for the cache's current page lists
     /// (a fixed step: for its number of sequences).
     pub fn planned_for(&self, cache: &DeviceCache) -> bool {

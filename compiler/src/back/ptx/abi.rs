@@ -449,16 +449,18 @@ impl DecodeKernel {
 pub struct MergeKernel {
     pub name: String,
     pub threads: u32,
+    /// Dynamic shared memory (bytes) of every launch.
+    pub shared_bytes: u32,
     pub partials: PartialLayout,
 }
 
 impl MergeKernel {
-    /// Grid (q_heads, sequences): one CTA per output row; no shared memory.
+    /// Grid (q_heads, sequences): one CTA per output row.
     pub fn launch(&self, q_heads: u32, sequences: u32) -> Launch {
         Launch {
             grid: [q_heads, sequences, 1],
             block: [self.threads, 1, 1],
-            shared_bytes: 0,
+            shared_bytes: self.shared_bytes,
         }
     }
 }

@@ -254,14 +254,16 @@ pub fn group_max(format: &Format, options: &Options) -> Result<u32, Error> {
 /// The format's merge module (its block size from `options.warps`).
 pub fn write_merge(format: &Format, options: &Options) -> MergeOutput {
     let name = format!("kvcc_{}_merge", identifier(format.name()));
-    let threads = 32 * options.warps;
+    let shape = merge::MergeShape {
+        head_dim: format.head_dim(),
+        group_threads: 32 * options.warps,
+    };
     let ptx = builder::module(
         PTX_VERSION,
         options.target.name(),
         abi::SHARED_SYMBOL,
         &[merge::merge(
-            format.head_dim(),
-            threads,
+            shape,
             &name,
             options.target.dependent_launches(),
         )],
@@ -270,7 +272,8 @@ pub fn write_merge(format: &Format, options: &Options) -> MergeOutput {
         ptx,
         kernel: abi::MergeKernel {
             name,
-            threads,
+            threads: shape.threads(),
+            shared_bytes: shape.shared_bytes(),
             partials: abi::PartialLayout::new(format.head_dim()),
         },
     }
