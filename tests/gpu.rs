@@ -407,27 +407,24 @@ fn gpu_tuning_space_matches_interpreter_and_page_size_is_enforced() {
     }
 }
 
-/// Rows of many partials, most of them empty: each tier split up to 70 ways
-/// over sequences of 1 to 12000 tokens, tiers mixed. The merge's thread
-/// groups (4 of 16 slots a run) then walk several runs, and some find none
-/// live.
-#[test]
-fn gpu_merges_rows_of_many_mostly_empty_partials() {
+/// Every bundled format, its tiers mixed over sequences of `lengths` (2 kv
+/// heads, GQA 4), decoded by one step (`splits` per tier, else the kernels'
+/// own) that `run` launches once the queries are set; `run` poisons the
+/// output first. Every output element checked against the interpreter.
+fn check_mixed_tier_steps(test: &str, lengths: &[usize], splits: Option<u32>, run: StepRun) {
     use kvcc::runtime::cuda::measure::max_rel_error;
     use kvcc::runtime::cuda::{DeviceCache, DeviceDecode, FormatKernels};
     use kvcc::runtime::tune::KernelConfig;
 
-    let Some(executor) = gpu("gpu_merges_rows_of_many_mostly_empty_partials") else {
+    let Some(executor) = gpu(test) else {
         return;
     };
     let gpu = executor.gpu();
-    let seed = fresh_seed("gpu_merges_rows_of_many_mostly_empty_partials");
-    const SPLITS: u32 = 70;
+    let seed = fresh_seed(test);
     for format in bundled() {
         let tiers = format.tiers().len();
         let plan = |s: usize, p: usize| (s + p) % tiers;
-        let (cache, queries) =
-            cache_and_queries(&format, seed, 2, 8, &[1, 150, 12000], &plan, &encode_page);
+        let (cache, queries) = cache_and_queries(&format, seed, 2, 8, lengths, &plan, &encode_page);
         let want = Interpreter::new(format.tiers(), Options::default())
             .decode(&cache.view(), &queries, 8)
             .expect("interpreter");
@@ -435,19 +432,11 @@ fn gpu_merges_rows_of_many_mostly_empty_partials() {
         let kernels = FormatKernels::load_configs(gpu, &format, &configs, 4)
             .unwrap_or_else(|e| panic!("{}: {e}", format.name()));
         let device = DeviceCache::upload(gpu, &kernels, &cache).expect("upload");
-        let mut step = DeviceDecode::new(gpu, &kernels, &device, 8, Some(vec![SPLITS; tiers]))
-            .expect("decode step");
-        // Splits stop at a row's pages: 12000 tokens hold 94 to 188 pages.
-        assert!(
-            step.slots() > 64,
-            "{}: {} slots",
-            format.name(),
-            step.slots()
-        );
+        let splits = splits.map(|s| vec![s; tiers]);
+        let mut step = DeviceDecode::new(gpu, &kernels, &device, 8, splits).expect("decode step");
         step.set_queries(gpu, &kernels, &device, &queries)
             .expect("queries");
-        step.poison(gpu).expect("poison");
-        step.launch(gpu, &kernels, &device).expect("launch");
+        run(gpu, &kernels, &device, &mut step, format.name());
         let got = step
             .output(gpu, &device, format.head_dim() as usize)
             .expect("output");
@@ -458,6 +447,52 @@ fn gpu_merges_rows_of_many_mostly_empty_partials() {
             format.name()
         );
     }
+}
+
+/// How [`check_mixed_tier_steps`] runs a step: GPU, kernels, cache, the
+/// step, the format's name.
+type StepRun = fn(
+    &kvcc::runtime::cuda::Gpu,
+    &kvcc::runtime::cuda::FormatKernels,
+    &kvcc::runtime::cuda::DeviceCache,
+    &mut kvcc::runtime::cuda::DeviceDecode,
+    &str,
+);
+
+/// Rows of many partials, most of them empty: each tier split up to 70 ways
+/// over sequences of 1 to 12000 tokens. The merge's thread groups (4 of 16
+/// slots a run) then walk several runs, and some find none live.
+#[test]
+fn gpu_merges_rows_of_many_mostly_empty_partials() {
+    check_mixed_tier_steps(
+        "gpu_merges_rows_of_many_mostly_empty_partials",
+        &[1, 150, 12000],
+        Some(70),
+        |gpu, kernels, device, step, name| {
+            // Splits stop at a row's pages: 12000 tokens hold 94 to 188 pages.
+            assert!(step.slots() > 64, "{name}: {} slots", step.slots());
+            step.poison(gpu).expect("poison");
+            step.launch(gpu, kernels, device).expect("launch");
+        },
+    );
+}
+
+/// A decode step captured as a CUDA graph (`kvcc bench --timing graph`)
+/// writes, replayed, what the interpreter computes; the output is poisoned
+/// between capture and replay.
+#[test]
+fn gpu_captured_steps_replay_as_launched() {
+    check_mixed_tier_steps(
+        "gpu_captured_steps_replay_as_launched",
+        &LENGTHS,
+        None,
+        |gpu, kernels, device, step, name| {
+            let graph =
+                (step.capture(gpu, kernels, device)).unwrap_or_else(|e| panic!("{name}: {e}"));
+            step.poison(gpu).expect("poison");
+            graph.launch().expect("replay");
+        },
+    );
 }
 
 #[path = "support/encode_check.rs"]

@@ -14,23 +14,39 @@ import sys
 import torch
 
 
-def timed(fn, sets, warmup, iters, queued):
+def timed(fn, sets, warmup, iters, timing):
     """Median milliseconds of fn(set) over `iters` runs, rotating through sets.
 
-    Queued (as `kvcc bench --timing queued`): runs enqueued back to back, each
+    queued (as `kvcc bench --timing queued`): runs enqueued back to back, each
     between its own events, so the host's launch work overlaps the run before
-    and the events time the GPU's work. Else each run is waited for first.
+    and the events time the GPU's work while the host keeps ahead. synced: each
+    run is waited for first. graph: each set's run captured once as a CUDA
+    graph (as serving stacks run decode) and replayed queued, so the host's
+    launch work is gone even where it is slower than the GPU (batch 1).
     """
     for i in range(warmup):
         fn(sets[i % len(sets)])
     torch.cuda.synchronize()
+    run = fn
+    if timing == "graph":
+        graphs = []
+        for s in sets:
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                fn(s)
+            graphs.append(g)
+        by_set = {id(s): g for s, g in zip(sets, graphs)}
+        run = lambda s: by_set[id(s)].replay()  # noqa: E731
+        for i in range(warmup):
+            run(sets[i % len(sets)])
+        torch.cuda.synchronize()
     events = []
     for i in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn(sets[i % len(sets)])
+        run(sets[i % len(sets)])
         end.record()
-        if not queued:
+        if timing == "synced":
             end.synchronize()
         events.append((start, end))
     torch.cuda.synchronize()
@@ -60,7 +76,7 @@ def sdpa(args, ctx, sets):
         v.float().repeat_interleave(args.q_heads // args.kv_heads, 1))
     err = ((run(sets[0]).float() - ref).norm() / ref.norm()).item()
     assert err < 1e-2, f"SDPA error {err}"
-    return timed(run, sets, args.warmup, args.iters, args.timing == "queued"), err
+    return timed(run, sets, args.warmup, args.iters, args.timing), err
 
 
 def flashinfer_decode(args, ctx, sets):
@@ -87,7 +103,7 @@ def flashinfer_decode(args, ctx, sets):
 
     def run(s):
         return wrapper.run(s[0], s[1])
-    return timed(run, paged, args.warmup, args.iters, args.timing == "queued")
+    return timed(run, paged, args.warmup, args.iters, args.timing)
 
 
 def write_results(results, path):
@@ -114,7 +130,7 @@ def main():
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--fi-page", type=int, default=16)
-    p.add_argument("--timing", choices=["queued", "synced"], default="queued")
+    p.add_argument("--timing", choices=["queued", "synced", "graph"], default="queued")
     p.add_argument("--json", required=True)
     args = p.parse_args()
     results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "timing": args.timing, "rows": []}

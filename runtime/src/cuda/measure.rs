@@ -7,6 +7,7 @@
 use std::time::{Duration, Instant};
 
 use cudarc::driver::sys::CUevent_flags;
+use cudarc::driver::CudaGraph;
 use kvcc_compiler::back::interp::{DecodeError, Interpreter, Options as InterpOptions};
 use kvcc_compiler::Format;
 use serde::{Deserialize, Serialize};
@@ -232,7 +233,7 @@ pub struct Timing {
     pub max_ms: f64,
 }
 
-/// How timed steps meet the host (`--timing queued|synced`).
+/// How timed steps meet the host (`--timing queued|synced|graph`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum StepTiming {
@@ -243,6 +244,10 @@ pub enum StepTiming {
     /// Each step waited for before the next is launched: the events also
     /// hold the host's launch latency, which the GPU idles through.
     Synced,
+    /// Each cache copy's step captured once as a CUDA graph (as serving
+    /// stacks run decode) and the graphs replayed queued: the GPU's work
+    /// even where launching a step costs the host more than running it.
+    Graph,
 }
 
 impl StepTiming {
@@ -305,6 +310,27 @@ impl StepPlan {
     }
 }
 
+/// Each copy's step captured as a CUDA graph and replayed once.
+fn capture_steps(
+    gpu: &Gpu,
+    kernels: &FormatKernels,
+    caches: &[DeviceCache],
+    steps: &mut [DeviceDecode],
+) -> Result<Vec<CudaGraph>, CudaError> {
+    let graphs = (steps.iter_mut().zip(caches))
+        .map(|(step, cache)| step.capture(gpu, kernels, cache))
+        .collect::<Result<Vec<_>, CudaError>>()?;
+    for graph in &graphs {
+        graph
+            .launch()
+            .during(|| "replaying a captured decode step".into())?;
+    }
+    gpu.stream
+        .synchronize()
+        .during(|| "waiting for the captured steps".into())?;
+    Ok(graphs)
+}
+
 /// `warmup` untimed steps, then `iters` steps each between two CUDA events,
 /// rotating over the copies, launched as `timing` says.
 pub fn time_steps(
@@ -339,12 +365,21 @@ pub fn time_steps(
     let events = (0..iters)
         .map(|_| Ok((event()?, event()?)))
         .collect::<Result<Vec<_>, CudaError>>()?;
+    let graphs = match timing {
+        StepTiming::Graph => Some(capture_steps(gpu, kernels, caches, steps)?),
+        _ => None,
+    };
     for (i, (start, end)) in events.iter().enumerate() {
         let r = i % copies;
         start
             .record(&gpu.stream)
             .during(|| "recording an event".into())?;
-        steps[r].launch(gpu, kernels, &caches[r])?;
+        match &graphs {
+            Some(graphs) => graphs[r]
+                .launch()
+                .during(|| "replaying a captured decode step".into())?,
+            None => steps[r].launch(gpu, kernels, &caches[r])?,
+        }
         end.record(&gpu.stream)
             .during(|| "recording an event".into())?;
         if timing == StepTiming::Synced {

@@ -5,8 +5,8 @@ use std::ffi::c_void;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use cudarc::driver::{
-    sys, CudaEvent, CudaFunction, CudaSlice, CudaStream, DevicePtr, DriverError, LaunchConfig,
-    PushKernelArg,
+    sys, CudaEvent, CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtr, DriverError,
+    LaunchConfig, PushKernelArg,
 };
 use kvcc_compiler::back::interp::{Interpreter, Options as InterpOptions};
 use kvcc_compiler::back::ptx::abi;
@@ -568,6 +568,35 @@ impl DeviceDecode {
         gpu.stream
             .memcpy_htod(queries, &mut part)
             .during(|| "uploading queries".into())
+    }
+
+    /// The step's launches captured as a CUDA graph on the GPU's stream
+    /// (thread-local capture mode), uploaded: `launch()` replays the step as
+    /// [`launch`](Self::launch) runs it (a [`fixed`](Self::fixed) step's
+    /// graph stays right while the page lists change).
+    pub fn capture(
+        &mut self,
+        gpu: &Gpu,
+        kernels: &FormatKernels,
+        cache: &DeviceCache,
+    ) -> Result<CudaGraph, CudaError> {
+        let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
+        gpu.stream
+            .begin_capture(mode)
+            .during(|| "capturing a decode step".into())?;
+        let launched = self.launch(gpu, kernels, cache);
+        // The capture ends whether or not the launches went in.
+        let captured = gpu
+            .stream
+            .end_capture(sys::CUgraphInstantiate_flags(0))
+            .during(|| "capturing a decode step".into())?;
+        launched?;
+        let graph =
+            captured.ok_or_else(|| CudaError::Shape("the captured decode step is empty".into()))?;
+        graph
+            .upload()
+            .during(|| "uploading a captured decode step".into())?;
+        Ok(graph)
     }
 
     /// Fills output and partials with NaN, so an element no kernel writes shows.
