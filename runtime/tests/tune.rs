@@ -271,10 +271,11 @@ fn the_runtime_uses_the_winner_for_its_page_size_and_never_another() {
     assert_eq!(r.configs[0].page_items, 64);
     assert_eq!(r.configs[0].warps, 8);
     assert!(matches!(r.sources[0], Source::Tuned { ms, .. } if ms == 0.35));
+    assert_eq!(r.notes[0].0, 0, "the note names its tier");
     assert!(
-        r.notes[0].contains("re-encode with page.items = 128"),
+        r.notes[0].1.contains("re-encode with page.items = 128"),
         "{}",
-        r.notes[0]
+        r.notes[0].1
     );
 
     // Re-encoded at 128 items: the same entry (the key does not depend on the

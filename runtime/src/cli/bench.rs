@@ -182,7 +182,7 @@ pub fn run(
                     }
                 };
                 let resolution = if options.tuned {
-                    lookup::resolve_default(&gpu.id(), gpu.machine(), paged, shape)
+                    lookup::resolve_default_for_tier(&gpu.id(), gpu.machine(), paged, tier, shape)
                 } else {
                     lookup::defaults(paged, shape, gpu.machine(), "--no-tune")
                 };

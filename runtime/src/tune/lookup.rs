@@ -37,8 +37,9 @@ pub struct Resolution {
     /// Per tier.
     pub configs: Vec<KernelConfig>,
     pub sources: Vec<Source>,
-    /// Things worth telling the user once (e.g. a faster page size exists).
-    pub notes: Vec<String>,
+    /// Things worth telling the user once (e.g. a faster page size exists),
+    /// each with the tier it is about.
+    pub notes: Vec<(usize, String)>,
 }
 
 /// The first cache of `caches` (in order of precedence) with an entry for
@@ -84,10 +85,10 @@ pub fn resolve(
                 Some((config, ms)) => {
                     if entry.winner.page_items != pages {
                         if let Some(best) = entry.winner_ms() {
-                            resolution.notes.push(format!(
+                            resolution.notes.push((tier, format!(
                                 "{what}: {}-item pages tuned {:.2}x faster than the {pages}-item pages in use ({:.4} vs {ms:.4} ms); re-encode with page.items = {} to use them",
                                 entry.winner.page_items, ms / best, best, entry.winner.page_items
-                            ));
+                            )));
                         }
                     }
                     (
@@ -225,18 +226,43 @@ pub fn resolve_default(
     format: &Format,
     shape: ShapeBucket,
 ) -> Resolution {
+    resolve_reporting(gpu, machine, format, shape, |_| true)
+}
+
+/// [`resolve_default`] for a caller that runs only `tier` (`kvcc bench`
+/// times one tier of pages encoded for it): what it reports is about that
+/// tier alone.
+pub fn resolve_default_for_tier(
+    gpu: &GpuId,
+    machine: Machine,
+    format: &Format,
+    tier: usize,
+    shape: ShapeBucket,
+) -> Resolution {
+    resolve_reporting(gpu, machine, format, shape, |t| t == tier)
+}
+
+fn resolve_reporting(
+    gpu: &GpuId,
+    machine: Machine,
+    format: &Format,
+    shape: ShapeBucket,
+    reported: impl Fn(usize) -> bool,
+) -> Resolution {
     if lookups_disabled() {
         return defaults(format, shape, machine, &format!("{SWITCH_VARIABLE}=off"));
     }
     let caches = [default_cache(), shipped::cache()];
     let resolution = resolve(&caches, gpu, machine, format, shape);
-    for source in &resolution.sources {
-        if let Source::Default { reason } = source {
+    for (tier, source) in resolution.sources.iter().enumerate() {
+        if let (Source::Default { reason }, true) = (source, reported(tier)) {
             report_once(reason);
         }
     }
-    for note in &resolution.notes {
-        report_once(note);
+    for (tier, note) in &resolution.notes {
+        if reported(*tier) {
+            report_once(note);
+        }
     }
     resolution
 }
