@@ -255,8 +255,9 @@ fn resolve_reporting(
     let caches = [default_cache(), shipped::cache()];
     let resolution = resolve(&caches, gpu, machine, format, shape);
     for (tier, source) in resolution.sources.iter().enumerate() {
-        if let (Source::Default { reason }, true) = (source, reported(tier)) {
-            report_once(reason);
+        match source {
+            Source::Default { reason } if reported(tier) => report_once(reason),
+            _ => {}
         }
     }
     for (tier, note) in &resolution.notes {

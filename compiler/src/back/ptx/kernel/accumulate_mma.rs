@@ -959,6 +959,13 @@ pub(super) fn int_pair(
     };
     let field = (1u32 << bits) - 1;
     let mask = (field | field << 16) << shift;
+    if subnormal {
+        assert!(
+            !signed,
+            "subnormal codes are unsigned (MmaPlan::subnormal_codes)"
+        );
+        return k.and(x, mask);
+    }
     let sign = 1u32 << (bits - 1);
     let flip = if signed {
         (sign | sign << 16) << shift
@@ -967,13 +974,6 @@ pub(super) fn int_pair(
     };
     // (x & mask) ^ c: the field's bits flipped by c's, elsewhere c's bits.
     let lut = (0xF0 & 0xCC) ^ 0xAA;
-    if subnormal {
-        assert!(
-            !signed,
-            "subnormal codes are unsigned (MmaPlan::subnormal_codes)"
-        );
-        return k.and(x, mask);
-    }
     let biased = k.lop3(x, mask, MAGIC | flip, lut);
     let offset = if signed { sign } else { 0 };
     if shift > 0 {
