@@ -63,9 +63,19 @@ class Format:
     def page_bytes(self, tier=None) -> int:
         return self._native.page_bytes(self.tier_index(tier))
 
-    def bytes_per_token(self, tier=None, context: int = 32768) -> float:
-        """Bytes per token per kv head under the spec's `[cache]` policy."""
-        return self._native.bytes_per_token(self.tier_index(tier), context)
+    def bytes_per_token(
+        self,
+        tier=None,
+        context: int = 32768,
+        *,
+        sinks: Optional[int] = None,
+        window: Optional[int] = None,
+        exact: Optional[str] = None,
+    ) -> float:
+        """Bytes per token per kv head of a `context`-token sequence under the
+        spec's `[cache]` policy, `sinks`, `window` and `exact` replacing its
+        own where given (tables amortized over the context)."""
+        return self._native.bytes_per_token(self.tier_index(tier), context, sinks, window, exact)
 
     def policy(self) -> dict:
         """The spec's `[cache]` policy."""

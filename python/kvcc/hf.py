@@ -2,10 +2,10 @@
 `KvccCache`, a `Cache` whose every layer is a kvcc `LiveCache`.
 
     import kvcc.hf
-    kvcc.hf.register()                                   # AttentionInterface "kvcc"
+    kvcc.hf.register()                                   # AttentionInterface "kvcc", "kvcc_codes"
     model = AutoModelForCausalLM.from_pretrained(..., attn_implementation="kvcc")
-    model.config.kvcc = {"spec": "kivi", "tier": "int4", "window": 64}   # or KvccCache(spec=...)
-    cache = kvcc.hf.KvccCache(model.config)
+    options = kvcc.hf.KvccOptions(spec="kivi", tier="int4", window=64)
+    cache = kvcc.hf.KvccCache(model.config, options, max_tokens=4096)
     out = model.generate(ids, cache=cache, ...)   # past_key_values=cache before transformers 5
 
 The prompt is attended exactly (SDPA over its own keys and values) while the
@@ -18,10 +18,10 @@ length); a padded attention mask in a decode step raises.
 
 from __future__ import annotations
 
+import dataclasses
 import math
-import threading
 import weakref
-from typing import Optional
+from typing import Optional, Sequence, Union
 
 import torch
 from transformers import AttentionInterface
@@ -29,17 +29,11 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from ._kvcc import KvccError
-from .core import Format, LiveCache, Pages
+from .core import Format, LiveCache, Pages, Tables
 
-# Keys a KvccLayer handed to the model in this step, by id: the attention
-# function finds its layer from them (it is not passed the cache).
-_PENDING = threading.local()
-
-
-def _pending() -> dict:
-    if not hasattr(_PENDING, "by_key"):
-        _PENDING.by_key = {}
-    return _PENDING.by_key
+# The attribute of a decode step's key tensor that names its cache: the
+# attention function is passed the keys and the module, not the cache.
+_STEP_CACHE = "_kvcc_cache"
 
 
 def cache_argument(model) -> str:
@@ -51,19 +45,37 @@ def cache_argument(model) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
-def config_options(config) -> dict:
-    """The kvcc options of a model config: `config.kvcc` (a dict with `spec`
-    and any of `tier`, `sinks`, `window`, `exact`, `capacity`, `executor`)."""
-    options = getattr(config, "kvcc", None) or {}
-    if not isinstance(options, dict):
-        raise KvccError("config.kvcc must be a dict such as {'spec': 'kivi', 'tier': 'int4'}")
-    return dict(options)
+@dataclasses.dataclass(frozen=True)
+class KvccOptions:
+    """How a `KvccCache` stores every layer: the spec (a bundled name, a path
+    or a `Format`), the tier whole pages are compressed into, and the exact
+    sinks, window and exact dtype. `None` keeps the spec's `[cache]` value.
+    `capacity` is the page slots of every tier per layer (default: enough for
+    the cache's `max_tokens` of each of its sequences); `executor` runs CPU
+    caches (`"jit"` or `"interp"`); `check_finite=False` skips the NaN/Inf
+    scan of every CUDA step's inputs (each scan waits for the GPU)."""
+
+    spec: Union[str, Format] = "dense_f16"
+    tier: Union[int, str, None] = None
+    sinks: Optional[int] = None
+    window: Optional[int] = None
+    exact: Optional[str] = None
+    capacity: Optional[int] = None
+    executor: str = "jit"
+    check_finite: bool = True
+
+    def format(self) -> Format:
+        return self.spec if isinstance(self.spec, Format) else Format.load(self.spec)
+
+    def policy(self) -> dict:
+        """The `LiveCache` keyword arguments of these options."""
+        return {"tier": self.tier, "sinks": self.sinks, "window": self.window, "exact": self.exact}
 
 
 class KvccLayer(CacheLayerMixin):
     """One layer's live cache. The first update (the prompt) trains the tables
-    on the prompt and prefills; later updates are handed to the `kvcc`
-    attention function, which appends and attends."""
+    on the prompt unless given, and prefills; each later update is a decode
+    step, which the `kvcc` attention function appends and attends."""
 
     is_compileable = False
     is_sliding = False
@@ -71,22 +83,22 @@ class KvccLayer(CacheLayerMixin):
 
     def __init__(
         self,
+        options: KvccOptions,
         fmt: Format,
         capacity: int,
-        policy: dict,
-        executor: str = "jit",
-        q_heads: Optional[int] = None,
-        check_finite: bool = True,
+        q_heads: Optional[int],
+        tables: Optional[Tables],
     ):
         super().__init__()
+        self.options = options
         self.format = fmt
         self.capacity = capacity
-        self.policy = policy
-        self.executor = executor
         self.q_heads = q_heads
-        self.check_finite = check_finite
+        self.tables = tables
         self.live: Optional[LiveCache] = None
         self.tokens = 0
+        # The keys of the decode step the attention function has not taken yet.
+        self.step: Optional[torch.Tensor] = None
 
     def lazy_initialization(self, key_states, value_states) -> None:
         batch, kv_heads = key_states.shape[:2]
@@ -97,29 +109,40 @@ class KvccLayer(CacheLayerMixin):
             kv_heads,
             self.capacity,
             device=key_states.device,
-            executor=self.executor,
+            tables=self.tables,
+            executor=self.options.executor,
             q_heads=self.q_heads,
-            check_finite=self.check_finite,
-            **self.policy,
+            check_finite=self.options.check_finite,
+            **self.options.policy(),
         )
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if self.tokens == 0:
             self.live.prefill(key_states, value_states)
             self.tokens += key_states.shape[-2]
             return key_states, value_states
-        pending = _pending()
-        if any(layer is self for layer, _, _ in pending.values()):
-            pending.clear()
+        if self.step is not None:
+            self.step = None
             raise KvccError(
                 "the last step's new keys of this layer did not reach the kvcc attention: "
-                'a KvccCache needs the model loaded with attn_implementation="kvcc"'
+                'a KvccCache needs the model loaded with attn_implementation="kvcc" '
+                "(after kvcc.hf.register())"
             )
         self.tokens += key_states.shape[-2]
-        pending[id(key_states)] = (self, key_states, value_states)
+        self.step = key_states
         return key_states, value_states
+
+    def take_step(self, key: torch.Tensor) -> None:
+        """Marks the step's keys `key` as handed to the attention."""
+        if self.step is not key:
+            raise KvccError(
+                "the kvcc attention was given keys its layer's cache did not return "
+                "(a module's layer_idx must be its cache layer)"
+            )
+        self.step = None
 
     def get_mask_sizes(self, query_length: int):
         return self.tokens + query_length, 0
@@ -131,65 +154,62 @@ class KvccLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
-        self.live, self.tokens, self.is_initialized = None, 0, False
+        """Drops every sequence; the live cache, its tables and its kernels
+        stay for the next prompt (of at most as many sequences)."""
+        if self.live is not None:
+            for _ in self.live.lengths():
+                self.live.release(0)
+        self.tokens, self.step = 0, None
 
     def reorder_cache(self, beam_idx) -> None:
         raise NotImplementedError("KvccCache does not reorder sequences (beam search)")
 
 
 class KvccCache(Cache):
-    """A transformers `Cache` of kvcc live caches, one per layer. The spec and
-    policy come from the arguments or else `config.kvcc`; `capacity` is the
-    page slots of every tier per layer (default: enough for `max_tokens`
-    tokens of `batch` sequences). On CUDA, `check_finite=False` skips the
-    NaN/Inf scan of every step's keys, values and queries (each scan waits for
-    the GPU)."""
+    """A transformers `Cache` of kvcc live caches, one per layer of the model
+    whose `config` it is given, stored as `options` say. `tables` holds every
+    layer's trained tables (`Format.train` on that layer's keys and values);
+    without them each layer trains its own on the prompt. `batch` and
+    `max_tokens` size the default capacity."""
 
     def __init__(
         self,
-        config=None,
+        config,
+        options: Optional[KvccOptions] = None,
         *,
-        spec=None,
-        tier=None,
-        sinks=None,
-        window=None,
-        exact=None,
-        capacity: Optional[int] = None,
+        tables: Optional[Sequence[Tables]] = None,
         batch: int = 1,
         max_tokens: int = 32768,
-        executor: Optional[str] = None,
-        check_finite: bool = True,
     ):
-        options = config_options(config) if config is not None else {}
-        spec = spec if spec is not None else options.get("spec", "dense_f16")
-        fmt = spec if isinstance(spec, Format) else Format.load(spec)
-        policy = {
-            "tier": tier if tier is not None else options.get("tier"),
-            "sinks": sinks if sinks is not None else options.get("sinks"),
-            "window": window if window is not None else options.get("window"),
-            "exact": exact if exact is not None else options.get("exact"),
-        }
-        kv_heads, q_heads = 1, None
-        if config is not None:
-            kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-            q_heads = config.num_attention_heads
-        if capacity is None:
-            capacity = options.get("capacity") or (
-                batch * kv_heads * math.ceil(max_tokens / fmt.items_per_page(policy["tier"]))
-            )
-        executor = executor or options.get("executor", "jit")
-        self.format = fmt
+        options = options if options is not None else KvccOptions()
+        if not isinstance(options, KvccOptions):
+            raise KvccError(f"options must be a kvcc.hf.KvccOptions, not {type(options).__name__}")
+        fmt = options.format()
+        layers = config.num_hidden_layers
+        if tables is not None and len(tables) != layers:
+            raise KvccError(f"tables for {len(tables)} layers given for a model of {layers}")
+        q_heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or q_heads
+        capacity = options.capacity or (
+            batch * kv_heads * math.ceil(max_tokens / fmt.items_per_page(options.tier))
+        )
+        self.options, self.format, self.max_tokens = options, fmt, max_tokens
+        # The last attention mask found free of padding, with what it was
+        # checked for: every layer of a pass gets the same mask, and on CUDA
+        # each check waits for the GPU, so a pass checks it once.
+        self.checked_mask = None
+        super().__init__(
+            layers=[
+                KvccLayer(options, fmt, capacity, q_heads, tables[i] if tables else None)
+                for i in range(layers)
+            ]
+        )
 
-        def layer():
-            return KvccLayer(fmt, capacity, policy, executor, q_heads, check_finite)
-
-        super().__init__(layer_class_to_replicate=layer)
-
-
-# The last attention mask found free of padding, with what it was checked
-# for: every layer of a forward pass gets the same mask, and on CUDA each
-# check waits for the GPU, so a pass checks it once rather than per layer.
-_CHECKED = threading.local()
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        if self.layers[layer_idx].step is keys:
+            setattr(keys, _STEP_CACHE, self)
+        return keys, values
 
 
 def _hides_cached(mask: torch.Tensor, queries: int, tokens: int) -> bool:
@@ -202,20 +222,28 @@ def _hides_cached(mask: torch.Tensor, queries: int, tokens: int) -> bool:
     return not bool(seen.all())
 
 
-def _check_no_padding(mask: torch.Tensor, queries: int, tokens: int) -> None:
+def _check_no_padding(cache: KvccCache, mask: torch.Tensor, queries: int, tokens: int) -> None:
     try:
         version = mask._version  # bumped by in-place changes
     except RuntimeError:  # inference tensors keep no version counter
         version = None
     key = (queries, tokens, version)
-    last = getattr(_CHECKED, "last", None)
+    last = cache.checked_mask
     if last is not None and last[0]() is mask and last[1] == key:
         return
     if _hides_cached(mask, queries, tokens):
         raise KvccError(
             "KvccCache does not support padded batches (an attention mask hides cached tokens)"
         )
-    _CHECKED.last = (weakref.ref(mask), key)
+    cache.checked_mask = (weakref.ref(mask), key)
+
+
+def _unit_scaled(query: torch.Tensor, scaling: Optional[float]) -> torch.Tensor:
+    """Queries whose plain 1/sqrt(d) scaling (the kernels') gives `scaling`."""
+    d = query.shape[-1]
+    if scaling is not None and abs(scaling * math.sqrt(d) - 1.0) > 1e-6:
+        return query * (scaling * math.sqrt(d))
+    return query
 
 
 def kvcc_attention(
@@ -229,19 +257,19 @@ def kvcc_attention(
     **kwargs,
 ):
     """The `kvcc` attention implementation: decode steps of a `KvccCache`
-    attend through its live cache; anything else (the prompt, a model run
-    without a cache) is SDPA."""
-    entry = _pending().pop(id(key), None)
-    if entry is None or entry[1] is not key:
+    attend through the live cache of layer `module.layer_idx`; anything else
+    (the prompt, another cache, no cache) is SDPA."""
+    cache = getattr(key, _STEP_CACHE, None)
+    if cache is None:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
-    layer, _, _ = entry
-    d = query.shape[-1]
+    layer = cache.layers[module.layer_idx]
+    layer.take_step(key)
+    delattr(key, _STEP_CACHE)
     if attention_mask is not None:
-        _check_no_padding(attention_mask, query.shape[-2], layer.tokens)
-    if scaling is not None and abs(scaling * math.sqrt(d) - 1.0) > 1e-6:
-        query = query * (scaling * math.sqrt(d))
+        _check_no_padding(cache, attention_mask, query.shape[-2], layer.tokens)
+    query = _unit_scaled(query, scaling)
     outputs = []
     for t in range(query.shape[-2]):
         layer.live.append(key[:, :, t : t + 1], value[:, :, t : t + 1])
@@ -251,20 +279,18 @@ def kvcc_attention(
     return out.transpose(1, 2).contiguous(), None
 
 
-# The one-shot "every token on the codes" attention of fidelity measurements.
+@dataclasses.dataclass
 class CodesContext:
-    """What `codes_attention` reads: per layer the tables, the tier, and the
-    real length of every sequence of the batch being run."""
+    """What the `kvcc_codes` attention reads, passed to the model's forward as
+    `kvcc_codes=`: per layer the tables, the tier, and the real length of
+    every sequence of the batch. With `capture` set to a dict it records each
+    layer's keys and values (to train on) and runs SDPA instead."""
 
-    def __init__(self):
-        self.format: Optional[Format] = None
-        self.tier = None
-        self.tables = {}
-        self.lengths = None
-        self.capture = None  # layer_idx -> list of (k, v) per sequence, to train on
-
-
-CODES = CodesContext()
+    format: Optional[Format] = None
+    tier: Union[int, str, None] = None
+    tables: dict = dataclasses.field(default_factory=dict)
+    lengths: Optional[list] = None
+    capture: Optional[dict] = None  # layer_idx -> list of (k, v) per sequence
 
 
 def codes_attention(
@@ -275,16 +301,21 @@ def codes_attention(
     attention_mask: Optional[torch.Tensor],
     dropout: float = 0.0,
     scaling: Optional[float] = None,
+    kvcc_codes: Optional[CodesContext] = None,
     **kwargs,
 ):
     """Bidirectional attention whose keys and values are every token's codes:
-    each sequence's tokens compressed into `CODES.tier` (partial pages
-    included, no exact rows) and every query attending them through the JIT.
-    With `CODES.capture` set, records keys and values and runs SDPA instead."""
+    each sequence's tokens compressed into `kvcc_codes.tier` (partial pages
+    included, no exact rows) and every query attending them through the JIT."""
+    codes = kvcc_codes
+    if codes is None:
+        raise KvccError(
+            'the "kvcc_codes" attention needs its context: model(..., kvcc_codes=kvcc.hf.CodesContext(...))'
+        )
     layer = module.layer_idx
-    lengths = CODES.lengths or [key.shape[-2]] * key.shape[0]
-    if CODES.capture is not None:
-        CODES.capture.setdefault(layer, []).extend(
+    lengths = codes.lengths or [key.shape[-2]] * key.shape[0]
+    if codes.capture is not None:
+        codes.capture.setdefault(layer, []).extend(
             (key[i, :, :n].detach().clone(), value[i, :, :n].detach().clone())
             for i, n in enumerate(lengths)
         )
@@ -292,9 +323,8 @@ def codes_attention(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
     batch, heads, tokens, d = query.shape
-    if scaling is not None and abs(scaling * math.sqrt(d) - 1.0) > 1e-6:
-        query = query * (scaling * math.sqrt(d))
-    pages = Pages(CODES.format, CODES.tables[layer], CODES.tier)
+    query = _unit_scaled(query, scaling)
+    pages = Pages(codes.format, codes.tables[layer], codes.tier)
     for i, n in enumerate(lengths):
         pages.add(key[i, :, :n], value[i, :, :n])
     # Every token's query of a head is one query head of that head's group.
@@ -316,6 +346,3 @@ def register() -> None:
         return
     AttentionMaskInterface.register("kvcc", sdpa_mask)
     AttentionMaskInterface.register("kvcc_codes", sdpa_mask)
-
-
-register()

@@ -104,12 +104,23 @@ impl Format {
     }
 
     /// Bytes per token per kv head of a `context`-token sequence under the
-    /// spec's `[cache]` policy with tier `tier` (tables amortized over it).
-    fn bytes_per_token(&self, tier: usize, context: usize) -> PyResult<f64> {
+    /// spec's `[cache]` policy with tier `tier` (tables amortized over it);
+    /// `sinks`, `window` and `exact` replace the policy's where given.
+    #[pyo3(signature = (tier, context, sinks = None, window = None, exact = None))]
+    fn bytes_per_token(
+        &self,
+        tier: usize,
+        context: usize,
+        sinks: Option<usize>,
+        window: Option<usize>,
+        exact: Option<&str>,
+    ) -> PyResult<f64> {
         self.check_tier(tier)?;
+        let spec = CachePolicy::of(&self.inner);
         let policy = CachePolicy {
             tier,
-            ..CachePolicy::of(&self.inner)
+            exact: exact.map(parse_exact).transpose()?.unwrap_or(spec.exact),
+            ..spec.with_overrides(sinks, window)
         };
         Ok(policy.bytes_per_token(self.inner.layout(tier), context))
     }

@@ -6,6 +6,10 @@ import transformers
 
 import kvcc
 import kvcc.hf
+from kvcc.hf import KvccCache, KvccOptions
+from kvcc.specs import restate
+
+kvcc.hf.register()
 
 
 def tiny_llama(attn):
@@ -43,7 +47,7 @@ def test_dense_kvcc_cache_generates_the_default_tokens():
     ids = prompt()
     reference = generate(tiny_llama("sdpa"), ids)
     model = tiny_llama("kvcc")
-    cache = kvcc.hf.KvccCache(model.config, spec="dense_f16", window=16, batch=2, max_tokens=256)
+    cache = KvccCache(model.config, KvccOptions(spec="dense_f16", window=16), batch=2, max_tokens=256)
     out = generate(model, ids, cache)
     assert torch.equal(out, reference)
     # The prompt's older whole pages were compressed into the format's tier.
@@ -52,10 +56,10 @@ def test_dense_kvcc_cache_generates_the_default_tokens():
     assert cache.get_seq_length() == 173
 
 
-def test_config_chooses_a_compressed_spec():
+def test_options_choose_a_compressed_spec():
     model = tiny_llama("kvcc")
-    model.config.kvcc = {"spec": "kivi", "tier": "int4", "window": 32}
-    cache = kvcc.hf.KvccCache(model.config, batch=2, max_tokens=256)
+    options = KvccOptions(spec="kivi", tier="int4", window=32)
+    cache = KvccCache(model.config, options, batch=2, max_tokens=256)
     out = generate(model, prompt(), cache, new=8)
     assert out.shape == (2, 158)
     live = cache.layers[1].live
@@ -69,10 +73,10 @@ def test_several_new_tokens_in_one_step_stay_causal():
     extra = torch.randint(1, 256, (1, 5), generator=torch.Generator().manual_seed(2))
     arg = kvcc.hf.cache_argument(model)
     with torch.no_grad():
-        a = kvcc.hf.KvccCache(model.config, spec="dense_f16", window=16)
+        a = KvccCache(model.config, KvccOptions(spec="dense_f16", window=16))
         model(ids, **{arg: a})
         chunk = model(extra, **{arg: a}).logits
-        b = kvcc.hf.KvccCache(model.config, spec="dense_f16", window=16)
+        b = KvccCache(model.config, KvccOptions(spec="dense_f16", window=16))
         model(ids, **{arg: b})
         steps = torch.cat([model(extra[:, i : i + 1], **{arg: b}).logits for i in range(5)], 1)
     torch.testing.assert_close(chunk, steps, rtol=1e-4, atol=1e-4)
@@ -81,8 +85,6 @@ def test_several_new_tokens_in_one_step_stay_causal():
 def test_codes_attention_on_a_tiny_bert():
     """Every token on the codes: dense_f16 re-stated at the head width gives
     the exact embeddings; a 4-bit tier stays close."""
-    from kvcc.bench.embeddings import restate
-
     config = transformers.BertConfig(
         vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
         intermediate_size=128, attn_implementation="sdpa",
@@ -92,26 +94,23 @@ def test_codes_attention_on_a_tiny_bert():
     ids = torch.randint(1, 100, (3, 20), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         exact = model(ids).last_hidden_state
-        kvcc.hf.CODES.capture = {}
         model.config._attn_implementation = "kvcc_codes"
-        model(ids)
-        captured, kvcc.hf.CODES.capture = kvcc.hf.CODES.capture, None
+        capture = kvcc.hf.CodesContext(capture={})
+        model(ids, kvcc_codes=capture)
         for name, tier, bound in [("dense_f16", "f16", 1e-3), ("kivi", "int4", 0.2)]:
             fmt = kvcc.Format.parse(restate(kvcc.Format.bundled()[name], 32))
             assert fmt.head_dim == 32
-            kvcc.hf.CODES.format, kvcc.hf.CODES.tier = fmt, tier
-            kvcc.hf.CODES.tables = {
+            tables = {
                 layer: fmt.train(torch.cat([k for k, _ in kv], 1), torch.cat([v for _, v in kv], 1))
-                for layer, kv in captured.items()
+                for layer, kv in capture.capture.items()
             }
-            approx = model(ids).last_hidden_state
+            codes = kvcc.hf.CodesContext(format=fmt, tier=tier, tables=tables)
+            approx = model(ids, kvcc_codes=codes).last_hidden_state
             err = ((approx - exact).norm() / exact.norm()).item()
             assert err < bound, (name, err)
 
 
 def test_every_bundled_spec_restates_at_head_dim_32():
-    from kvcc.bench.embeddings import restate
-
     for name, source in kvcc.Format.bundled().items():
         fmt = kvcc.Format.parse(restate(source, 32), name)
         assert fmt.head_dim == 32 and fmt.tiers == kvcc.Format.load(name).tiers
@@ -119,7 +118,7 @@ def test_every_bundled_spec_restates_at_head_dim_32():
 
 def test_a_kvcc_cache_without_the_kvcc_attention_is_refused():
     model = tiny_llama("sdpa")
-    cache = kvcc.hf.KvccCache(model.config, spec="dense_f16")
+    cache = KvccCache(model.config)
     arg = kvcc.hf.cache_argument(model)
     ids = prompt(batch=1, tokens=20)
     with torch.no_grad():
@@ -138,7 +137,7 @@ def test_padded_batches_are_refused():
     ids = prompt(batch=2, tokens=40)
     mask = torch.ones_like(ids)
     mask[1, :5] = 0  # left padding of the second sequence
-    cache = kvcc.hf.KvccCache(model.config, spec="dense_f16", batch=2)
+    cache = KvccCache(model.config, batch=2)
     try:
         with torch.no_grad():
             model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False,
@@ -164,7 +163,7 @@ def test_a_step_checks_its_mask_once_for_every_layer(monkeypatch):
     assert model.config.num_hidden_layers == 2
     ids = prompt(batch=1, tokens=40)
     arg = kvcc.hf.cache_argument(model)
-    cache = kvcc.hf.KvccCache(model.config, spec="dense_f16", window=16)
+    cache = KvccCache(model.config, KvccOptions(spec="dense_f16", window=16))
     with torch.no_grad():
         model(ids, **{arg: cache})
         model(ids[:, :3], **{arg: cache})  # 3 new tokens: a causal mask is passed
@@ -173,25 +172,56 @@ def test_a_step_checks_its_mask_once_for_every_layer(monkeypatch):
 
 
 def test_a_mask_hiding_cached_tokens_is_refused():
+    cache = KvccCache(tiny_llama("kvcc").config)
     mask = torch.ones(1, 1, 2, 10, dtype=torch.bool)
     mask[..., 8:] = torch.tril(torch.ones(2, 2, dtype=torch.bool))
-    kvcc.hf._check_no_padding(mask, 2, 10)  # causal over the new tokens
+    kvcc.hf._check_no_padding(cache, mask, 2, 10)  # causal over the new tokens
     for query, token in [(0, 3), (1, 8)]:  # a cached token; the first new one
         bad = mask.clone()
         bad[0, 0, query, token] = False
         try:
-            kvcc.hf._check_no_padding(bad, 2, 10)
+            kvcc.hf._check_no_padding(cache, bad, 2, 10)
         except kvcc.KvccError as e:
             assert "padded batches" in str(e)
         else:
             raise AssertionError(f"a mask hiding token {token} must be refused")
     # An additive float mask with the same hole, changed in place after a check.
     additive = torch.zeros(1, 1, 2, 10)
-    kvcc.hf._check_no_padding(additive, 2, 10)
+    kvcc.hf._check_no_padding(cache, additive, 2, 10)
     additive[0, 0, 1, 2] = torch.finfo(additive.dtype).min
     try:
-        kvcc.hf._check_no_padding(additive, 2, 10)
+        kvcc.hf._check_no_padding(cache, additive, 2, 10)
     except kvcc.KvccError:
         pass
     else:
         raise AssertionError("a mask changed in place after its check must be checked again")
+
+
+def test_given_tables_are_used_and_checked():
+    """Tables trained apart (one per layer) open every layer's cache in place
+    of tables trained on the prompt; a list for another number of layers is
+    refused."""
+    model = tiny_llama("kvcc")
+    ids = prompt(batch=1, tokens=100)
+    fmt = kvcc.Format.load("subspace")
+    noise = torch.randn(1, 256, 128, generator=torch.Generator().manual_seed(5))
+    tables = [fmt.train(noise, noise) for _ in range(2)]
+    arg = kvcc.hf.cache_argument(model)
+
+    def step_logits(cache):
+        with torch.no_grad():
+            model(ids, **{arg: cache})
+            return model(ids[:, :1], **{arg: cache}).logits
+
+    options = KvccOptions(spec=fmt, window=0)
+    given = step_logits(KvccCache(model.config, options, tables=tables))
+    again = step_logits(KvccCache(model.config, options, tables=tables))
+    trained = step_logits(KvccCache(model.config, options))
+    assert torch.equal(given, again)
+    assert not torch.allclose(given, trained, rtol=1e-4, atol=1e-4)
+    try:
+        KvccCache(model.config, options, tables=tables[:1])
+    except kvcc.KvccError as e:
+        assert "tables for 1 layers" in str(e)
+    else:
+        raise AssertionError("tables for the wrong number of layers must be refused")

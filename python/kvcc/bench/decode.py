@@ -27,6 +27,7 @@ from .. import Format, hf
 def build_model(args, device):
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    hf.register()
     config = LlamaConfig(
         vocab_size=args.vocab,
         hidden_size=args.heads * 128,
@@ -126,10 +127,10 @@ def main(argv=None):
     tier = fmt.tiers[fmt.tier_index(args.tier)]
 
     def kvcc_cache(tokens):
-        return hf.KvccCache(
-            model.config, spec=fmt, tier=args.tier, batch=args.batch, max_tokens=tokens,
-            check_finite=args.check_finite or device.type == "cpu",
+        options = hf.KvccOptions(
+            spec=fmt, tier=args.tier, check_finite=args.check_finite or device.type == "cpu"
         )
+        return hf.KvccCache(model.config, options, batch=args.batch, max_tokens=tokens)
 
     warm = torch.randint(0, args.vocab, (args.batch, 80)).to(device)
     if "sdpa" in caches:

