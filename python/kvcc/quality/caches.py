@@ -94,16 +94,7 @@ class CacheChoice:
         return KvccCache(qm.config, options, tables=self.tables, max_tokens=max_tokens)
 
 
-def capture_kv(qm: QualityModel, ids: torch.Tensor) -> list:
-    """Every layer's keys and values of `ids` `[1, tokens]` (post-RoPE, as the
-    cache receives them): a list of `(k, v)` `[kv_heads, tokens, head_dim]`."""
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=qm.config)
-    qm.forward(ids, cache)
-    return [(layer.keys[0].float(), layer.values[0].float()) for layer in cache.layers]
-
-
 def train_tables(fmt: Format, kv: list, seed: int = 0) -> List[Tables]:
-    """`fmt`'s tables for every layer, trained on that layer's captured keys and values."""
-    return [fmt.train(k.cpu(), v.cpu(), seed=seed) for k, v in kv]
+    """`fmt`'s tables for every layer, trained on that layer's keys and values
+    (`[1, kv_heads, tokens, head_dim]` pairs, as `measure.Prefill` holds them)."""
+    return [fmt.train(k, v, seed=seed) for k, v in kv]

@@ -11,8 +11,8 @@ import torch
 
 from .._kvcc import KvccError
 from ..core import Format
-from .caches import CacheChoice, capture_kv, train_tables
-from .measure import Reference, agreement, generation, needle, perplexity
+from .caches import CacheChoice, train_tables
+from .measure import NeedleAnswer, Perplexity, agreement, generation, needle, perplexity, prefill
 from .models import QualityModel
 from .texts import essays, needle_prompt
 
@@ -35,6 +35,15 @@ class Settings:
     generate: int = 128
     calibration: int = 2048
     seed: int = 0
+
+
+@dataclass
+class Reference:
+    """The reference cache's results every measured cache is compared with."""
+
+    perplexity: Perplexity
+    needles: List[NeedleAnswer]
+    generated: List[int]
 
 
 class Harness:
@@ -67,10 +76,16 @@ class Harness:
             for i, length in enumerate(s.lengths)
             for j, depth in enumerate(s.depths)
         ]
+        # Every prompt's forward pass, once: the same for every cache.
+        self.text_prefill = prefill(qm, self.text[:, : s.prefill])
+        self.generate_prefill = prefill(qm, self.text[:, : s.generate_prompt])
+        self.haystacks = [
+            prefill(qm, torch.tensor([p.ids], device=qm.device)) for p in self.prompts
+        ]
         self._kv = None
         self._tables: Dict[str, list] = {}
         self.reference_choice = reference or CacheChoice.dense()
-        self.reference = self._reference()
+        self.reference = Reference(*self._measure(self.reference_choice))
 
     @property
     def steps_per_cache(self) -> int:
@@ -83,7 +98,7 @@ class Harness:
         """`fmt`'s tables per layer, trained once on the calibration tokens."""
         if fmt.name not in self._tables:
             if self._kv is None:
-                self._kv = capture_kv(self.qm, self.text[:, -self.settings.calibration :])
+                self._kv = prefill(self.qm, self.text[:, -self.settings.calibration :]).kv
             self._tables[fmt.name] = train_tables(fmt, self._kv, seed=self.settings.seed)
         return self._tables[fmt.name]
 
@@ -93,21 +108,17 @@ class Harness:
 
     def _measure(self, choice: CacheChoice):
         s, qm = self.settings, self.qm
-        ppl = perplexity(qm, choice, self.text, s.prefill, s.steps)
+        ppl = perplexity(qm, choice, self.text, self.text_prefill, s.steps)
         self.progress(choice.label, s.steps)
         answers, cache = [], None
-        for prompt in self.prompts:
+        for prompt, haystack in zip(self.prompts, self.haystacks):
             if not choice.is_dense:
                 cache = choice.open(qm, max(s.lengths), previous=cache)
-            answers.append(needle(qm, choice, prompt, s.answer_tokens, cache))
+            answers.append(needle(qm, choice, prompt, haystack, s.answer_tokens, cache))
             self.progress(choice.label, len(prompt.question) + s.answer_tokens)
-        tokens = generation(qm, choice, self.text[:, : s.generate_prompt], s.generate)
+        tokens = generation(qm, choice, self.generate_prefill, s.generate)
         self.progress(choice.label, s.generate)
         return ppl, answers, tokens
-
-    def _reference(self) -> Reference:
-        ppl, answers, tokens = self._measure(self.reference_choice)
-        return Reference(ppl, answers, tokens)
 
     def row(self, choice: CacheChoice, measured=None) -> dict:
         """Measures `choice` (or takes its measurements) and compares it with the reference."""

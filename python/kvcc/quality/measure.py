@@ -7,19 +7,52 @@ cache and attends through it.
 - needle retrieval: a haystack prompt with one pass key, then the question
   decoded through the cache and the answer generated greedily;
 - greedy generation, compared token by token with another cache's.
+
+A prompt's forward pass attends exactly whatever the cache stores, so its
+keys, values and last logits are the same for every cache: `prefill` runs it
+once and `Prefill.fill` hands those keys and values to each cache as the
+model's own forward pass would, layer by layer.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import List, Optional
+from dataclasses import dataclass
+from typing import List
 
 import torch
 
 from .caches import CacheChoice
 from .models import QualityModel
 from .texts import NeedlePrompt
+
+
+@dataclass
+class Prefill:
+    """A prompt's forward pass: every layer's keys and values `[1, kv_heads,
+    tokens, head_dim]` (post-RoPE, as a cache receives them) and the logits
+    of its last position."""
+
+    kv: list
+    logits: torch.Tensor
+
+    @property
+    def tokens(self) -> int:
+        return self.kv[0][0].shape[-2]
+
+    def fill(self, cache) -> None:
+        """Gives `cache` the prompt, layer by layer, as the forward pass does."""
+        for layer, (k, v) in enumerate(self.kv):
+            cache.update(k, v, layer)
+
+
+def prefill(qm: QualityModel, ids: torch.Tensor) -> Prefill:
+    """Runs the prompt `ids` `[1, tokens]` once through the default cache."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=qm.config)
+    logits = qm.forward(ids, cache)[0, -1]
+    return Prefill([(layer.keys, layer.values) for layer in cache.layers], logits)
 
 
 @dataclass
@@ -36,18 +69,19 @@ class Perplexity:
 
 
 def perplexity(
-    qm: QualityModel, choice: CacheChoice, ids: torch.Tensor, prefill: int, steps: int, cache=None
+    qm: QualityModel, choice: CacheChoice, ids: torch.Tensor, prompt: Prefill, steps: int
 ) -> Perplexity:
-    """Prefills `ids[:, :prefill]`, then feeds `ids[:, prefill + i]` one step at
-    a time and scores the next token: `steps` tokens, each predicted by a
-    step that attended through the cache."""
-    if ids.shape[1] < prefill + steps + 1:
-        raise ValueError(f"the text holds {ids.shape[1]} tokens, not {prefill + steps + 1}")
-    qm.check_context(prefill + steps)
-    cache = choice.open(qm, prefill + steps, previous=cache)
-    qm.forward(ids[:, :prefill], cache)
+    """After the prefill `prompt` of `ids`' first tokens, feeds the next ones
+    one step at a time and scores the token after each: `steps` tokens, each
+    predicted by a step that attended through the cache."""
+    start = prompt.tokens
+    if ids.shape[1] < start + steps + 1:
+        raise ValueError(f"the text holds {ids.shape[1]} tokens, not {start + steps + 1}")
+    qm.check_context(start + steps)
+    cache = choice.open(qm, start + steps)
+    prompt.fill(cache)
     nll, top1 = [], []
-    for t in range(prefill, prefill + steps):
+    for t in range(start, start + steps):
         logits = qm.forward(ids[:, t : t + 1], cache)[0, -1].float()
         target = int(ids[0, t + 1])
         nll.append(float(-torch.log_softmax(logits, -1)[target]))
@@ -55,17 +89,15 @@ def perplexity(
     return Perplexity(nll, top1)
 
 
-def greedy(qm: QualityModel, cache, ids: torch.Tensor, tokens: int, first_logits=None) -> List[int]:
-    """`tokens` greedy tokens after `ids` (already in `cache` when
-    `first_logits`, the logits of its last position, is given)."""
-    logits = first_logits if first_logits is not None else qm.forward(ids, cache)[0, -1]
+def greedy(qm: QualityModel, cache, logits: torch.Tensor, tokens: int) -> List[int]:
+    """`tokens` greedy tokens, the first chosen from `logits` (those of the
+    last position already in `cache`)."""
     out = []
     for i in range(tokens):
         token = int(logits.argmax())
         out.append(token)
         if i + 1 < tokens:
-            step = torch.tensor([[token]], device=qm.device)
-            logits = qm.forward(step, cache)[0, -1]
+            logits = qm.forward(torch.tensor([[token]], device=qm.device), cache)[0, -1]
     return out
 
 
@@ -79,19 +111,24 @@ class NeedleAnswer:
 
 
 def needle(
-    qm: QualityModel, choice: CacheChoice, prompt: NeedlePrompt, answer_tokens: int, cache=None
+    qm: QualityModel,
+    choice: CacheChoice,
+    prompt: NeedlePrompt,
+    haystack: Prefill,
+    answer_tokens: int,
+    cache=None,
 ) -> NeedleAnswer:
     """The haystack prefilled, the question decoded through the cache (one
     token per step), then `answer_tokens` greedy tokens; found when they hold
-    the pass key."""
+    the pass key. `cache` (a kvcc cache this choice opened for as many
+    tokens) is emptied and reused."""
     total = prompt.tokens + answer_tokens
     qm.check_context(total)
     cache = choice.open(qm, total, previous=cache)
-    qm.forward(torch.tensor([prompt.ids], device=qm.device), cache)
+    haystack.fill(cache)
     question = torch.tensor([prompt.question], device=qm.device)
     last = qm.forward(question, cache)[0, -1]
-    tokens = greedy(qm, cache, question, answer_tokens, first_logits=last)
-    text = qm.tokenizer.decode(tokens)
+    text = qm.tokenizer.decode(greedy(qm, cache, last, answer_tokens))
     return NeedleAnswer(total, prompt.depth, prompt.answer, text, prompt.answer in text)
 
 
@@ -115,17 +152,9 @@ def agreement(reference: List[int], tokens: List[int]) -> Agreement:
     return Agreement(len(tokens), equal, first)
 
 
-def generation(qm: QualityModel, choice: CacheChoice, ids: torch.Tensor, tokens: int) -> List[int]:
-    """`tokens` greedy tokens after the prompt `ids` through a fresh cache."""
-    qm.check_context(ids.shape[1] + tokens)
-    cache = choice.open(qm, ids.shape[1] + tokens)
-    return greedy(qm, cache, ids, tokens)
-
-
-@dataclass
-class Reference:
-    """The reference cache's results a measured cache is compared with."""
-
-    perplexity: Perplexity
-    needles: List[NeedleAnswer] = field(default_factory=list)
-    generated: Optional[List[int]] = None
+def generation(qm: QualityModel, choice: CacheChoice, prompt: Prefill, tokens: int) -> List[int]:
+    """`tokens` greedy tokens after the prefill `prompt`, through a fresh cache."""
+    qm.check_context(prompt.tokens + tokens)
+    cache = choice.open(qm, prompt.tokens + tokens)
+    prompt.fill(cache)
+    return greedy(qm, cache, prompt.logits, tokens)
