@@ -71,10 +71,15 @@ class Harness:
             qm.check_context(length)
         qm.check_context(s.prefill + s.steps)
         qm.check_context(s.generate_prompt + s.generate)
+        # A cell's needle depends on its length and depth alone, so runs over
+        # other grids share the cells they have in common.
         self.prompts = [
-            needle_prompt(qm.tokenizer, length - s.answer_tokens, depth, seed=s.seed + 1000 * i + j)
-            for i, length in enumerate(s.lengths)
-            for j, depth in enumerate(s.depths)
+            needle_prompt(
+                qm.tokenizer, length - s.answer_tokens, depth,
+                seed=(s.seed * 100_003 + length) * 1_009 + round(depth * 1000),
+            )
+            for length in s.lengths
+            for depth in s.depths
         ]
         # Every prompt's forward pass, once: the same for every cache.
         self.text_prefill = prefill(qm, self.text[:, : s.prefill])

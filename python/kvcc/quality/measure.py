@@ -51,7 +51,7 @@ def prefill(qm: QualityModel, ids: torch.Tensor) -> Prefill:
     from transformers import DynamicCache
 
     cache = DynamicCache(config=qm.config)
-    logits = qm.forward(ids, cache)[0, -1]
+    logits = qm.forward(ids, cache, last_only=True)[0, -1]
     return Prefill([(layer.keys, layer.values) for layer in cache.layers], logits)
 
 
@@ -127,7 +127,7 @@ def needle(
     cache = choice.open(qm, total, previous=cache)
     haystack.fill(cache)
     question = torch.tensor([prompt.question], device=qm.device)
-    last = qm.forward(question, cache)[0, -1]
+    last = qm.forward(question, cache, last_only=True)[0, -1]
     text = qm.tokenizer.decode(greedy(qm, cache, last, answer_tokens))
     return NeedleAnswer(total, prompt.depth, prompt.answer, text, prompt.answer in text)
 

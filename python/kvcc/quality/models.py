@@ -75,11 +75,13 @@ class QualityModel:
         """`text`'s token ids, `[1, tokens]`, beginning of sequence included."""
         return self.tokenizer(text, return_tensors="pt")["input_ids"].to(self.device)
 
-    def forward(self, ids: torch.Tensor, cache) -> torch.Tensor:
-        """The next-token logits of every position of `ids` `[1, n]`, through `cache`."""
+    def forward(self, ids: torch.Tensor, cache, last_only: bool = False) -> torch.Tensor:
+        """The next-token logits of every position of `ids` `[1, n]` (of the
+        last one alone with `last_only`), through `cache`."""
         arg = hf.cache_argument(self.model)
+        keep = {"logits_to_keep": 1} if last_only else {}
         with torch.no_grad():
-            return self.model(ids, use_cache=True, **{arg: cache}).logits
+            return self.model(ids, use_cache=True, **keep, **{arg: cache}).logits
 
 
 def _package_folder(module: str, pip_name: str) -> Path:
