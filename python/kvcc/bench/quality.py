@@ -67,14 +67,15 @@ def table(rows, about) -> str:
         f"{about['settings']['generate']} tokens.",
         "",
         "| spec | tier | policy | B/token/head | vs f16 | PPL | ΔPPL | top-1 agree | needles | "
-        "greedy agree | first diff |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "answers as default | greedy agree | first diff |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
             f"| {r['spec']} | {r['tier']} | {r['policy']} | {r['bytes_per_token']:.1f} | "
             f"{r['compression']:.2f}x | {r['ppl']:.3f} | {r['delta_ppl']:+.3f} | "
             f"{r['top1_agreement']:.3f} | {r['needle_accuracy']:.2f} | "
+            f"{r['needle_same_as_reference']:.2f} | "
             f"{r['greedy_agreement']:.3f} | {r['greedy_first_difference']} |"
         )
     return "\n".join(lines)
@@ -87,7 +88,7 @@ def compare(a: dict, b: dict) -> str:
         f"{a['about']['device']} against {b['about']['device']}",
         "",
         "| cache | PPL (a) | PPL (b) | relative difference | needle answers equal | "
-        "greedy tokens equal |",
+        "same greedy agreement |",
         "|---|---:|---:|---:|---:|---:|",
     ]
     for r in a["rows"]:
