@@ -5,77 +5,9 @@
 //!
 //! A step streams every page once, so its time is the pages' bytes over the
 //! bandwidth the grid reaches, plus fixed costs per tile and per CTA. Each
-//! rule below removes one cost that measurements showed (H100, every bundled
-//! tier, batch 8 at 32K and batch 1 at 128K; docs/autotune.md § Defaults):
-//!
-//! - **page size**: a tile is at most a page, and per-tile work (barriers,
-//!   header scales, the softmax rescale) is paid per tile, so a page should
-//!   hold [`TILE_BYTES`] of codes, but at most one item per thread of the
-//!   CTA (and [`PAGE_ITEMS`]'s largest): a CUDA-core score gives each thread
-//!   one item of the tile, and a second one per thread ran up to 1.7×
-//!   slower (random-spec corpus, 46 tiers at batch 8 × 32K on an H200: this
-//!   rule's page within 10 % of each tier's best page size on 41, within
-//!   15 % on all). A score on the tensor cores whose key rows are read as
-//!   stored takes any tile: its page holds [`TILE_BYTES`] of codes up to
-//!   [`TENSOR_PAGE_ITEMS`]' largest (shard, 66 bytes an item, H200: 512
-//!   items 6–12 % faster than 128 at batch 8 and batch 1). MosaicKV's
-//!   gathered keys keep the cap (256 items 8 % slower than 128 at batch 8).
-//!   Pages stay small enough that the grid has
-//!   [`PAGES_PER_SM`] pages for every SM, or short contexts at batch 1 leave
-//!   SMs idle.
-//!   Keys scaled per page and scored on the tensor cores (KIVI's per-channel
-//!   keys, subspace's coefficient scales) take [`PAGE_SCALED_KEY_ITEMS`],
-//!   halved only by the rule above: the query times the page's scales is
-//!   prepared once per page, a third of a 128-item page's time for kivi2
-//!   (512-item pages were the winners of every such tier at batch 8 × 32K,
-//!   batch 1 × 128K and batch 1 × 32K, 4 pages per SM, where 256-item
-//!   pages ran 7–30 % slower on the H200). On the CUDA cores the
-//!   preparation is a small part of a page's time, and those tiers follow
-//!   the general rule.
-//! - **warps**: values accumulated per thread through per-item table reads
-//!   (VQ codebook rows the tensor cores cannot take: f32 books) are
-//!   latency-bound gathers; more, smaller CTAs hide them (shard before its
-//!   lookups: 2 warps 15–20 % faster than 4). Elsewhere 4 warps were within
-//!   2 % of the best (shard's looked-up values, H200, 512-item pages: 2
-//!   warps 55 % slower than 4, 8 warps 2 %).
-//! - **grouped values** (a scale and zero point per token and group of
-//!   channels on the tensor cores: kivi2) take 2 warps and tiles of
-//!   [`GROUPED_VALUE_TILE_ITEMS`]: their lanes hold ~250 registers, so
-//!   4-warp CTAs with whole 512-item pages as tiles fit two to an SM by
-//!   registers and by shared memory alike, and each barrier stalls all
-//!   four warps; 2-warp CTAs with 128-item tiles fit four (H200, batch 8 ×
-//!   32K: kivi2 int2 0.1041 → 0.0908 ms, 0.4 % off its tuned best).
-//!   Their fragment loads read four tokens two rows apart, so value rows
-//!   of a multiple of 32 bytes load by `cp.async` into padded rows, narrow
-//!   or not: unpadded, the four start on the same banks (kivi2 int3's
-//!   64-byte rows: 12–15 % faster at batch 8).
-//! - **few pages**: where the whole batch has fewer than
-//!   [`FEW_PAGES_PER_SM`] pages per SM (one sequence of 32K in 512-item
-//!   pages: 4), tiers scored on the tensor cores take 8 warps. A wave then
-//!   holds half as many CTAs, each with twice the pages, so the per-CTA
-//!   costs (prologue, epilogue, partials, the merge's inputs) halve while
-//!   the warps per SM stay. H200, batch 1 at 8K, 16K and 32K, the model
-//!   before and after in one call: subspace 27–28 % faster (32K: 0.0251 →
-//!   0.0181 ms), MosaicKV 9–12 % at 8K and 16K, dense 5 % at 8K, KIVI int8
-//!   2–6 %, fp8 at most 3 %; KIVI int4 5 % faster at 32K, 9 % slower at
-//!   8K (128-item pages).
-//! - **copy path**: on sm_90, narrow rows (both streams under
-//!   [`NARROW_ROW_BYTES`]) load faster by bulk copies even where the padded
-//!   `cp.async` rows would avoid bank conflicts: few words per row conflict
-//!   (subspace: 13–18 % faster, shard 4–5 %).
-//! - **splits** ([`splits`]): one wave of CTAs, except where its CTAs
-//!   each get fewer than [`MIN_CTA_PAGES`] pages: then at most
-//!   [`MAX_SHORT_CTAS_PER_SM`] CTAs per SM. Small CTAs (2 warps, little shared
-//!   memory) fit 10–20 to an SM, and each pays its prologue, its epilogue
-//!   (a PCA basis applied to the values) and a partial for the merge;
-//!   beyond 8 an SM streams no faster (H200, batch 8, the 11 random-spec
-//!   tiers whose wave was 20–41 splits: 1.10–1.37× faster at 8K, 1.02–1.16×
-//!   at 32K; at 128K their CTAs hold 50 pages or more and keep the wave;
-//!   capping at 4 CTAs per SM instead lost up to 20 % at 8K).
-//! - **tiles** a page, two buffers: within
-//!   7 % of the best alternative on every bundled tier in the H100
-//!   calibration; not so elsewhere (subspace on the H200 wants 4 buffers,
-//!   8–17 % faster), and no rule yet fits those.
+//! rule ([`page_items`], [`config`], [`splits`]) removes one such cost that
+//! tune sweeps measured. The rules, the measurements behind each and how the
+//! model compares with tuned winners: docs/autotune.md § The cost model.
 
 use kvcc_compiler::back::ptx::{shared_stride, tensor_core_phases, Target};
 use kvcc_compiler::proc::{reads_header, reads_tables};
