@@ -165,12 +165,21 @@ class KvccLayer(CacheLayerMixin):
         raise NotImplementedError("KvccCache does not reorder sequences (beam search)")
 
 
+def sliding_layers(config) -> list:
+    """Which layers of `config`'s model attend over a sliding window (Gemma's
+    local layers): they keep transformers' own window of exact rows."""
+    types = getattr(config, "layer_types", None) or []
+    return [t == "sliding_attention" for t in types] or [False] * config.num_hidden_layers
+
+
 class KvccCache(Cache):
-    """A transformers `Cache` of kvcc live caches, one per layer of the model
-    whose `config` it is given, stored as `options` say. `tables` holds every
-    layer's trained tables (`Format.train` on that layer's keys and values);
-    without them each layer trains its own on the prompt. `batch` and
-    `max_tokens` size the default capacity."""
+    """A transformers `Cache` of kvcc live caches, one per full-attention
+    layer of the model whose `config` it is given, stored as `options` say;
+    sliding-window layers keep transformers' exact window. `tables` holds
+    every kvcc layer's trained tables (`Format.train` on that layer's keys
+    and values; `None` for sliding layers); without them each layer trains
+    its own on the prompt. `batch` and `max_tokens` size the default
+    capacity."""
 
     def __init__(
         self,
@@ -198,18 +207,40 @@ class KvccCache(Cache):
         # checked for: every layer of a pass gets the same mask, and on CUDA
         # each check waits for the GPU, so a pass checks it once.
         self.checked_mask = None
-        super().__init__(
-            layers=[
-                KvccLayer(options, fmt, capacity, q_heads, tables[i] if tables else None)
-                for i in range(layers)
-            ]
-        )
+        self.sliding = sliding_layers(config)
+        self.sliding_window = getattr(config, "sliding_window", None)
+
+        def layer(i):
+            if self.sliding[i]:
+                return self._window_layer()
+            return KvccLayer(options, fmt, capacity, q_heads, tables[i] if tables else None)
+
+        super().__init__(layers=[layer(i) for i in range(layers)])
+
+    def _window_layer(self):
+        from transformers.cache_utils import DynamicSlidingWindowLayer
+
+        return DynamicSlidingWindowLayer(sliding_window=self.sliding_window)
+
+    @property
+    def kvcc_layers(self) -> list:
+        """The layers whose keys and values are in kvcc live caches."""
+        return [layer for layer in self.layers if isinstance(layer, KvccLayer)]
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
-        if self.layers[layer_idx].step is keys:
+        if getattr(self.layers[layer_idx], "step", None) is keys:
             setattr(keys, _STEP_CACHE, self)
         return keys, values
+
+    def reset(self) -> None:
+        """Drops every sequence: kvcc layers keep their live caches, tables
+        and kernels; sliding-window layers start empty."""
+        for i, layer in enumerate(self.layers):
+            if isinstance(layer, KvccLayer):
+                layer.reset()
+            else:
+                self.layers[i] = self._window_layer()
 
 
 def _hides_cached(mask: torch.Tensor, queries: int, tokens: int) -> bool:

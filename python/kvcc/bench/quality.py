@@ -58,8 +58,14 @@ def choices(harness, specs, policies, tiers=None, executor="jit"):
 
 def table(rows, about) -> str:
     """The markdown table of `rows`."""
+    kvcc_layers = about.get("kvcc_layers", about["layers"])
+    sliding = about["layers"] - kvcc_layers
+    layers = f"{about['layers']} layers" + (
+        f" ({kvcc_layers} full-attention layers through kvcc, {sliding} sliding-window layers exact)"
+        if sliding else ""
+    )
     lines = [
-        f"{about['model']} ({about['layers']} layers, {about['q_heads']} query / "
+        f"{about['model']} ({layers}, {about['q_heads']} query / "
         f"{about['kv_heads']} kv heads of {about['head_dim']}), {about['dtype']}, on "
         f"{about['device']}; perplexity over {about['settings']['steps']} decode steps after "
         f"{about['settings']['prefill']} tokens; needles: {len(about['settings']['lengths'])} "

@@ -10,7 +10,7 @@ from typing import List, Optional
 import torch
 
 from ..core import Format, Tables
-from ..hf import KvccCache, KvccOptions
+from ..hf import KvccCache, KvccOptions, sliding_layers
 from .models import QualityModel
 
 # The policies every spec is measured under (sinks, window); "spec" is the
@@ -61,8 +61,9 @@ class CacheChoice:
         return self.format is None
 
     def bytes_per_token(self, qm: QualityModel, context: int) -> float:
-        """Bytes per token per kv head per layer of a `context`-token sequence
-        (exact rows of the model's dtype for the default cache)."""
+        """Bytes per token per kv head per full-attention layer of a
+        `context`-token sequence (exact rows of the model's dtype for the
+        default cache; sliding-window layers hold a bounded exact window)."""
         if self.is_dense:
             element = torch.finfo(qm.model.dtype).bits // 8
             return 2 * qm.head_dim * element
@@ -94,7 +95,11 @@ class CacheChoice:
         return KvccCache(qm.config, options, tables=self.tables, max_tokens=max_tokens)
 
 
-def train_tables(fmt: Format, kv: list, seed: int = 0) -> List[Tables]:
-    """`fmt`'s tables for every layer, trained on that layer's keys and values
-    (`[1, kv_heads, tokens, head_dim]` pairs, as `measure.Prefill` holds them)."""
-    return [fmt.train(k, v, seed=seed) for k, v in kv]
+def train_tables(qm: QualityModel, fmt: Format, kv: list, seed: int = 0) -> List[Optional[Tables]]:
+    """`fmt`'s tables for every kvcc layer of `qm`, trained on that layer's
+    keys and values (`[1, kv_heads, tokens, head_dim]` pairs, as
+    `measure.Prefill` holds them); `None` for sliding-window layers."""
+    return [
+        None if sliding else fmt.train(k, v, seed=seed)
+        for sliding, (k, v) in zip(sliding_layers(qm.config), kv)
+    ]

@@ -11,6 +11,7 @@ import torch
 
 from .._kvcc import KvccError
 from ..core import Format
+from ..hf import sliding_layers
 from .caches import CacheChoice, train_tables
 from .measure import NeedleAnswer, Perplexity, agreement, generation, needle, perplexity, prefill
 from .models import QualityModel
@@ -104,7 +105,7 @@ class Harness:
         if fmt.name not in self._tables:
             if self._kv is None:
                 self._kv = prefill(self.qm, self.text[:, -self.settings.calibration :]).kv
-            self._tables[fmt.name] = train_tables(fmt, self._kv, seed=self.settings.seed)
+            self._tables[fmt.name] = train_tables(self.qm, fmt, self._kv, seed=self.settings.seed)
         return self._tables[fmt.name]
 
     def choice(self, fmt: Format, tier: str, policy: str, **kwargs) -> CacheChoice:
@@ -171,6 +172,7 @@ class Harness:
             "device": torch.cuda.get_device_name(qm.device) if qm.device.type == "cuda" else "cpu",
             "dtype": str(qm.model.dtype).removeprefix("torch."),
             "layers": qm.layers,
+            "kvcc_layers": sum(not s for s in sliding_layers(qm.config)),
             "q_heads": qm.config.num_attention_heads,
             "kv_heads": qm.kv_heads,
             "head_dim": qm.head_dim,

@@ -47,10 +47,12 @@ class Prefill:
 
 
 def prefill(qm: QualityModel, ids: torch.Tensor) -> Prefill:
-    """Runs the prompt `ids` `[1, tokens]` once through the default cache."""
+    """Runs the prompt `ids` `[1, tokens]` once, keeping every layer's keys
+    and values whole (sliding-window layers too: each cache keeps of them
+    what it keeps)."""
     from transformers import DynamicCache
 
-    cache = DynamicCache(config=qm.config)
+    cache = DynamicCache()
     logits = qm.forward(ids, cache, last_only=True)[0, -1]
     return Prefill([(layer.keys, layer.values) for layer in cache.layers], logits)
 

