@@ -225,3 +225,30 @@ def test_given_tables_are_used_and_checked():
         assert "tables for 1 layers" in str(e)
     else:
         raise AssertionError("tables for the wrong number of layers must be refused")
+
+
+def test_sliding_window_layers_keep_the_default_window():
+    """A Gemma 3 model with local (sliding-window) and global layers: the
+    sliding layers keep transformers' exact window, the global one is a kvcc
+    live cache, and dense_f16 generates the default cache's tokens."""
+    config = transformers.Gemma3TextConfig(
+        vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=128, query_pre_attn_scalar=128,
+        sliding_window=32, layer_types=["sliding_attention", "full_attention"],
+        max_position_embeddings=512,
+    )
+
+    def model(attn):
+        torch.manual_seed(0)
+        config._attn_implementation = attn
+        return transformers.Gemma3ForCausalLM(config).eval()
+
+    ids = prompt(batch=1, tokens=100)
+    reference = generate(model("sdpa"), ids)
+    gemma = model("kvcc")
+    cache = KvccCache(gemma.config, KvccOptions(spec="dense_f16", window=16))
+    assert [type(layer).__name__ for layer in cache.layers] == ["DynamicSlidingWindowLayer", "KvccLayer"]
+    assert torch.equal(generate(gemma, ids, cache), reference)
+    assert cache.kvcc_layers[0].live.lengths() == [100 + 23]
+    cache.reset()
+    assert cache.get_seq_length() == 0 and cache.kvcc_layers[0].live.lengths() == []
