@@ -138,6 +138,11 @@ def main(argv=None):
         "--merge", nargs="+", metavar="JSON",
         help="runs of one model and device over other specs: one --json/--markdown of them all",
     )
+    parser.add_argument(
+        "--jobs", type=int, default=1,
+        help="measure in this many processes, the specs dealt among them (a GPU run is "
+        "bound by one core's launches), then merge",
+    )
     args = parser.parse_args(argv)
 
     if args.compare:
@@ -157,6 +162,10 @@ def main(argv=None):
             print(path)
         return result
 
+    if args.jobs > 1:
+        result = in_processes(args, argv if argv is not None else sys.argv[1:])
+        write(result, args)
+        return result
     settings = Settings(
         prefill=args.prefill, steps=args.steps, lengths=args.lengths, depths=args.depths,
         generate_prompt=args.generate_prompt, generate=args.generate, calibration=args.calibration,
@@ -197,6 +206,46 @@ def main(argv=None):
     result = {"about": about, "rows": rows}
     write(result, args)
     return result
+
+
+def in_processes(args, argv) -> dict:
+    """The same run in `args.jobs` processes, each measuring a share of the
+    specs (dealt by their tier count), merged into one result."""
+    import subprocess
+    import tempfile
+
+    specs = list(Format.bundled()) if args.specs == "all" else args.specs.split(",")
+    weight = {name: len(Format.load(name).tiers) for name in specs}
+    shares = [[] for _ in range(min(args.jobs, len(specs)))]
+    for name in sorted(specs, key=lambda n: -weight[n]):
+        min(shares, key=lambda share: sum(weight[n] for n in share)).append(name)
+    own = _without(argv, {"--jobs": 1, "--specs": 1, "--json": 1, "--markdown": 1, "--plots": 1})
+    with tempfile.TemporaryDirectory() as folder:
+        paths, children = [], []
+        for i, share in enumerate(shares):
+            paths.append(f"{folder}/share{i}.json")
+            command = [sys.executable, "-m", "kvcc.bench.quality", *own, "--specs", ",".join(share),
+                       "--json", paths[-1]]
+            children.append(subprocess.Popen(command, stdout=subprocess.DEVNULL))
+        failed = [c.args for c in children if c.wait() != 0]
+        if failed:
+            raise SystemExit(f"{len(failed)} of {len(children)} processes failed: {failed[0]}")
+        return merge(paths)
+
+
+def _without(argv, options) -> list:
+    """`argv` less `options` (name -> how many values follow it)."""
+    out, skip = [], 0
+    for word in argv:
+        if skip:
+            skip -= 1
+            continue
+        name = word.split("=", 1)[0]
+        if name in options:
+            skip = 0 if "=" in word else options[name]
+            continue
+        out.append(word)
+    return out
 
 
 def merge(paths) -> dict:
