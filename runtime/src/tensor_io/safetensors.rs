@@ -275,17 +275,13 @@ mod tests {
 
         // One complete prefix among distractors.
         let path = dir.path().join("one.safetensors");
-        write_st(
-            &path,
-            &[
-                f32_entry("model.layers.q", &qkv.q),
-                f32_entry("model.layers.k", &qkv.k),
-                f32_entry("model.layers.v", &qkv.v),
-                f32_entry("other.q", &qkv.q),
-                f32_entry("other.k", &qkv.k),
-                f32_entry("extra", &qkv.v),
-            ],
-        );
+        let mut entries = f32_qkv("model.layers", &qkv);
+        entries.extend([
+            f32_entry("other.q", &qkv.q),
+            f32_entry("other.k", &qkv.k),
+            f32_entry("extra", &qkv.v),
+        ]);
+        write_st(&path, &entries);
         assert_eq!(load_qkv(&path, None).unwrap(), qkv);
 
         // Explicit prefix lacking a tensor: names the missing one and lists the file's.
@@ -299,17 +295,7 @@ mod tests {
 
         // Two complete prefixes: ambiguous.
         let path = dir.path().join("two.safetensors");
-        write_st(
-            &path,
-            &[
-                f32_entry("a.q", &qkv.q),
-                f32_entry("a.k", &qkv.k),
-                f32_entry("a.v", &qkv.v),
-                f32_entry("b.q", &qkv.q),
-                f32_entry("b.k", &qkv.k),
-                f32_entry("b.v", &qkv.v),
-            ],
-        );
+        write_st(&path, &[f32_qkv("a", &qkv), f32_qkv("b", &qkv)].concat());
         let msg = err_msg(load_qkv(&path, None));
         assert!(msg.contains("two.safetensors"), "{msg}");
         assert!(msg.contains("ambiguous prefix: `a`, `b`"), "{msg}");

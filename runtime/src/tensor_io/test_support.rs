@@ -73,6 +73,14 @@ pub(super) fn f32_entry(name: &str, t: &Tensor4) -> (&'static str, Dtype, Vec<us
     )
 }
 
+/// F32 entries `<prefix>.q`, `<prefix>.k`, `<prefix>.v` for [`write_st`].
+pub(super) fn f32_qkv(prefix: &str, qkv: &Qkv) -> Vec<(&'static str, Dtype, Vec<usize>, Vec<u8>)> {
+    [("q", &qkv.q), ("k", &qkv.k), ("v", &qkv.v)]
+        .into_iter()
+        .map(|(role, t)| f32_entry(&format!("{prefix}.{role}"), t))
+        .collect()
+}
+
 /// Writes an npy file with a raw header dict string and payload.
 pub(super) fn write_raw_npy(path: &Path, major: u8, dict: &str, payload: &[u8]) {
     let mut header = dict.to_string();
