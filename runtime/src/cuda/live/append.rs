@@ -48,18 +48,10 @@ impl DeviceLiveCache {
         batch: &[DeviceAppend],
     ) -> Result<(), LiveError> {
         self.check_batch(batch.iter().map(|a| a.sequence))?;
-        let rows: usize = batch.iter().map(|a| a.tokens * self.kv_heads).sum();
-        let d = self.format.head_dim() as usize;
-        for (what, data) in [("keys", keys), ("values", values)] {
-            if data.len() != rows * d {
-                return Err(LiveError::Device(format!(
-                    "{what} hold {} values; the batch's {rows} rows need {}",
-                    data.len(),
-                    rows * d
-                )));
-            }
-        }
         let new: Vec<(usize, usize)> = batch.iter().map(|a| (a.sequence, a.tokens)).collect();
+        for (what, data) in [("keys", keys), ("values", values)] {
+            self.check_rows(what, data.len(), &new)?;
+        }
         let stream = &self.gpu.stream;
         let (keys, values) = (keys.device_ptr(stream).0, values.device_ptr(stream).0);
         self.run_append(keys, values, abi::RowDtype::F32, &new)
@@ -86,7 +78,7 @@ impl DeviceLiveCache {
     ) -> Result<(), LiveError> {
         self.check_batch(batch.iter().map(|a| a.sequence))?;
         let new: Vec<(usize, usize)> = batch.iter().map(|a| (a.sequence, a.tokens)).collect();
-        self.check_rows(len, &new)?;
+        self.check_rows("keys and values each", len, &new)?;
         self.run_append(keys, values, input, &new)
     }
 
@@ -110,18 +102,18 @@ impl DeviceLiveCache {
         let new: Vec<(usize, usize)> = (tokens.iter().enumerate())
             .map(|(i, &n)| (first + i, n))
             .collect();
-        self.check_rows(len, &new)?;
+        self.check_rows("keys and values each", len, &new)?;
         self.run_append(keys, values, input, &new)?;
         Ok((first..first + tokens.len()).collect())
     }
 
-    /// Refuses device K/V whose length is not the batch's rows.
-    fn check_rows(&self, len: usize, new: &[(usize, usize)]) -> Result<(), LiveError> {
+    /// Refuses device K/V (`what`) whose length is not the batch's rows.
+    fn check_rows(&self, what: &str, len: usize, new: &[(usize, usize)]) -> Result<(), LiveError> {
         let rows: usize = new.iter().map(|&(_, n)| n * self.kv_heads).sum();
         let d = self.format.head_dim() as usize;
         if len != rows * d {
             return Err(LiveError::Device(format!(
-                "keys and values hold {len} values each; the batch's {rows} rows need {}",
+                "{what} hold {len} values; the batch's {rows} rows need {}",
                 rows * d
             )));
         }
