@@ -216,6 +216,18 @@ fn bar(total: u64, message: &str) -> ProgressBar {
     bar
 }
 
+/// Runs `work` under a bar of `total` steps, each named on the bar as `work`
+/// reports it; the bar is cleared when `work` returns.
+fn with_steps<T>(total: usize, message: &str, work: impl FnOnce(&mut dyn FnMut(&str)) -> T) -> T {
+    let progress = bar(total as u64, message);
+    let out = work(&mut |what: &str| {
+        progress.set_message(what.to_string());
+        progress.inc(1);
+    });
+    progress.finish_and_clear();
+    out
+}
+
 /// Writes `report` as JSON to `save` if given, and prints it as JSON or as
 /// `render`'s table.
 fn emit<T: serde::Serialize>(
@@ -279,12 +291,9 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                 window: policy.window,
                 ..Default::default()
             };
-            let progress = bar(formats.len() as u64, "demo");
-            let rows = demo::run(&formats, &options, |name| {
-                progress.set_message(name.to_string());
-                progress.inc(1);
+            let rows = with_steps(formats.len(), "demo", |step| {
+                demo::run(&formats, &options, step)
             })?;
-            progress.finish_and_clear();
             emit(&rows, None, fidelity.json, || demo::render(&rows, &options))?;
         }
         Command::Bench {
@@ -319,12 +328,9 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                     ..Default::default()
                 };
                 let tiers: usize = formats.iter().map(|f| f.tiers().len()).sum();
-                let progress = bar((tiers * options.contexts.len()) as u64, "bench --live");
-                let report = live_bench::run(&formats, baselines, &options, |what| {
-                    progress.set_message(what.to_string());
-                    progress.inc(1);
+                let report = with_steps(tiers * options.contexts.len(), "bench --live", |step| {
+                    live_bench::run(&formats, baselines, &options, step)
                 })?;
-                progress.finish_and_clear();
                 return emit(&report, save, json, || live_bench::render(&report));
             }
             let options = bench::BenchOptions {
@@ -335,12 +341,9 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                 ..Default::default()
             };
             let tiers: usize = formats.iter().map(|f| f.tiers().len()).sum();
-            let progress = bar((tiers * options.contexts.len()) as u64, "bench");
-            let report = bench::run(&formats, baselines, &options, |what| {
-                progress.set_message(what.to_string());
-                progress.inc(1);
+            let report = with_steps(tiers * options.contexts.len(), "bench", |step| {
+                bench::run(&formats, baselines, &options, step)
             })?;
-            progress.finish_and_clear();
             emit(&report, save, json, || bench::render(&report))?;
         }
         Command::Tune {

@@ -93,13 +93,7 @@ impl DeviceCache {
         pool_pages: &[usize],
         tables: &[&[Vec<Vec<f32>>]],
     ) -> Result<DeviceCache, CudaError> {
-        if pool_pages.len() != kernels.decode.len() {
-            return Err(CudaError::Shape(format!(
-                "{} pool sizes for {} tiers",
-                pool_pages.len(),
-                kernels.decode.len()
-            )));
-        }
+        check_per_tier(kernels, pool_pages.len(), "pool sizes")?;
         let mut pools = Vec::new();
         for (t, (&pages, (_, kernel))) in pool_pages.iter().zip(&kernels.decode).enumerate() {
             let bytes = (pages * kernel.page_bytes as usize).max(abi_alignment());
@@ -279,6 +273,16 @@ fn check_page_items(kernels: &FormatKernels, pages: u32) -> Result<(), CudaError
     Ok(())
 }
 
+/// Refuses a list of `len` `what`, one per tier, for another number of tiers
+/// than the kernels'.
+fn check_per_tier(kernels: &FormatKernels, len: usize, what: &str) -> Result<(), CudaError> {
+    let tiers = kernels.decode.len();
+    if len != tiers {
+        return Err(CudaError::Shape(format!("{len} {what} for {tiers} tiers")));
+    }
+    Ok(())
+}
+
 fn abi_alignment() -> usize {
     kvcc_compiler::layout::PAGE_ALIGN as usize
 }
@@ -362,12 +366,8 @@ impl DeviceDecode {
                 k.max_query_group
             )));
         }
-        if let Some(s) = splits.as_ref().filter(|s| s.len() != kernels.decode.len()) {
-            return Err(CudaError::Shape(format!(
-                "{} split counts for {} tiers",
-                s.len(),
-                kernels.decode.len()
-            )));
+        if let Some(s) = &splits {
+            check_per_tier(kernels, s.len(), "split counts")?;
         }
         let mut tensor_maps = Vec::new();
         for (t, (_, kernel)) in kernels.decode.iter().enumerate() {
@@ -422,13 +422,7 @@ impl DeviceDecode {
         row_pages: Vec<u32>,
         max_sequences: usize,
     ) -> Result<DeviceDecode, CudaError> {
-        if row_pages.len() != kernels.decode.len() {
-            return Err(CudaError::Shape(format!(
-                "{} row capacities for {} tiers",
-                row_pages.len(),
-                kernels.decode.len()
-            )));
-        }
+        check_per_tier(kernels, row_pages.len(), "row capacities")?;
         let mut step = DeviceDecode::new(gpu, kernels, cache, q_heads, None)?;
         let row_pages = row_pages.into_iter().map(|p| p.max(1)).collect();
         step.fixed = Some((row_pages, max_sequences.max(1)));

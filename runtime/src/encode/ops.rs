@@ -13,7 +13,7 @@ use kvcc_compiler::layout::{coeff_levels, coeff_max};
 use kvcc_compiler::spec::{BitmapElem, DenseDtype, Fp8};
 
 pub use crate::math::hadamard::{fwht_normalized, srht_forward, srht_inverse};
-pub use crate::math::kmeans::{best_direction, nearest, Dim, Fixed};
+pub use crate::math::nearest::{best_direction, nearest, Dim, Fixed};
 
 use super::{check_finite, EncodeError};
 
