@@ -1,5 +1,5 @@
 //! Key codebooks read directly instead of through per-query lookup tables
-//! (`back::shared_memory` chooses, `proc::inline_lut` rewrites): formats whose
+//! (`target::shared_memory` chooses, `proc::inline_lut` rewrites): formats whose
 //! tables would not fit compile for every target (ptxas-clean, no local
 //! memory, where ptxas is found), the bundled tiers keep their tables, the
 //! check's suggestions compile, and the inlined score is bitwise the table's
@@ -13,10 +13,11 @@ mod ptxas;
 use common::{bundled, cache_and_queries, direct_codebook_formats, fresh_seed};
 use kvcc::compiler::back::clif;
 use kvcc::compiler::back::interp::{Interpreter, Options as InterpOptions};
-use kvcc::compiler::back::ptx::{self, Options, Target};
-use kvcc::compiler::back::shared_memory::{CodebookReads, TierModel};
+use kvcc::compiler::back::ptx::{self, Options};
 use kvcc::compiler::layout::FieldLayout;
 use kvcc::compiler::proc::inline_lut::inline_lut;
+use kvcc::compiler::target::shared_memory::{CodebookReads, TierModel};
+use kvcc::compiler::target::Target;
 use kvcc::compiler::valid::{validate, ValidModule};
 use kvcc::compiler::Format;
 use kvcc::runtime::encode::encode_page;

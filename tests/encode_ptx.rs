@@ -15,9 +15,10 @@ mod ptxas;
 
 use std::sync::Mutex;
 
+use kvcc::compiler::back::ptx;
 use kvcc::compiler::back::ptx::abi::{DenseSource, TableBuffer};
 use kvcc::compiler::back::ptx::encode::{write_encoder_within, write_encoders, EncodeOutput};
-use kvcc::compiler::back::ptx::{self, Target};
+use kvcc::compiler::target::Target;
 use kvcc::compiler::Format;
 
 /// Random specs per run.

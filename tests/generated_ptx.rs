@@ -11,7 +11,8 @@ mod ptxas;
 
 use std::path::PathBuf;
 
-use kvcc::compiler::back::ptx::{self, Options, Target};
+use kvcc::compiler::back::ptx::{self, Options};
+use kvcc::compiler::target::Target;
 
 #[test]
 fn generated_ptx_matches_the_committed_snapshots() {

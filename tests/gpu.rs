@@ -163,7 +163,8 @@ fn gpu_matches_interpreter_on_tensor_core_formats() {
 /// each tier alone at GQA 1 and 4, then mixed tiers.
 #[test]
 fn gpu_matches_interpreter_on_random_vq_values() {
-    use kvcc::compiler::back::ptx::{tensor_core_phases, Target};
+    use kvcc::compiler::back::ptx::tensor_core_phases;
+    use kvcc::compiler::target::Target;
     use kvcc::runtime::tune::KernelConfig;
     let seed = fresh_seed("gpu_random_vq_values");
     let mut formats = Vec::new();

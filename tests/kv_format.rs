@@ -10,8 +10,9 @@ mod common;
 use std::collections::BTreeMap;
 
 use common::{data, fresh_seed};
-use kvcc::compiler::back::ptx::{self, Options, Target};
+use kvcc::compiler::back::ptx::{self, Options};
 use kvcc::compiler::layout::TierLayout;
+use kvcc::compiler::target::Target;
 use kvcc::compiler::Format;
 use kvcc::kv_format;
 use kvcc::runtime::cache::{self, PagedCache};

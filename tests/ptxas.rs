@@ -14,11 +14,12 @@ mod ptxas;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
-use kvcc::compiler::back::ptx::{self, Options, Target};
+use kvcc::compiler::back::ptx::{self, Options};
 use kvcc::compiler::spec::{
     BasisDtype, BitmapElem, CodecSpec, CodewordKind, CoeffScale, DenseDtype, FieldSpec, FormatSpec,
     Fp8Scale, PageSpec, RadiusScale, TableDtype, TierSpec, TransformSpec,
 };
+use kvcc::compiler::target::Target;
 use kvcc::compiler::Format;
 
 /// Random specs per run.

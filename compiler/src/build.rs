@@ -3,7 +3,7 @@
 //!
 //! ```no_run
 //! // build.rs
-//! use kvcc_compiler::back::ptx::Target;
+//! use kvcc_compiler::target::Target;
 //!
 //! fn main() {
 //!     let out = std::env::var_os("OUT_DIR").unwrap();
@@ -20,10 +20,11 @@
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
-use crate::back::ptx::{self, Target};
+use crate::back::ptx;
 use crate::layout::{
     BitRange, CodecLayout, FieldLayout, SlotRole, TableStorage, TierLayout, TransformLayout,
 };
+use crate::target::Target;
 use serde::Serialize;
 
 use crate::{CompileError, Format};

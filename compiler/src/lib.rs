@@ -12,6 +12,8 @@
 //! - [`back`]: backends: `interp` (the reference interpreter that defines the
 //!   semantics), `text` (readable IR, the snapshot format of `generated/`) and
 //!   `clif` (Cranelift JIT for the host CPU).
+//! - [`target`]: the GPU targets and what each offers (features, shared
+//!   memory, multiprocessors), below both the front end and the back ends.
 //! - [`build`]: PTX and layout reports for a user's `build.rs`.
 
 pub mod back;
@@ -24,6 +26,7 @@ pub mod lower;
 pub mod page;
 pub mod proc;
 pub mod spec;
+pub mod target;
 pub mod valid;
 
 pub use format::{CompileError, Format};

@@ -49,9 +49,10 @@ mod tier;
 
 use std::path::PathBuf;
 
-use kvcc_compiler::back::ptx::{self, Target};
+use kvcc_compiler::back::ptx;
 use kvcc_compiler::build::layout_report;
 use kvcc_compiler::front::SpecError;
+use kvcc_compiler::target::Target;
 use kvcc_compiler::{CompileError, Format};
 use proc_macro2::{Ident, Span, TokenStream};
 use quote::{format_ident, quote};
@@ -224,7 +225,7 @@ fn expand(input: &Input) -> Result<TokenStream, Vec<String>> {
             #(#merge_consts)*
 
             /// The PTX of the format's merge kernel for `target`.
-            pub fn merge_ptx(target: #krate::compiler::back::ptx::Target) -> &'static str {
+            pub fn merge_ptx(target: #krate::compiler::target::Target) -> &'static str {
                 #merge_match
             }
 

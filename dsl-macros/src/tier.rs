@@ -1,9 +1,9 @@
 //! One tier's module: page geometry, the key and value item layouts, the PTX
 //! of its decode kernel, and its specialized `encode_page` / `decode_page`.
 
-use kvcc_compiler::back::ptx::Target;
 use kvcc_compiler::build::tier_report;
 use kvcc_compiler::layout::{TierLayout, HEADER_FIXED_BYTES};
+use kvcc_compiler::target::Target;
 use proc_macro2::{Ident, TokenStream};
 use quote::{format_ident, quote};
 
@@ -19,7 +19,7 @@ pub fn ptx_match(prefix: &str, targets: &[Target], krate: &TokenStream) -> Token
     let arms = targets.iter().map(|&t| {
         let variant = format_ident!("{}", format!("{t:?}"));
         let name = ptx_const(prefix, t);
-        quote!(#krate::compiler::back::ptx::Target::#variant => #name,)
+        quote!(#krate::compiler::target::Target::#variant => #name,)
     });
     quote!(match target { #(#arms)* })
 }
@@ -126,7 +126,7 @@ pub fn module(
             #(#ptx_consts)*
 
             /// The PTX of the tier's decode kernel for `target`.
-            pub fn ptx(target: #krate::compiler::back::ptx::Target) -> &'static str {
+            pub fn ptx(target: #krate::compiler::target::Target) -> &'static str {
                 #ptx_match
             }
 

@@ -11,7 +11,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use kvcc::compiler::back::ptx::Target;
+use kvcc::compiler::target::Target;
 
 /// The ptxas to use, or `None` after printing why the caller skips.
 pub fn find_or_skip(test: &str) -> Option<PathBuf> {

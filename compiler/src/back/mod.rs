@@ -2,6 +2,4 @@
 pub mod clif;
 pub mod interp;
 pub mod ptx;
-pub mod shared_memory;
-pub mod target;
 pub mod text;

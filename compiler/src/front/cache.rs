@@ -1,7 +1,7 @@
 //! Checks of the `[cache]` table: the live-cache policy (exact sinks, an exact
 //! recent window, the tier new pages are compressed into).
 
-use super::check::{PathSegment, Problem};
+use super::problem::{PathSegment, Problem};
 use crate::spec::FormatSpec;
 
 /// Most tokens `sinks` or `window` may keep exact: far beyond any published

@@ -5,16 +5,15 @@
 //! (`tier[1].key.field[0].group_size`) and says what is wrong and what would be
 //! valid, with the numbers. `front::toml` turns paths into line:column.
 
-use std::fmt;
-
+use super::problem::{PathSegment, Problem};
 use super::suggest::{divisor_suggestions, or_list};
-use crate::back::ptx::Target;
-use crate::back::shared_memory::{TierModel, TILE_RESERVE};
 use crate::layout::schema;
 use crate::spec::{CodecSpec, CodewordKind, CoeffScale, FieldSpec, FormatSpec, TransformSpec};
+use crate::target::shared_memory::{TierModel, TILE_RESERVE};
+use crate::target::Target;
 
 /// The kernels' shared-memory model is the back end's: its targets' budgets.
-pub use crate::back::shared_memory::{shared_memory_estimate, SHARED_MEMORY_BUDGET};
+pub use crate::target::shared_memory::{shared_memory_estimate, SHARED_MEMORY_BUDGET};
 
 /// Most tiers a format may have.
 pub const MAX_TIERS: usize = 16;
@@ -35,71 +34,6 @@ pub const COEFF_BITS: [u32; 4] = [2, 3, 4, 8];
 /// Valid bitmap `group_size`s.
 pub const BITMAP_GROUP_SIZES: [u32; 3] = [1, 2, 4];
 pub use crate::layout::schema::MASK_WORD_BITS;
-
-/// One step of a path into the spec document. The checker names keys it
-/// knows (`&'static str`); the TOML reader owns keys the spec may lack.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum PathSegment<K = &'static str> {
-    /// A key of a table (`head_dim`, `tier`, `field`, ...), as written in TOML.
-    Key(K),
-    /// An element of an array (`tier[1]`, `field[0]`).
-    Index(usize),
-}
-
-impl PathSegment<String> {
-    /// This step with its key borrowed, as [`render_path`] takes it.
-    pub fn as_deref(&self) -> PathSegment<&str> {
-        match self {
-            PathSegment::Key(key) => PathSegment::Key(key),
-            PathSegment::Index(index) => PathSegment::Index(*index),
-        }
-    }
-}
-
-/// One semantic problem: where (a path into the document) and what.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Problem {
-    pub path: Vec<PathSegment>,
-    pub message: String,
-}
-
-impl Problem {
-    /// The path in dotted form, e.g. `tier[1].key.field[0].group_size`.
-    pub fn path_string(&self) -> String {
-        render_path(&self.path)
-    }
-}
-
-impl fmt::Display for Problem {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        if self.path.is_empty() {
-            f.write_str(&self.message)
-        } else {
-            write!(f, "{}: {}", self.path_string(), self.message)
-        }
-    }
-}
-
-/// Renders a path as `tier[1].key.field[0].group_size` (`""` for the document).
-pub fn render_path(path: &[PathSegment<&str>]) -> String {
-    let mut out = String::new();
-    for segment in path {
-        match segment {
-            PathSegment::Key(key) => {
-                if !out.is_empty() {
-                    out.push('.');
-                }
-                out.push_str(key);
-            }
-            PathSegment::Index(index) => {
-                out.push('[');
-                out.push_str(&index.to_string());
-                out.push(']');
-            }
-        }
-    }
-    out
-}
 
 /// Checks everything `FormatSpec`'s types cannot express. Returns every problem
 /// found (empty: the spec is valid), grouped by tier and codec.
@@ -795,21 +729,6 @@ fn prev_power_of_two(n: u32) -> u32 {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn paths_render_dotted() {
-        use PathSegment::*;
-        let path = [
-            Key("tier"),
-            Index(1),
-            Key("key"),
-            Key("field"),
-            Index(0),
-            Key("bits"),
-        ];
-        assert_eq!(render_path(&path), "tier[1].key.field[0].bits");
-        assert_eq!(render_path(&[]), "");
-    }
 
     #[test]
     fn suggestions() {

@@ -4,11 +4,13 @@
 //! - [`toml`]: [`parse_spec`] / [`load_spec`] (syntax, shape, then semantic checks).
 //! - [`cache`]: the `[cache]` table's rules (the live-cache policy).
 //! - [`check`]: the semantic rules and the shared-memory estimate.
+//! - [`problem`]: a problem's path into the document and its message.
 //! - [`diagnostic`]: [`Diagnostic`] and [`SpecError`].
 
 pub mod cache;
 pub mod check;
 pub mod diagnostic;
+pub mod problem;
 mod suggest;
 pub mod toml;
 

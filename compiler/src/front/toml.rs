@@ -13,8 +13,9 @@ use ::toml::de::{DeTable, DeValue, ValueDeserializer};
 use ::toml::Spanned;
 use serde::Deserialize;
 
-use super::check::{check_spec, render_path, PathSegment};
+use super::check::check_spec;
 use super::diagnostic::{Diagnostic, SpecError};
+use super::problem::{render_path, PathSegment};
 use crate::spec::{FieldSpec, FormatSpec};
 
 /// Reads and parses a spec file; the file name in diagnostics is `path` as given.

@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use cudarc::driver::sys::CUdevice_attribute;
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
-use kvcc_compiler::back::ptx::Target;
+use kvcc_compiler::target::Target;
 
 use super::{CudaError, During};
 use crate::tune::GpuId;

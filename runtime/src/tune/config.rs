@@ -3,7 +3,8 @@
 
 use std::fmt;
 
-use kvcc_compiler::back::ptx::{Options, Target};
+use kvcc_compiler::back::ptx::Options;
+use kvcc_compiler::target::Target;
 use kvcc_compiler::Format;
 use serde::{Deserialize, Serialize};
 

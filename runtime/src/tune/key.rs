@@ -3,7 +3,8 @@
 //! the key holds all of those; a codegen change yields another hash and the
 //! old entries are reported stale instead of being used.
 
-use kvcc_compiler::back::ptx::{self, Target};
+use kvcc_compiler::back::ptx;
+use kvcc_compiler::target::Target;
 use kvcc_compiler::Format;
 use serde::{Deserialize, Serialize};
 

@@ -9,8 +9,9 @@
 //! tune sweeps measured. The rules, the measurements behind each and how the
 //! model compares with tuned winners: docs/autotune.md § The cost model.
 
-use kvcc_compiler::back::ptx::{shared_stride, tensor_core_phases, Target};
+use kvcc_compiler::back::ptx::{shared_stride, tensor_core_phases};
 use kvcc_compiler::proc::{reads_header, reads_tables};
+use kvcc_compiler::target::Target;
 use kvcc_compiler::Format;
 
 use super::config::with_page_items;

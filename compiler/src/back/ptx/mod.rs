@@ -32,56 +32,13 @@ mod tensor_cores;
 pub use append::NotExact;
 pub use streams::shared_stride;
 
+use crate::target::Target;
 use crate::valid::ValidModule;
 use crate::Format;
 
 /// PTX ISA version of the modules: accepted by CUDA 12.0+ drivers (the target
 /// GPUs run CUDA 13.0's) and by ptxas for both targets.
 pub const PTX_VERSION: &str = "8.0";
-
-/// GPU architecture the modules are written for.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Target {
-    /// Ampere (A100): `cp.async`, 163 KiB of shared memory per block.
-    Sm80,
-    /// Hopper (H100, H200): 227 KiB of shared memory per block, bulk copies.
-    Sm90,
-}
-
-impl Target {
-    pub const ALL: [Target; 2] = [Target::Sm80, Target::Sm90];
-
-    /// The `.target` name, also used in file names.
-    pub fn name(self) -> &'static str {
-        match self {
-            Target::Sm80 => "sm_80",
-            Target::Sm90 => "sm_90",
-        }
-    }
-
-    /// Whether the tensor memory accelerator's bulk copies exist.
-    pub fn bulk_copies(self) -> bool {
-        self == Target::Sm90
-    }
-
-    /// Whether `cvt.rn.f16x2.{e4m3,e5m2}x2` exists (sm_89+): fp8 pairs widen
-    /// to exact f16 pairs in one instruction.
-    pub fn fp8_conversions(self) -> bool {
-        self == Target::Sm90
-    }
-
-    /// Whether a kernel may launch before the one it follows has finished
-    /// (programmatic dependent launch): the merge then waits for the decode
-    /// kernels' partials in place of the launch gap.
-    pub fn dependent_launches(self) -> bool {
-        self == Target::Sm90
-    }
-
-    /// Most dynamic shared memory one block may opt into (bytes).
-    pub fn max_shared_bytes(self) -> u32 {
-        self.model().shared_bytes_per_block
-    }
-}
 
 /// Generation parameters: the target and the tile shape. Splits are a launch
 /// parameter ([`abi::DecodeKernel::launch`]); the page size comes from the spec.
@@ -316,7 +273,7 @@ fn planned<'a>(
     options: &Options,
 ) -> Result<(std::borrow::Cow<'a, ValidModule>, plan::Plan), Error> {
     options.check()?;
-    let module = super::shared_memory::for_target(module, group_max, options.target);
+    let module = crate::target::shared_memory::for_target(module, group_max, options.target);
     let plan = plan::Plan::new(module.module(), group_max, options)?;
     Ok((module, plan))
 }

@@ -35,6 +35,27 @@ impl Kernel {
         self.line(format_args!("ld.shared.v4.{} {list}, {at}", T::SUFFIX));
         d
     }
+    /// `bytes` at `at` (aligned to `align`), each load as wide as the
+    /// alignment and the length allow (at most 16 bytes): 32-bit words, or
+    /// zero-extended halves when `align` is 2; and the bytes of each.
+    pub fn ld_shared_units(&mut self, at: Shared, bytes: u32, align: u32) -> (Vec<Reg<U32>>, u32) {
+        let mut width = align.min(16);
+        while !bytes.is_multiple_of(width) {
+            width /= 2;
+        }
+        let units = (0..bytes / width)
+            .flat_map(|i| {
+                let at = at.plus(i64::from(i * width));
+                match width {
+                    16 => self.ld_shared_v4::<U32>(at).to_vec(),
+                    8 => self.ld_shared_v2::<U32>(at).to_vec(),
+                    4 => vec![self.ld_shared::<U32>(at)],
+                    _ => vec![self.ld_shared_narrow(at, 16)],
+                }
+            })
+            .collect();
+        (units, width.min(4))
+    }
     pub fn st_shared<T: Bits32>(&mut self, at: Shared, value: impl Into<Op<T>>) {
         let value = value.into();
         self.line(format_args!("st.shared.{} {at}, {value}", T::SUFFIX));

@@ -18,8 +18,9 @@ mod transform;
 
 use super::abi::{self, DenseSource, TableBuffer, ENCODE_JOB_WORDS, ENCODE_PARAMS};
 use super::builder::{self, Axis, Cmp, Global, Kernel, Reg, Shared, U32, U64};
-use super::{identifier, Error, Target, PTX_VERSION};
+use super::{identifier, Error, PTX_VERSION};
 use crate::layout::{round_up, CodecLayout, Side, TierLayout};
+use crate::target::Target;
 use emit::{for_each, Ctx};
 use plan::Plan;
 

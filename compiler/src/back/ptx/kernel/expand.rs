@@ -180,7 +180,7 @@ impl Expand<'_> {
                 let item = k.mad_lo(token, pass.item_stride, buf);
                 let mask = k.add(item, pass.mask_at);
                 let (mut words, unit) =
-                    load_units(k, Shared::at(mask), 4 * g.mask_words(), pass.mask_align);
+                    k.ld_shared_units(Shared::at(mask), 4 * g.mask_words(), pass.mask_align);
                 debug_assert_eq!(unit, 4, "masks are whole aligned words (mma::gather)");
                 if let Some(last) = words.last_mut() {
                     let bits = g.groups - 32 * (g.mask_words() - 1);
@@ -288,33 +288,6 @@ impl MaskWalk {
     }
 }
 
-/// `bytes` at `at` (aligned to `align`), each load as wide as the alignment
-/// and the length allow: 32-bit words, or zero-extended halves when `align`
-/// is 2; and the bytes of each.
-pub(super) fn load_units(
-    k: &mut Kernel,
-    at: Shared,
-    bytes: u32,
-    align: u32,
-) -> (Vec<Reg<U32>>, u32) {
-    let mut width = align.min(CHUNK);
-    while !bytes.is_multiple_of(width) {
-        width /= 2;
-    }
-    let units = (0..bytes / width)
-        .flat_map(|i| {
-            let at = at.plus(i64::from(i * width));
-            match width {
-                16 => k.ld_shared_v4::<U32>(at).to_vec(),
-                8 => k.ld_shared_v2::<U32>(at).to_vec(),
-                4 => vec![k.ld_shared::<U32>(at)],
-                _ => vec![k.ld_shared_narrow(at, 16)],
-            }
-        })
-        .collect();
-    (units, width.min(4))
-}
-
 /// The `keep` packed groups of an item, elements at `elems` (aligned to
 /// `align`), each as the pieces a dense row stores: words when the group is
 /// whole words and was loaded as words, else halves.
@@ -325,7 +298,7 @@ pub(super) fn packed_groups(
     align: u32,
 ) -> Vec<Vec<Piece>> {
     let group_bytes = g.group_bytes();
-    let (units, unit_bytes) = load_units(k, Shared::at(elems), g.keep * group_bytes, align);
+    let (units, unit_bytes) = k.ld_shared_units(Shared::at(elems), g.keep * group_bytes, align);
     let piece_bytes = if group_bytes.is_multiple_of(4) {
         unit_bytes
     } else {

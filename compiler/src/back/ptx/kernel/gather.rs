@@ -26,7 +26,6 @@
 
 use super::super::streams::{stride_align, Stream};
 use super::super::tensor_cores::{Gather, MmaPlan, MmaScore, RUN_BITS};
-use super::expand::load_units;
 use crate::back::ptx::builder::{Cmp, Kernel, Pred, Reg, Shared, U32};
 
 /// Runs packed in a word, a byte each.
@@ -296,7 +295,7 @@ impl FragmentGather {
     /// The mask words of the item at `item`.
     fn mask(&self, k: &mut Kernel, item: Reg<U32>) -> Vec<Reg<U32>> {
         let at = Shared::at(item).plus(i64::from(self.mask_at));
-        let (words, unit) = load_units(k, at, 4 * self.g.mask_words(), self.mask_align);
+        let (words, unit) = k.ld_shared_units(at, 4 * self.g.mask_words(), self.mask_align);
         debug_assert_eq!(unit, 4, "masks are whole aligned words (mma::gather)");
         words
     }

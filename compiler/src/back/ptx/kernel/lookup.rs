@@ -17,7 +17,6 @@ use super::super::builder::{Cmp, Global, Kernel, Reg, Shared, F32, U32};
 use super::super::streams::CHUNK;
 use super::super::tensor_cores::{Lookup, MmaPlan};
 use super::cta::Cta;
-use super::expand::load_units;
 use super::fragments::Lanes;
 
 /// The codebook lookup of value fragments.
@@ -142,7 +141,7 @@ impl LaneLookup {
                 let at = k.mad_lo(code, l.codeword_bytes() * l.copies, self.book);
                 let at = Shared::at(at).plus(i64::from(2 * l.book_stride * l.copies * c));
                 // Codewords start at multiples of their size; parts, of theirs.
-                let (units, _) = load_units(k, at, bytes, bytes & bytes.wrapping_neg());
+                let (units, _) = k.ld_shared_units(at, bytes, bytes & bytes.wrapping_neg());
                 units
             })
             .collect()

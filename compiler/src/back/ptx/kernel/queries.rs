@@ -10,7 +10,7 @@ use super::super::streams::CHUNK;
 use super::super::tensor_cores::{lane_chunk, Element, MmaScore, ROW_LANES, WARP_LANES};
 use super::cta::Tile;
 use super::fragments::{column_sigma, f16_part, unscale_of, Across, Lanes, HALF_EXPONENT};
-use super::score_mma::{MmaScoreThread, ScoreMma};
+use super::score_mma::{MmaScoreThread, Queries, ScoreMma};
 
 /// [`HALF_EXPONENT`] for queries as integers: below 2^22, so their top
 /// byte `d0` of [`Queries`] stays within ±64.
@@ -22,23 +22,6 @@ pub(super) const INT_EXPONENT: u32 = 21;
 /// for 128 8-bit codes), below the bias's own f32 rounding. It binds only
 /// where the bias is 2^27 times the largest query times scale or more.
 pub(super) const BIAS_EXPONENT: u32 = 48;
-
-/// B fragments of the score, and per column tile the factor from its C
-/// sums to logits in log2 units (1/σ of the C columns' head times the
-/// softmax scale times log2 e, over 16 or 64 for 4- or 2-bit codes).
-pub(super) struct Queries {
-    /// Per column tile and B tile: the lane's registers, two per reduction
-    /// step. f16 keys: one B tile, columns (head, hi / lo part). Integer
-    /// keys: the query times σ as a 24-bit integer of three signed bytes,
-    /// `d0 · 2^16 + d1 · 2^8 + d2`, in two B tiles: columns (head, d0 / d1),
-    /// then (head, d2 / nothing).
-    pub(super) tiles: Vec<Vec<Vec<Reg<U32>>>>,
-    pub(super) to_logits: Vec<Reg<F32>>,
-    /// Keys with zero points, per column tile: the C columns' head's
-    /// `Σ query · zero` of the page, in the C sums' units (what the sums
-    /// would hold for it: times σ, over the codes' factor).
-    pub(super) bias: Option<Vec<Reg<F32>>>,
-}
 
 /// Where a page's query preparation reads the header scales (and zero points).
 #[derive(Clone, Copy)]

@@ -17,7 +17,6 @@ use super::super::tensor_cores::{
 use super::cta::{Cta, Tile};
 use super::fragments::{swizzled_if, Fragments, Lanes, StepTokens};
 use super::gather::FragmentGather;
-use super::queries::Queries;
 use crate::spec::Fp8;
 
 /// The score on the tensor cores.
@@ -61,6 +60,23 @@ pub(super) struct MmaScoreThread {
     /// The lanes whose C rows (halves 0 and 1) are the lane's B token pairs
     /// ([`StepTokens`]).
     pub(super) sources: [Reg<U32>; 2],
+}
+
+/// B fragments of the score, and per column tile the factor from its C
+/// sums to logits in log2 units (1/σ of the C columns' head times the
+/// softmax scale times log2 e, over 16 or 64 for 4- or 2-bit codes).
+pub(super) struct Queries {
+    /// Per column tile and B tile: the lane's registers, two per reduction
+    /// step. f16 keys: one B tile, columns (head, hi / lo part). Integer
+    /// keys: the query times σ as a 24-bit integer of three signed bytes,
+    /// `d0 · 2^16 + d1 · 2^8 + d2`, in two B tiles: columns (head, d0 / d1),
+    /// then (head, d2 / nothing).
+    pub(super) tiles: Vec<Vec<Vec<Reg<U32>>>>,
+    pub(super) to_logits: Vec<Reg<F32>>,
+    /// Keys with zero points, per column tile: the C columns' head's
+    /// `Σ query · zero` of the page, in the C sums' units (what the sums
+    /// would hold for it: times σ, over the codes' factor).
+    pub(super) bias: Option<Vec<Reg<F32>>>,
 }
 
 /// A warp's softmax state of one head, as each lane of the head's C columns

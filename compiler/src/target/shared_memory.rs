@@ -6,7 +6,7 @@
 
 use std::borrow::Cow;
 
-use super::ptx::Target;
+use super::Target;
 use crate::layout::{FieldLayout, TierLayout};
 use crate::proc::inline_lut::inline_lut;
 use crate::spec::{FieldSpec, FormatSpec};
