@@ -1,10 +1,10 @@
 //! One codec (key or value) of one tier: its layout constants and its
 //! specialized item encoder and decoder.
 //!
-//! The generated code does what `kvcc_runtime::encode::encode_page` and
-//! `decode_page` do for this codec, with every size and bit offset a
-//! constant: the numbers come from the same `kvcc_runtime::encode::ops`
-//! functions (so pages are byte-identical), and the bit positions from the
+//! The generated code does what the reference encoder
+//! (`kvcc_compiler::back::interp::encode`) does for this codec, with every
+//! size and bit offset a constant: the numbers come from the same
+//! `kvcc_compiler::back::interp::encode::ops` functions (so pages are byte-identical), and the bit positions from the
 //! item's schema (`CodecLayout::slots`), walked once here at expansion time
 //! and packed a 64-bit word at a time (`pack`).
 
@@ -53,7 +53,7 @@ impl Codec<'_> {
 
     fn ops(&self) -> TokenStream {
         let krate = self.krate;
-        quote!(#krate::encode::ops)
+        quote!(#krate::compiler::back::interp::encode::ops)
     }
 
     pub fn encoder_name(&self) -> Ident {

@@ -31,8 +31,8 @@
 //!   header slot, table), `PTX_SM_80` / `PTX_SM_90` and `ptx(target)`, and
 //!   the tier's specialized `encode_page` / `decode_page`: every size and bit
 //!   offset a constant, fields packed a 64-bit word at a time, the numbers
-//!   from the same `kvcc_runtime::encode::ops` helpers as the generic
-//!   encoder, so the pages are byte-identical to its pages.
+//!   from the same `kvcc_compiler::back::interp::encode::ops` helpers as
+//!   the reference encoder, so the pages are byte-identical to its pages.
 //!
 //! The generated code names only the runtime (`<runtime>::encode`, and the
 //! compiler as `<runtime>::compiler`). A spec error is a compile error at the

@@ -145,7 +145,7 @@ pub fn module(
                 values: &[f32],
                 page: &mut [u8],
             ) -> ::core::result::Result<(), #krate::encode::EncodeError> {
-                let tokens = #krate::encode::ops::check_page(#head_dim, #items as u32, keys, values)?;
+                let tokens = #krate::encode::check_page(#head_dim, #items as u32, keys, values)?;
                 #scales_decl
                 #encode_keys
                 page[#key_offset + tokens * #key_bytes..#value_offset].fill(0);

@@ -6,11 +6,11 @@
 // Each test that includes this module uses part of it.
 #![allow(dead_code)]
 
+use kvcc::compiler::back::interp::encode::ops::{f16_bits, f16_value};
 use kvcc::compiler::layout::{Side, TierLayout};
 use kvcc::compiler::Format;
 use kvcc::runtime::cache;
 use kvcc::runtime::cuda::{Gpu, PageEncoders};
-use kvcc::runtime::encode::ops::{f16_bits, f16_value};
 use kvcc::runtime::encode::{encode_page, TrainOptions};
 
 use super::common::SplitMix64;

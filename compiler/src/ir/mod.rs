@@ -12,6 +12,7 @@
 //! backend may see it.
 
 pub mod builder;
+pub mod encode;
 
 use std::fmt;
 use std::marker::PhantomData;

@@ -2,7 +2,10 @@
 //!
 //! Key and value codecs lower independently (`key`, `value`); `transform` holds
 //! the transform stages both use, `fields` the field readers both use.
+//! [`encode`] lowers a codec's layout to its encode description
+//! ([`crate::ir::encode`]).
 
+pub mod encode;
 mod fields;
 mod key;
 mod transform;

@@ -1,14 +1,11 @@
 //! Encoders: dense keys and values in, tier-homogeneous pages out — plus the
 //! trainers that fit a tier's tables and a reference decoder for round trips.
 
-mod codec;
-pub mod ops;
 pub mod train;
-mod transform;
 
 use kvcc_compiler::back::clif::{self, PageEncoder};
-use kvcc_compiler::layout::{Side, TierLayout};
-use kvcc_compiler::page::PageHeader;
+use kvcc_compiler::back::interp::encode as reference;
+use kvcc_compiler::layout::TierLayout;
 
 pub use train::{train_tables, TrainOptions};
 
@@ -97,6 +94,40 @@ pub fn check_finite(what: &'static str, data: &[f32], dims: &[usize]) -> Result<
     }
 }
 
+/// Checks the inputs of one page: `[token][head_dim]` keys and values, as
+/// many of each, finite, at most `items_per_page` tokens. Returns the tokens.
+pub fn check_page(
+    head_dim: usize,
+    items_per_page: u32,
+    keys: &[f32],
+    values: &[f32],
+) -> Result<usize, EncodeError> {
+    for (what, data) in [("keys", keys), ("values", values)] {
+        if !data.len().is_multiple_of(head_dim) {
+            return Err(EncodeError::Ragged {
+                what,
+                found: data.len(),
+                head_dim,
+            });
+        }
+        check_finite(what, data, &[data.len() / head_dim, head_dim])?;
+    }
+    let tokens = keys.len() / head_dim;
+    if values.len() / head_dim != tokens {
+        return Err(EncodeError::KeysValues {
+            keys: tokens,
+            values: values.len() / head_dim,
+        });
+    }
+    if tokens > items_per_page as usize {
+        return Err(EncodeError::PageOverflow {
+            tokens,
+            capacity: items_per_page,
+        });
+    }
+    Ok(tokens)
+}
+
 /// Encodes the tokens of one kv head (`[token][head_dim]`, at most one page)
 /// into `page` (`layout.page_bytes`), with this head's `tables`.
 pub fn encode_page(
@@ -106,27 +137,13 @@ pub fn encode_page(
     values: &[f32],
     page: &mut [u8],
 ) -> Result<(), EncodeError> {
-    let head_dim = layout.head_dim as usize;
-    let tokens = ops::check_page(head_dim, layout.items_per_page, keys, values)?;
-    page.fill(0);
-    let mut scales = vec![0.0f32; layout.header_slots as usize];
-    for (side, data) in [(Side::Key, keys), (Side::Value, values)] {
-        let codec = layout.codec(side);
-        let items: Vec<Vec<f32>> = data
-            .chunks(head_dim)
-            .map(|x| transform::forward(codec.transform, tables, x))
-            .collect();
-        let start = layout.stream_offset(side) as usize;
-        let stream = &mut page[start..start + tokens * codec.stride as usize];
-        codec::encode_page(codec, tables, &items, &mut scales, stream);
-    }
-    PageHeader {
-        tier: layout.index,
-        count: tokens as u32,
-        flags: 0,
-        scales,
-    }
-    .write(layout, page);
+    check_page(
+        layout.head_dim as usize,
+        layout.items_per_page,
+        keys,
+        values,
+    )?;
+    reference::encode_page(layout, tables, keys, values, page);
     Ok(())
 }
 
@@ -150,7 +167,7 @@ pub fn encode_page_compiled(
             index: layout.index,
         });
     }
-    ops::check_page(
+    check_page(
         layout.head_dim as usize,
         layout.items_per_page,
         keys,
@@ -173,24 +190,4 @@ pub fn encode_page_compiled(
 
 /// Reference decoder: the dense keys and values a page stands for
 /// (`[token][head_dim]` each). Kernels never do this; tests and fidelity do.
-pub fn decode_page(layout: &TierLayout, tables: &[Vec<f32>], page: &[u8]) -> (Vec<f32>, Vec<f32>) {
-    let header = PageHeader::read(layout, page).expect("a page is longer than its header");
-    let mut out = [Vec::new(), Vec::new()];
-    for (side, dense) in [Side::Key, Side::Value].into_iter().zip(out.iter_mut()) {
-        let codec = layout.codec(side);
-        let stride = codec.stride as usize;
-        let start = layout.stream_offset(side) as usize;
-        for i in 0..header.count as usize {
-            let item = &page[start + i * stride..start + (i + 1) * stride];
-            let y = codec::decode_item(codec, tables, item, &header.scales);
-            dense.extend(transform::inverse(
-                codec.transform,
-                tables,
-                &y,
-                layout.head_dim as usize,
-            ));
-        }
-    }
-    let [keys, values] = out;
-    (keys, values)
-}
+pub use reference::decode_page;

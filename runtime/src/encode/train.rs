@@ -7,10 +7,12 @@ use kvcc_compiler::layout::{
 };
 use kvcc_compiler::spec::{CodewordKind, CoeffScale};
 
-use super::ops::{coeff_scale, fp8_scale, max_abs, min_max, zero_point_scale};
-use super::transform;
 use crate::math::kmeans::{kmeans, spherical_kmeans, KMeansOptions};
 use crate::math::pca::fit_pca;
+use kvcc_compiler::back::interp::encode::ops::{
+    coeff_scale, fp8_scale, max_abs, min_max, zero_point_scale,
+};
+use kvcc_compiler::back::interp::encode::transform;
 
 /// Training effort: samples and Lloyd iterations per codebook.
 #[derive(Debug, Clone, Copy)]

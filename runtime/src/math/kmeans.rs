@@ -339,7 +339,7 @@ impl Centroids<'_> {
     /// Serial assignment kernel: for each point, accumulates distances (or dot products) to all `k`
     /// centroids at once, so the inner loop runs over contiguous centroid entries and vectorizes.
     /// Per centroid the terms are added in coordinate order starting from 0.0, exactly as in
-    /// [`nearest`](super::nearest::nearest) / [`best_direction`](super::nearest::best_direction),
+    /// [`nearest`](kvcc_compiler::back::interp::encode::nearest::nearest) / [`best_direction`](kvcc_compiler::back::interp::encode::nearest::best_direction),
     /// so training and lookup agree bit for bit.
     fn assign_block(self, points: &[f32], labels: &mut [usize], score: &mut [f32]) -> usize {
         let Centroids {
@@ -511,7 +511,7 @@ fn push_random_unit(out: &mut Vec<f32>, dim: usize, rng: &mut impl rand::Rng) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::math::nearest::{best_direction, nearest};
+    use kvcc_compiler::back::interp::encode::nearest::{best_direction, nearest};
 
     fn opts(clusters: usize, seed: u64) -> KMeansOptions {
         KMeansOptions {

@@ -1,6 +1,6 @@
-//! Numeric building blocks for encoders and trainers: seeded RNG, Hadamard transforms, k-means, PCA.
-pub mod hadamard;
+//! Numeric building blocks for the trainers: seeded RNG, k-means, PCA. The
+//! Hadamard transforms and codebook searches are the reference encoder's
+//! (`kvcc_compiler::back::interp::encode`).
 pub mod kmeans;
-pub mod nearest;
 pub mod pca;
 pub mod rng;

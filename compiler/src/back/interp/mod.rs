@@ -7,6 +7,7 @@
 //! partial (m, l, acc) per tier; run each tier's value epilogue on its partial;
 //! merge the partials with a log-sum-exp merge.
 
+pub mod encode;
 // The Cranelift backend folds constants with these same functions.
 pub(crate) mod eval;
 

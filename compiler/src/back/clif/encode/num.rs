@@ -1,4 +1,4 @@
-//! The numbers of `runtime::encode::ops` as scalar CLIF, operation for
+//! The numbers of `interp::encode::ops` as scalar CLIF, operation for
 //! operation (`.rn` f32 arithmetic, never fused), plus the loops, loads and
 //! stores the encoder is built from.
 //!

@@ -1,5 +1,5 @@
 //! One side's stream and header scales, walking the codec's fields and item
-//! schema as `runtime::encode::codec::encode_page` does: every item
+//! schema as `interp::encode::encode_page` does: every item
 //! transformed, codewords chosen, page scales measured, then every slot
 //! element of every item ORed into the zeroed page image at the bit the
 //! schema gives it.

@@ -1,6 +1,6 @@
 //! The encode kernel's building blocks: CTA-strided and serial loops, shared
 //! and table addressing, packing bits into the shared item image, and the
-//! CPU encoder's numeric helpers (`runtime::encode::ops`) instruction for
+//! CPU encoder's numeric helpers (`interp::encode::ops`) instruction for
 //! instruction: every f32 operation rounds to nearest (`.rn`, never
 //! contracted into an fma), `f32::round` rounds half away from zero, `as`
 //! casts saturate and send NaN to 0, f16/bf16 round to nearest even.
@@ -124,7 +124,7 @@ pub fn item_bit(k: &mut Kernel, item: Reg<U32>, stride: u32, bit: Reg<U32>) -> R
     k.mad_lo(item, 8 * stride, bit)
 }
 
-// ---- numbers, as `runtime::encode::ops` computes them ----------------------
+// ---- numbers, as `interp::encode::ops` computes them ----------------------
 
 /// `f32::round`: half away from zero, exactly (NaN and ±∞ unchanged).
 pub fn round(k: &mut Kernel, x: Reg<F32>) -> Reg<F32> {

@@ -1,5 +1,5 @@
 //! A codec's fields over a chunk of transformed items, as
-//! `runtime::encode::codec` encodes them: codeword search (first strictly
+//! `interp::encode` encodes them: codeword search (first strictly
 //! better codeword wins, scores summed from 0 in coordinate order), radii,
 //! page-scale maxima, and every slot element ORed into the chunk's image at
 //! the bit the item schema gives it.

@@ -1,5 +1,5 @@
 //! A chunk's source rows through the codec's forward transform into shared
-//! memory (`x[item][dims]`), as `runtime::encode::transform::forward` does:
+//! memory (`x[item][dims]`), as `interp::encode::transform::forward` does:
 //! identity; Hadamard (the fast Walsh–Hadamard butterflies, stage by stage,
 //! then the `1/sqrt(n)` scale); SRHT (signs from the tables, then Hadamard);
 //! PCA (`out[c] = Σ_i basis[i][c] · (x[i] − mean[i])` from 0, in `i` order).
@@ -97,7 +97,7 @@ pub fn forward(
 }
 
 /// The normalized fast Walsh–Hadamard transform of every row of `x` in
-/// place (`math::hadamard::fwht_normalized`): the same butterflies, each
+/// place (`interp::encode::hadamard::fwht_normalized`): the same butterflies, each
 /// output rounded once per stage, the last stage's outputs then multiplied
 /// by `(1 / sqrt(n) as f64) as f32`.
 fn hadamard(k: &mut Kernel, ctx: &Ctx, plan: &Plan, n: u32, count: Reg<U32>) {

@@ -1,6 +1,6 @@
-//! The numeric pieces of encoding and decoding, shared by the generic encoder
-//! ([`encode_page`](super::encode_page), which walks a `TierLayout` at run
-//! time) and the encoders `kv_format!` generates (which unroll that walk for
+//! The numeric pieces of encoding and decoding, shared by the reference
+//! encoder ([`encode_items`](super::encode_items), which walks a `TierLayout`
+//! at run time) and the encoders `kv_format!` generates (which unroll that walk for
 //! one tier at compile time, with constant bit offsets). Both call these for
 //! every number they store or reconstruct, so their pages are byte-identical
 //! by construction; only the field walking and the bit packing differ.
@@ -8,48 +8,12 @@
 //! Everything is `#[inline]`: the generated code calls these across crates
 //! with constant sizes, which is what lets the compiler unroll them.
 
+use crate::layout::{coeff_levels, coeff_max};
+use crate::spec::{BitmapElem, DenseDtype, Fp8};
 use half::{bf16, f16};
-use kvcc_compiler::layout::{coeff_levels, coeff_max};
-use kvcc_compiler::spec::{BitmapElem, DenseDtype, Fp8};
 
-pub use crate::math::hadamard::{fwht_normalized, srht_forward, srht_inverse};
-pub use crate::math::nearest::{best_direction, nearest, Dim, Fixed};
-
-use super::{check_finite, EncodeError};
-
-/// Checks the inputs of one page: `[token][head_dim]` keys and values, as
-/// many of each, finite, at most `items_per_page` tokens. Returns the tokens.
-pub fn check_page(
-    head_dim: usize,
-    items_per_page: u32,
-    keys: &[f32],
-    values: &[f32],
-) -> Result<usize, EncodeError> {
-    for (what, data) in [("keys", keys), ("values", values)] {
-        if !data.len().is_multiple_of(head_dim) {
-            return Err(EncodeError::Ragged {
-                what,
-                found: data.len(),
-                head_dim,
-            });
-        }
-        check_finite(what, data, &[data.len() / head_dim, head_dim])?;
-    }
-    let tokens = keys.len() / head_dim;
-    if values.len() / head_dim != tokens {
-        return Err(EncodeError::KeysValues {
-            keys: tokens,
-            values: values.len() / head_dim,
-        });
-    }
-    if tokens > items_per_page as usize {
-        return Err(EncodeError::PageOverflow {
-            tokens,
-            capacity: items_per_page,
-        });
-    }
-    Ok(tokens)
-}
+pub use super::hadamard::{fwht_normalized, srht_forward, srht_inverse};
+pub use super::nearest::{best_direction, nearest, Dim, Fixed};
 
 /// A page scale as stored: the measured one, or 1 where nothing was measured
 /// (an all-zero page), so decoding never divides by or multiplies with 0.

@@ -2,7 +2,7 @@
 //! (reference decoding). Kernels never do this to stored data: they move the
 //! transform onto the query and the output.
 
-use kvcc_compiler::layout::TransformLayout;
+use crate::layout::TransformLayout;
 
 use super::ops::{fwht_normalized, pca_forward, pca_inverse, srht_forward, srht_inverse};
 

@@ -120,7 +120,7 @@ fn search<D: Dim>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::math::rng::{below, normal, seeded};
+    use crate::back::interp::encode::test_rng::{below, normal, seeded};
 
     #[test]
     fn nearest_and_best_direction_differ_and_break_ties_low() {

@@ -56,7 +56,7 @@ pub fn srht_inverse(x: &mut [f32], signs: &[f32]) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::math::rng::{normal, seeded};
+    use crate::back::interp::encode::test_rng::{normal, seeded};
 
     /// Explicit Sylvester matrix H_n (unnormalized), built by the recursion.
     fn sylvester(n: usize) -> Vec<Vec<f32>> {
