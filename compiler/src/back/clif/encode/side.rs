@@ -10,12 +10,14 @@ use cranelift_codegen::ir::{self, types, InstBuilder};
 use super::num::Ix;
 use super::Scratch;
 use crate::back::clif::expr::{invariant, writable, Fx};
+use crate::ir::encode::{Measured, ScaleRule};
 use crate::layout::schema::MASK_WORD_BITS;
 use crate::layout::DenseScale;
 use crate::layout::{
     coeff_max, CodecLayout, FieldLayout, ItemSlot, SlotRole, TierLayout, TransformLayout,
     HEADER_FIXED_BYTES,
 };
+use crate::lower::encode::lower_codec;
 use crate::spec::{BitmapElem, CodewordKind, CoeffScale, DenseDtype, RadiusScale};
 
 /// Dot products of at most this many coordinates are unrolled.
@@ -365,149 +367,79 @@ fn radii(fx: &mut Fx, codec: &CodecLayout, args: &Args, r: &Regions) {
     });
 }
 
-/// `codec::set_page_scales`: the header scales of radius and coeff fields.
+/// The codec's page scales (`CodecEncode::page_scales`): each statistic over
+/// the page's radii or coordinates, turned into its header slots by its rule.
 fn page_scales(fx: &mut Fx, codec: &CodecLayout, args: &Args, r: &Regions) {
-    let dims = codec.dims;
-    for field in &codec.fields {
-        match *field {
-            FieldLayout::Radius {
-                groups,
-                scale,
-                slot,
-                ..
-            } => {
+    for page in &lower_codec(codec).page_scales {
+        let (base, row) = match page.of {
+            Measured::Radii { groups } => (r.aux, 4 * groups),
+            Measured::Coordinates { .. } => (r.x, 4 * codec.dims),
+        };
+        let n = page.of.count();
+        // The statistic of component `j` (`None`: of every component) into slot index `at`.
+        let set = |fx: &mut Fx, j: Option<Ix>, at: Ix| match page.rule {
+            ScaleRule::Magnitude { q } => {
                 let zero = fx.f32c(0.0);
-                let total = fx.var(types::F32, zero);
-                fx.each(groups, |fx, j| {
-                    let zero = fx.f32c(0.0);
-                    let max = fx.var(types::F32, zero);
-                    fx.loop_to(args.count, |fx, i| {
-                        let aux = fx.row(r.aux, Ix::V(i), 4 * groups, 0);
-                        let radius = fx.ldf(aux, j);
-                        let m = fx.get(max);
-                        let m = fx.rust_max(m, radius);
-                        fx.set(max, m);
-                    });
+                let max = fx.var(types::F32, zero);
+                each_measured(fx, args, (base, row, n), j, |fx, v| {
+                    let a = fx.b.ins().fabs(v);
                     let m = fx.get(max);
-                    match scale {
-                        RadiusScale::Page => {
-                            let a = fx.b.ins().fabs(m);
-                            let t = fx.get(total);
-                            let t = fx.rust_max(t, a);
-                            fx.set(total, t);
-                        }
-                        RadiusScale::PageGroup => {
-                            let s = fx.scale_or_one(m);
-                            let (base, ix) = header_scale(fx, r, slot, j);
-                            fx.st(base, ix, s);
-                        }
-                    }
+                    let m = fx.rust_max(m, a);
+                    fx.set(max, m);
                 });
-                if scale == RadiusScale::Page {
-                    let t = fx.get(total);
-                    let s = fx.scale_or_one(t);
-                    let (base, ix) = header_scale(fx, r, slot, Ix::K(0));
-                    fx.st(base, ix, s);
-                }
-            }
-            FieldLayout::Coeff {
-                bits,
-                scale,
-                zero_point: true,
-                slot,
-                zero_slot,
-                ..
-            } => {
-                // `min_max` (total order) then `zero_point_scale`.
-                let set = |fx: &mut Fx, range: MinMax, c: Ix| {
-                    let (lo, hi) = range.finish(fx);
-                    let (s, z) = fx.zero_point_scale(lo, hi, bits);
-                    let (base, ix) = header_scale(fx, r, slot, c);
-                    fx.st(base, ix, s);
-                    let (base, ix) = header_scale(fx, r, zero_slot, c);
-                    fx.st(base, ix, z);
+                let m = fx.get(max);
+                let m = match q {
+                    1.0 => m,
+                    q => {
+                        let q = fx.f32c(q);
+                        fx.b.ins().fdiv(m, q)
+                    }
                 };
-                match scale {
-                    CoeffScale::Page => {
-                        let range = MinMax::new(fx);
-                        fx.loop_to(args.count, |fx, i| {
-                            let x = fx.row(r.x, Ix::V(i), 4 * dims, 0);
-                            fx.each(dims, |fx, c| {
-                                let v = fx.ldf(x, c);
-                                range.add(fx, v);
-                            });
-                        });
-                        set(fx, range, Ix::K(0));
-                    }
-                    CoeffScale::PageComponent => {
-                        fx.each(dims, |fx, c| {
-                            let range = MinMax::new(fx);
-                            fx.loop_to(args.count, |fx, i| {
-                                let x = fx.row(r.x, Ix::V(i), 4 * dims, 0);
-                                let v = fx.ldf(x, c);
-                                range.add(fx, v);
-                            });
-                            set(fx, range, c);
-                        });
-                    }
-                    CoeffScale::Item | CoeffScale::Group | CoeffScale::Component => {}
-                }
-            }
-            FieldLayout::Dense {
-                dtype,
-                scale: Some(DenseScale::Header(slot)),
-                ..
-            } => {
-                let format = dtype.fp8().expect("checked: only fp8 fields have scales");
-                let m = page_max_abs(fx, args, r, dims, dims);
-                let q = fx.f32c(format.max());
-                let s = fx.b.ins().fdiv(m, q);
-                let s = fx.scale_or_one(s);
-                let (base, ix) = header_scale(fx, r, slot, Ix::K(0));
+                let s = fx.scale_or_one(m);
+                let (base, ix) = header_scale(fx, r, page.slot, at);
                 fx.st(base, ix, s);
             }
-            FieldLayout::Coeff {
-                count: components,
-                bits,
-                scale,
-                slot,
-                ..
-            } => {
-                let q = coeff_max(bits) as f32;
-                let coeff_scale = |fx: &mut Fx, max: ir::Value, c: Ix| {
-                    let q = fx.f32c(q);
-                    let s = fx.b.ins().fdiv(max, q);
-                    let s = fx.scale_or_one(s);
-                    let (base, ix) = header_scale(fx, r, slot, c);
-                    fx.st(base, ix, s);
-                };
-                match scale {
-                    CoeffScale::Page => {
-                        let m = page_max_abs(fx, args, r, dims, components);
-                        coeff_scale(fx, m, Ix::K(0));
-                    }
-                    CoeffScale::PageComponent => {
-                        fx.each(components, |fx, c| {
-                            let zero = fx.f32c(0.0);
-                            let max = fx.var(types::F32, zero);
-                            fx.loop_to(args.count, |fx, i| {
-                                let x = fx.row(r.x, Ix::V(i), 4 * dims, 0);
-                                let v = fx.ldf(x, c);
-                                let a = fx.b.ins().fabs(v);
-                                let m = fx.get(max);
-                                let m = fx.rust_max(m, a);
-                                fx.set(max, m);
-                            });
-                            let m = fx.get(max);
-                            coeff_scale(fx, m, c);
-                        });
-                    }
-                    CoeffScale::Item | CoeffScale::Group | CoeffScale::Component => {}
-                }
+            ScaleRule::Range { bits, zero_slot } => {
+                // `min_max` (total order) then `zero_point_scale`.
+                let range = MinMax::new(fx);
+                each_measured(fx, args, (base, row, n), j, |fx, v| range.add(fx, v));
+                let (lo, hi) = range.finish(fx);
+                let (s, z) = fx.zero_point_scale(lo, hi, bits);
+                let (base, ix) = header_scale(fx, r, page.slot, at);
+                fx.st(base, ix, s);
+                let (base, ix) = header_scale(fx, r, zero_slot, at);
+                fx.st(base, ix, z);
             }
-            _ => {}
+        };
+        match page.each {
+            false => set(fx, None, Ix::K(0)),
+            true => fx.each(n, |fx, j| set(fx, Some(j), j)),
         }
     }
+}
+
+/// Calls `f` on component `j` (`None`: on each of the first `n`) of every
+/// item's row of `row` bytes from `base`.
+fn each_measured(
+    fx: &mut Fx,
+    args: &Args,
+    (base, row, n): (ir::Value, u32, u32),
+    j: Option<Ix>,
+    mut f: impl FnMut(&mut Fx, ir::Value),
+) {
+    fx.loop_to(args.count, |fx, i| {
+        let at = fx.row(base, Ix::V(i), row, 0);
+        match j {
+            Some(j) => {
+                let v = fx.ldf(at, j);
+                f(fx, v);
+            }
+            None => fx.each(n, |fx, c| {
+                let v = fx.ldf(at, c);
+                f(fx, v);
+            }),
+        }
+    });
 }
 
 /// Every item's slots, in schema order, ORed into the image.
@@ -911,21 +843,6 @@ impl MinMax {
         });
         (lo, hi)
     }
-}
-
-/// `ops::max_abs` over the first `n` floats of every item row (rows of
-/// `dims` floats): a page scale's maximum.
-fn page_max_abs(fx: &mut Fx, args: &Args, r: &Regions, dims: u32, n: u32) -> ir::Value {
-    let zero = fx.f32c(0.0);
-    let max = fx.var(types::F32, zero);
-    fx.loop_to(args.count, |fx, i| {
-        let x = fx.row(r.x, Ix::V(i), 4 * dims, 0);
-        let a = max_abs(fx, x, n);
-        let m = fx.get(max);
-        let m = fx.rust_max(m, a);
-        fx.set(max, m);
-    });
-    fx.get(max)
 }
 
 /// `ops::max_abs` of the `n` floats at `x`.
