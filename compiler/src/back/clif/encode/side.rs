@@ -10,7 +10,7 @@ use cranelift_codegen::ir::{self, types, InstBuilder};
 use super::num::Ix;
 use super::Scratch;
 use crate::back::clif::expr::{invariant, writable, Fx};
-use crate::ir::encode::{Measured, ScaleRule};
+use crate::ir::encode::{FieldEncode, Measured, ScaleRule, Source};
 use crate::layout::schema::MASK_WORD_BITS;
 use crate::layout::DenseScale;
 use crate::layout::{
@@ -18,7 +18,7 @@ use crate::layout::{
     HEADER_FIXED_BYTES,
 };
 use crate::lower::encode::lower_codec;
-use crate::spec::{BitmapElem, CodewordKind, CoeffScale, DenseDtype, RadiusScale};
+use crate::spec::{BitmapElem, CodewordKind, DenseDtype};
 
 /// Dot products of at most this many coordinates are unrolled.
 const UNROLL: u32 = 16;
@@ -447,6 +447,7 @@ fn pack(fx: &mut Fx, layout: &TierLayout, codec: &CodecLayout, args: &Args, r: &
     let dims = codec.dims;
     let groups = super::groups(codec);
     let stream = layout.stream_offset(codec.side);
+    let encode = lower_codec(codec);
     fx.loop_to(args.count, |fx, i| {
         let x = fx.row(r.x, Ix::V(i), 4 * dims, 0);
         let item = fx.row(r.image, Ix::V(i), codec.stride, stream);
@@ -463,24 +464,17 @@ fn pack(fx: &mut Fx, layout: &TierLayout, codec: &CodecLayout, args: &Args, r: &
             let at = Slot { item, slot };
             match slot.role {
                 SlotRole::RadiusCode => {
-                    let FieldLayout::Radius {
+                    let FieldEncode::Radius {
                         groups,
                         bits,
                         scale,
-                        slot: first,
-                        ..
-                    } = *field
+                    } = encode.fields[slot.field]
                     else {
                         unreachable!("radius codes belong to radius fields")
                     };
                     fx.each(groups, |fx, j| {
                         let radius = fx.ldf(aux, j);
-                        let ix = match scale {
-                            RadiusScale::Page => Ix::K(0),
-                            RadiusScale::PageGroup => j,
-                        };
-                        let (base, ix) = header_scale(fx, r, first, ix);
-                        let s = fx.ldf(base, ix);
+                        let s = source_value(fx, args, r, scale, j, false);
                         let code = fx.radius_code(radius, s, bits);
                         at.put(fx, j, code);
                     });
@@ -490,67 +484,25 @@ fn pack(fx: &mut Fx, layout: &TierLayout, codec: &CodecLayout, args: &Args, r: &
                     at.put(fx, j, code);
                 }),
                 SlotRole::Coefficient => {
-                    let FieldLayout::Coeff {
+                    let FieldEncode::Coeff {
                         count,
                         bits,
                         scale,
-                        zero_point,
-                        group,
-                        slot: first,
-                        zero_slot,
-                        table: t,
-                        zero_table,
+                        zero,
                         ..
-                    } = *field
+                    } = encode.fields[slot.field]
                     else {
                         unreachable!("coefficients belong to coeff fields")
                     };
-                    let component = t.map(|t| table(fx, args, t));
-                    let component_zero = zero_table.map(|t| table(fx, args, t));
                     fx.each(count, |fx, c| {
-                        // `codec::coeff_factor`: the scale and zero point
-                        // (0 for symmetric codes) of coefficient `c`.
-                        let (factor, zero) = match scale {
-                            CoeffScale::Item | CoeffScale::Group => {
-                                let k = match c {
-                                    Ix::K(c) => Ix::K(c / group),
-                                    Ix::V(c) => Ix::V(fx.b.ins().udiv_imm_u(c, i64::from(group))),
-                                };
-                                let s = fx.affine(k, 2, 0);
-                                let z = fx.affine(k, 2, 1);
-                                (fx.ldf(r.pairs, s), fx.ldf(r.pairs, z))
-                            }
-                            CoeffScale::Page | CoeffScale::PageComponent => {
-                                let ix = if scale == CoeffScale::Page {
-                                    Ix::K(0)
-                                } else {
-                                    c
-                                };
-                                let (base, at) = header_scale(fx, r, first, ix);
-                                let s = fx.ldf(base, at);
-                                let z = if zero_point {
-                                    let (base, at) = header_scale(fx, r, zero_slot, ix);
-                                    fx.ldf(base, at)
-                                } else {
-                                    fx.f32c(0.0)
-                                };
-                                (s, z)
-                            }
-                            CoeffScale::Component => {
-                                let t = component.expect("component scale table");
-                                let s = fx.ldf(t, c);
-                                let z = match component_zero {
-                                    Some(t) => fx.ldf(t, c),
-                                    None => fx.f32c(0.0),
-                                };
-                                (s, z)
-                            }
-                        };
+                        let factor = source_value(fx, args, r, scale, c, false);
                         let v = fx.ldf(x, c);
-                        let code = if zero_point {
-                            fx.quantize_unsigned(v, factor, zero, bits)
-                        } else {
-                            fx.quantize(v, factor, bits)
+                        let code = match zero {
+                            Some(zero) => {
+                                let zero = source_value(fx, args, r, zero, c, true);
+                                fx.quantize_unsigned(v, factor, zero, bits)
+                            }
+                            None => fx.quantize(v, factor, bits),
                         };
                         at.put(fx, c, code);
                     });
@@ -614,31 +566,18 @@ fn pack(fx: &mut Fx, layout: &TierLayout, codec: &CodecLayout, args: &Args, r: &
                     });
                 }
                 SlotRole::DenseValue => {
-                    let FieldLayout::Dense {
+                    let FieldEncode::Dense {
                         count,
                         dtype,
-                        scale,
+                        divide_by,
                         ..
-                    } = *field
+                    } = encode.fields[slot.field]
                     else {
                         unreachable!("values belong to dense fields")
                     };
-                    // `codec::dense_factor`: values are divided by it.
-                    let factor = match scale {
-                        None => None,
-                        Some(DenseScale::Table(t)) => {
-                            let t = table(fx, args, t);
-                            Some(fx.ldf(t, Ix::K(0)))
-                        }
-                        Some(DenseScale::Header(first)) => {
-                            let (base, ix) = header_scale(fx, r, first, Ix::K(0));
-                            Some(fx.ldf(base, ix))
-                        }
-                        Some(DenseScale::Item(_)) => match dtype.fp8() {
-                            Some(_) => Some(item_scale.expect("item scale computed")),
-                            None => Some(fx.f32c(1.0)),
-                        },
-                    };
+                    // One factor per field (`Source::Item` of a dense field
+                    // is the item's one scale): values are divided by it.
+                    let factor = divide_by.map(|by| source_value(fx, args, r, by, Ix::K(0), false));
                     fx.each(count, |fx, c| {
                         let v = fx.ldf(x, c);
                         let v = match factor {
@@ -658,6 +597,38 @@ fn pack(fx: &mut Fx, layout: &TierLayout, codec: &CodecLayout, args: &Args, r: &
             }
         }
     });
+}
+
+/// The scale (or, `zero`, the zero point) that `source` gives element `i`:
+/// a header slot, a table entry, or the item's (scale, zero) pairs that
+/// `prepare` left in `pairs`.
+fn source_value(
+    fx: &mut Fx,
+    args: &Args,
+    r: &Regions,
+    source: Source,
+    i: Ix,
+    zero: bool,
+) -> ir::Value {
+    let each = |each: bool| if each { i } else { Ix::K(0) };
+    match source {
+        Source::Header { slot, each: e } => {
+            let (base, ix) = header_scale(fx, r, slot, each(e));
+            fx.ldf(base, ix)
+        }
+        Source::Table { table: t, each: e } => {
+            let t = table(fx, args, t);
+            fx.ldf(t, each(e))
+        }
+        Source::Item { group } => {
+            let k = match i {
+                Ix::K(c) => Ix::K(c / group),
+                Ix::V(c) => Ix::V(fx.b.ins().udiv_imm_u(c, i64::from(group))),
+            };
+            let at = fx.affine(k, 2, u32::from(zero));
+            fx.ldf(r.pairs, at)
+        }
+    }
 }
 
 /// What a field needs per item before its slots are written: the f16 item
@@ -703,9 +674,12 @@ fn prepare(fx: &mut Fx, field: &FieldLayout, x: ir::Value, r: &Regions) -> ItemV
             scale: Some(DenseScale::Item(_)),
             ..
         } => ItemValues {
+            // Also pair 0, where `Source::Item` reads the item's scale.
             scale: dtype.fp8().map(|format| {
                 let max = max_abs(fx, x, count);
-                fx.half_scale(max, format.max())
+                let s = fx.half_scale(max, format.max());
+                fx.st(r.pairs, Ix::K(0), s);
+                s
             }),
         },
         FieldLayout::Bitmap {

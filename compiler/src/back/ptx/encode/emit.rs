@@ -194,12 +194,6 @@ pub fn half_scale(k: &mut Kernel, max_abs: Reg<F32>, q: f32) -> (Reg<F32>, Reg<U
     (k.selp(value, 1.0f32, positive), k.selp(bits, one, positive))
 }
 
-/// `coeff_scale(max_abs, bits)`.
-pub fn coeff_scale(k: &mut Kernel, max_abs: Reg<F32>, bits: u32) -> Reg<F32> {
-    let s = k.div_f32(max_abs, coeff_max(bits) as f32);
-    scale_or_one(k, s)
-}
-
 /// Largest magnitude of a symmetric `bits`-bit code.
 pub fn coeff_max(bits: u32) -> i32 {
     crate::layout::coeff_max(bits)
@@ -278,12 +272,6 @@ pub fn quantize_unsigned(
     let t = round(k, t);
     let t = clamp(k, t, 0.0, levels);
     k.f32_to_u32_trunc(t)
-}
-
-/// `fp8_scale(max_abs, format)`.
-pub fn fp8_scale(k: &mut Kernel, max_abs: Reg<F32>, format: Fp8) -> Reg<F32> {
-    let s = k.div_f32(max_abs, format.max());
-    scale_or_one(k, s)
 }
 
 /// `Fp8::encode(v)`, step for step on the f32 bits.

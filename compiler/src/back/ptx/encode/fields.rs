@@ -7,14 +7,15 @@
 use super::super::abi::TableBuffer;
 use super::super::builder::{Cmp, Kernel, Reg, F32, U32};
 use super::emit::{
-    assign_if, coeff_scale, for_each, fp8_encode, fp8_scale, from_order_key, half_scale,
-    half_zero_point_scale, item_bit, magnitude_bits, order_key, quantize, quantize_unsigned,
-    radius_code, scale_or_one, serial, split, write_bits, zero_point_scale, Ctx, KEY_INFINITY,
-    KEY_NEG_INFINITY,
+    assign_if, for_each, fp8_encode, from_order_key, half_scale, half_zero_point_scale, item_bit,
+    magnitude_bits, order_key, quantize, quantize_unsigned, radius_code, scale_or_one, serial,
+    split, write_bits, zero_point_scale, Ctx, KEY_INFINITY, KEY_NEG_INFINITY,
 };
 use super::plan::Plan;
+use crate::ir::encode::{FieldEncode, Measured, ScaleRule, Source};
 use crate::layout::{CodecLayout, DenseScale, FieldLayout, SlotRole};
-use crate::spec::{BitmapElem, CodewordKind, CoeffScale, DenseDtype, RadiusScale};
+use crate::lower::encode::lower_codec;
+use crate::spec::{BitmapElem, CodewordKind, DenseDtype, Fp8};
 
 /// Group sizes up to this keep their coordinates in registers and unroll
 /// the codeword loop.
@@ -188,204 +189,102 @@ pub fn choose_codewords(
     k.bar_sync();
 }
 
-/// Folds the chunk into this codec's page maxima (shared `scales`, as
-/// unsigned bits of non-negative floats). The caller synchronizes.
+/// This chunk's share of the codec's page statistics
+/// (`CodecEncode::page_scales`), reduced into the header-scale slots by
+/// shared atomics: magnitudes as float bits, ranges as order keys (the
+/// smallest as the largest inverted key, at the zero-point slots). The
+/// caller synchronizes.
 pub fn page_maxima(k: &mut Kernel, ctx: &Ctx, plan: &Plan, codec: &CodecLayout, count: Reg<U32>) {
-    for field in &codec.fields {
-        match *field {
-            FieldLayout::Radius {
-                groups,
-                scale,
-                slot,
-                ..
-            } => {
-                k.comment(&format!("{}: radius page maxima", codec.side.name()));
-                let tasks = k.mul(count, groups);
-                for_each(k, ctx, tasks, |k, w| {
-                    let at = ctx.shared_word(k, plan.aux, w);
-                    let r = k.ld_shared(at);
-                    let m = magnitude_bits(k, r);
-                    let target = match scale {
-                        RadiusScale::Page => k.mov(slot),
-                        RadiusScale::PageGroup => {
-                            let j = k.rem_u32(w, groups);
-                            k.add(j, slot)
-                        }
-                    };
-                    let at = ctx.shared_word(k, plan.scales, target);
-                    k.red_shared_max(at, m);
-                });
-            }
-            FieldLayout::Coeff {
-                count: dims,
-                scale,
-                zero_point: true,
-                slot,
-                zero_slot,
-                ..
-            } if matches!(scale, CoeffScale::Page | CoeffScale::PageComponent) => {
-                // Largest order keys at the scale slots, largest inverted
-                // keys (the smallest) at the zero-point slots.
-                k.comment(&format!("{}: coefficient page ranges", codec.side.name()));
-                let tasks = k.mul(count, dims);
-                for_each(k, ctx, tasks, |k, w| {
-                    let at = ctx.shared_word(k, plan.x, w);
-                    let v = k.ld_shared(at);
-                    let key = order_key(k, v);
-                    let inverted = k.xor(key, u32::MAX);
-                    let c = match scale {
-                        CoeffScale::PageComponent => k.rem_u32(w, dims),
-                        _ => k.mov(0u32),
-                    };
-                    let target = k.add(c, slot);
-                    let at = ctx.shared_word(k, plan.scales, target);
-                    k.red_shared_max(at, key);
-                    let target = k.add(c, zero_slot);
-                    let at = ctx.shared_word(k, plan.scales, target);
-                    k.red_shared_max(at, inverted);
-                });
-            }
-            FieldLayout::Dense {
-                count: dims,
-                scale: Some(DenseScale::Header(slot)),
-                ..
-            } => {
-                k.comment(&format!("{}: fp8 page maximum", codec.side.name()));
-                let tasks = k.mul(count, dims);
+    for page in &lower_codec(codec).page_scales {
+        let (region, what) = match page.of {
+            Measured::Radii { .. } => (plan.aux, "radius"),
+            Measured::Coordinates { .. } => (plan.x, "coordinate"),
+        };
+        let n = page.of.count();
+        let tasks = k.mul(count, n);
+        // Slot index of task `w`'s statistic.
+        let index = |k: &mut Kernel, w: Reg<U32>| match page.each {
+            true => k.rem_u32(w, n),
+            false => k.mov(0u32),
+        };
+        let side = codec.side.name();
+        match page.rule {
+            ScaleRule::Magnitude { .. } if !page.each => {
+                k.comment(&format!("{side}: {what} page maximum"));
                 let local = k.mov(0u32);
                 for_each(k, ctx, tasks, |k, w| {
-                    let at = ctx.shared_word(k, plan.x, w);
+                    let at = ctx.shared_word(k, region, w);
                     let v = k.ld_shared(at);
                     let m = magnitude_bits(k, v);
                     let larger = k.max(local, m);
                     k.assign(local, larger);
                 });
-                let target = k.mov(slot);
+                let target = k.mov(page.slot);
                 let at = ctx.shared_word(k, plan.scales, target);
                 k.red_shared_max(at, local);
             }
-            FieldLayout::Coeff {
-                count: dims,
-                scale,
-                slot,
-                ..
-            } if matches!(scale, CoeffScale::Page | CoeffScale::PageComponent) => {
-                k.comment(&format!("{}: coefficient page maxima", codec.side.name()));
-                let tasks = k.mul(count, dims);
-                let local = k.mov(0u32);
+            ScaleRule::Magnitude { .. } => {
+                k.comment(&format!("{side}: {what} page maxima"));
                 for_each(k, ctx, tasks, |k, w| {
-                    let at = ctx.shared_word(k, plan.x, w);
+                    let at = ctx.shared_word(k, region, w);
                     let v = k.ld_shared(at);
                     let m = magnitude_bits(k, v);
-                    match scale {
-                        CoeffScale::PageComponent => {
-                            let c = k.rem_u32(w, dims);
-                            let target = k.add(c, slot);
-                            let at = ctx.shared_word(k, plan.scales, target);
-                            k.red_shared_max(at, m);
-                        }
-                        _ => {
-                            let larger = k.max(local, m);
-                            k.assign(local, larger);
-                        }
-                    }
-                });
-                if scale == CoeffScale::Page {
-                    let target = k.mov(slot);
+                    let j = index(k, w);
+                    let target = k.add(j, page.slot);
                     let at = ctx.shared_word(k, plan.scales, target);
-                    k.red_shared_max(at, local);
-                }
+                    k.red_shared_max(at, m);
+                });
             }
-            _ => {}
+            ScaleRule::Range { zero_slot, .. } => {
+                k.comment(&format!("{side}: {what} page ranges"));
+                for_each(k, ctx, tasks, |k, w| {
+                    let at = ctx.shared_word(k, region, w);
+                    let v = k.ld_shared(at);
+                    let key = order_key(k, v);
+                    let inverted = k.xor(key, u32::MAX);
+                    let j = index(k, w);
+                    let target = k.add(j, page.slot);
+                    let at = ctx.shared_word(k, plan.scales, target);
+                    k.red_shared_max(at, key);
+                    let target = k.add(j, zero_slot);
+                    let at = ctx.shared_word(k, plan.scales, target);
+                    k.red_shared_max(at, inverted);
+                });
+            }
         }
     }
 }
 
-/// Turns this codec's page maxima into its header scales (`scale_or_one`,
-/// `coeff_scale`). The caller synchronizes.
+/// Turns this codec's page statistics into its header scales by their
+/// rules (`scale_or_one(max / q)`, `zero_point_scale`). The caller
+/// synchronizes.
 pub fn finish_scales(k: &mut Kernel, ctx: &Ctx, plan: &Plan, codec: &CodecLayout) {
-    for field in &codec.fields {
-        if let FieldLayout::Coeff {
-            count,
-            bits,
-            scale,
-            zero_point: true,
-            slot,
-            zero_slot,
-            ..
-        } = *field
-        {
-            let slots = match scale {
-                CoeffScale::Page => 1,
-                CoeffScale::PageComponent => count,
-                _ => continue,
-            };
-            for_each(k, ctx, slots, |k, w| {
-                let target = k.add(w, slot);
-                let at_scale = ctx.shared_word(k, plan.scales, target);
-                let target = k.add(w, zero_slot);
-                let at_zero = ctx.shared_word(k, plan.scales, target);
-                let hi: Reg<U32> = k.ld_shared(at_scale);
-                let lo: Reg<U32> = k.ld_shared(at_zero);
-                let lo = k.xor(lo, u32::MAX);
-                let (hi, lo) = (from_order_key(k, hi), from_order_key(k, lo));
-                let (s, z) = zero_point_scale(k, lo, hi, bits);
-                k.st_shared(at_scale, s);
-                k.st_shared(at_zero, z);
-            });
-            continue;
-        }
-        if let FieldLayout::Dense {
-            dtype,
-            scale: Some(DenseScale::Header(slot)),
-            ..
-        } = *field
-        {
-            let format = dtype.fp8().expect("checked: only fp8 fields have scales");
-            for_each(k, ctx, 1u32, |k, w| {
-                let target = k.add(w, slot);
-                let at = ctx.shared_word(k, plan.scales, target);
-                let m: Reg<F32> = k.ld_shared(at);
-                let s = fp8_scale(k, m, format);
-                k.st_shared(at, s);
-            });
-            continue;
-        }
-        let (slot, slots, bits) = match *field {
-            FieldLayout::Radius {
-                groups,
-                scale,
-                slot,
-                ..
-            } => {
-                let slots = match scale {
-                    RadiusScale::Page => 1,
-                    RadiusScale::PageGroup => groups,
-                };
-                (slot, slots, None)
+    for page in &lower_codec(codec).page_scales {
+        for_each(k, ctx, page.slots(), |k, w| {
+            let target = k.add(w, page.slot);
+            let at_scale = ctx.shared_word(k, plan.scales, target);
+            match page.rule {
+                ScaleRule::Magnitude { q } => {
+                    let m: Reg<F32> = k.ld_shared(at_scale);
+                    let m = match q {
+                        1.0 => m,
+                        q => k.div_f32(m, q),
+                    };
+                    let s = scale_or_one(k, m);
+                    k.st_shared(at_scale, s);
+                }
+                ScaleRule::Range { bits, zero_slot } => {
+                    let target = k.add(w, zero_slot);
+                    let at_zero = ctx.shared_word(k, plan.scales, target);
+                    let hi: Reg<U32> = k.ld_shared(at_scale);
+                    let lo: Reg<U32> = k.ld_shared(at_zero);
+                    let lo = k.xor(lo, u32::MAX);
+                    let (hi, lo) = (from_order_key(k, hi), from_order_key(k, lo));
+                    let (s, z) = zero_point_scale(k, lo, hi, bits);
+                    k.st_shared(at_scale, s);
+                    k.st_shared(at_zero, z);
+                }
             }
-            FieldLayout::Coeff {
-                count,
-                bits,
-                scale,
-                slot,
-                ..
-            } => match scale {
-                CoeffScale::Page => (slot, 1, Some(bits)),
-                CoeffScale::PageComponent => (slot, count, Some(bits)),
-                CoeffScale::Item | CoeffScale::Group | CoeffScale::Component => continue,
-            },
-            _ => continue,
-        };
-        for_each(k, ctx, slots, |k, w| {
-            let target = k.add(w, slot);
-            let at = ctx.shared_word(k, plan.scales, target);
-            let m: Reg<F32> = k.ld_shared(at);
-            let s = match bits {
-                None => scale_or_one(k, m),
-                Some(bits) => coeff_scale(k, m, bits),
-            };
-            k.st_shared(at, s);
         });
     }
 }
@@ -401,15 +300,17 @@ pub fn pack_items(
     count: Reg<U32>,
 ) {
     let (dims, stride, side) = (codec.dims, codec.stride, codec.side.name());
-    for field in &codec.fields {
+    let encode = lower_codec(codec);
+    for (field, encoded) in codec.fields.iter().zip(&encode.fields) {
+        // Where each scale and zero point comes from.
+        let (scale_source, zero_source) = match *encoded {
+            FieldEncode::Radius { scale, .. } => (Some(scale), None),
+            FieldEncode::Coeff { scale, zero, .. } => (Some(scale), zero),
+            FieldEncode::Dense { divide_by, .. } => (divide_by, None),
+            _ => (None, None),
+        };
         match *field {
-            FieldLayout::Radius {
-                groups,
-                bits,
-                scale,
-                slot,
-                ..
-            } => {
+            FieldLayout::Radius { groups, bits, .. } => {
                 k.comment(&format!("{side}: radius codes"));
                 let range = codec.slot(SlotRole::RadiusCode);
                 let tasks = k.mul(count, groups);
@@ -417,12 +318,8 @@ pub fn pack_items(
                     let (item, j) = split(k, w, groups);
                     let at = ctx.shared_word(k, plan.aux, w);
                     let r = k.ld_shared(at);
-                    let target = match scale {
-                        RadiusScale::Page => k.mov(slot),
-                        RadiusScale::PageGroup => k.add(j, slot),
-                    };
-                    let at = ctx.shared_word(k, plan.scales, target);
-                    let s = k.ld_shared(at);
+                    let scale = scale_source.expect("radius scale");
+                    let s = read_source(k, (ctx, plan, tables), scale, (item, j), false);
                     let code = radius_code(k, r, s, bits);
                     let bit = k.mad_lo(j, range.width, range.offset);
                     let bit = item_bit(k, item, stride, bit);
@@ -446,13 +343,8 @@ pub fn pack_items(
                 item_scale,
                 item_zero,
                 bits,
-                scale,
                 zero_point,
                 group,
-                slot,
-                zero_slot,
-                table,
-                zero_table,
                 ..
             } => {
                 let groups = dims / group;
@@ -512,36 +404,10 @@ pub fn pack_items(
                     let (item, c) = split(k, w, dims);
                     let at = ctx.shared_word(k, plan.x, w);
                     let v = k.ld_shared(at);
-                    // A scale and its zero point are found the same way, each in its
-                    // own place: per item group in shared memory, header slots, a table.
-                    let load = |k: &mut Kernel, groups: u32, slot: u32, table: Option<usize>| {
-                        match scale {
-                            CoeffScale::Item | CoeffScale::Group => {
-                                let j = k.div_u32(c, group);
-                                let at = k.mad_lo(item, plan.item_groups, j);
-                                let at = ctx.shared_word(k, groups, at);
-                                k.ld_shared(at)
-                            }
-                            CoeffScale::Page => {
-                                let target = k.mov(slot);
-                                let at = ctx.shared_word(k, plan.scales, target);
-                                k.ld_shared(at)
-                            }
-                            CoeffScale::PageComponent => {
-                                let target = k.add(c, slot);
-                                let at = ctx.shared_word(k, plan.scales, target);
-                                k.ld_shared(at)
-                            }
-                            CoeffScale::Component => {
-                                let t =
-                                    table.expect("component scales and zero points have tables");
-                                ctx.table_value(k, tables.offsets[t], c)
-                            }
-                        }
-                    };
-                    let zero: Option<Reg<F32>> =
-                        zero_point.then(|| load(k, plan.item_zeros, zero_slot, zero_table));
-                    let factor: Reg<F32> = load(k, plan.item_scales, slot, table);
+                    let at = (ctx, plan, tables);
+                    let zero = zero_source.map(|z| read_source(k, at, z, (item, c), true));
+                    let scale = scale_source.expect("coefficient scale");
+                    let factor = read_source(k, at, scale, (item, c), false);
                     let code = match zero {
                         Some(z) => quantize_unsigned(k, v, factor, z, bits),
                         None => quantize(k, v, factor, bits),
@@ -586,8 +452,10 @@ pub fn pack_items(
                             let larger = k.max(m, a);
                             k.assign(m, larger);
                         });
+                        // Where `Source::Item` reads it: the item's first scale.
+                        let first = k.mul(item, plan.item_groups);
                         let q = format.max();
-                        store_item_scale(k, ctx, plan, stride, item, item, m, q, offset);
+                        store_item_scale(k, ctx, plan, stride, first, item, m, q, offset);
                     });
                     k.bar_sync();
                 }
@@ -598,6 +466,13 @@ pub fn pack_items(
                     let (item, c) = split(k, w, dims);
                     let at = ctx.shared_word(k, plan.x, w);
                     let v: Reg<F32> = k.ld_shared(at);
+                    let v = match scale_source {
+                        Some(by) => {
+                            let s = read_source(k, (ctx, plan, tables), by, (item, c), false);
+                            k.div_f32(v, s)
+                        }
+                        None => v,
+                    };
                     let raw = match dtype {
                         DenseDtype::F16 => {
                             let h = k.f32_to_f16(v);
@@ -608,29 +483,8 @@ pub fn pack_items(
                             k.widen16(h)
                         }
                         DenseDtype::F32 => k.bitcast(v),
-                        DenseDtype::Fp8e4m3 | DenseDtype::Fp8e5m2 => {
-                            let format = dtype.fp8().expect("an fp8 dtype");
-                            let s: Option<Reg<F32>> = scale.map(|scale| match scale {
-                                DenseScale::Table(t) => {
-                                    let zero = k.mov(0u32);
-                                    ctx.table_value(k, tables.offsets[t], zero)
-                                }
-                                DenseScale::Header(slot) => {
-                                    let target = k.mov(slot);
-                                    let at = ctx.shared_word(k, plan.scales, target);
-                                    k.ld_shared(at)
-                                }
-                                DenseScale::Item(_) => {
-                                    let at = ctx.shared_word(k, plan.item_scales, item);
-                                    k.ld_shared(at)
-                                }
-                            });
-                            let v = match s {
-                                Some(s) => k.div_f32(v, s),
-                                None => v,
-                            };
-                            fp8_encode(k, format, v)
-                        }
+                        DenseDtype::Fp8e4m3 => fp8_encode(k, Fp8::E4m3, v),
+                        DenseDtype::Fp8e5m2 => fp8_encode(k, Fp8::E5m2, v),
                     };
                     let bit = k.mad_lo(c, range.width, range.offset);
                     let bit = item_bit(k, item, stride, bit);
@@ -640,6 +494,44 @@ pub fn pack_items(
         }
     }
     k.bar_sync();
+}
+
+/// The scale (or, `zero`, the zero point) that `source` gives element `i`
+/// (component or group) of item `item`.
+fn read_source(
+    k: &mut Kernel,
+    (ctx, plan, tables): (&Ctx, &Plan, &TableBuffer),
+    source: Source,
+    (item, i): (Reg<U32>, Reg<U32>),
+    zero: bool,
+) -> Reg<F32> {
+    match source {
+        Source::Header { slot, each } => {
+            let target = match each {
+                true => k.add(i, slot),
+                false => k.mov(slot),
+            };
+            let at = ctx.shared_word(k, plan.scales, target);
+            k.ld_shared(at)
+        }
+        Source::Table { table, each } => {
+            let index = match each {
+                true => i,
+                false => k.mov(0u32),
+            };
+            ctx.table_value(k, tables.offsets[table], index)
+        }
+        Source::Item { group } => {
+            let j = k.div_u32(i, group);
+            let at = k.mad_lo(item, plan.item_groups, j);
+            let region = match zero {
+                true => plan.item_zeros,
+                false => plan.item_scales,
+            };
+            let at = ctx.shared_word(k, region, at);
+            k.ld_shared(at)
+        }
+    }
 }
 
 /// `half_scale(m, q)` of item `item`: kept in shared `item_scales`, its f16
