@@ -8,9 +8,11 @@
 //! item's schema (`CodecLayout::slots`), walked once here at expansion time
 //! and packed a 64-bit word at a time (`pack`).
 
+use kvcc_compiler::ir::encode::{CodecEncode, FieldEncode, Source};
 use kvcc_compiler::layout::{
     CodecLayout, DenseScale, FieldLayout, SlotRole, TierLayout, TransformLayout,
 };
+use kvcc_compiler::lower::encode::lower_codec;
 use kvcc_compiler::spec::{CodewordKind, CoeffScale, RadiusScale};
 use proc_macro2::{Ident, Literal, TokenStream};
 use quote::{format_ident, quote};
@@ -304,20 +306,17 @@ impl Codec<'_> {
                         }),
                     ) => {
                         let slot = slot as usize;
-                        let (finish, scale) = match scale {
-                            RadiusScale::Page => (
-                                quote!(scales[#slot] = #ops::scale_or_one(#ops::max_abs(&group_max));),
-                                quote!(scales[#slot]),
-                            ),
-                            RadiusScale::PageGroup => (
-                                quote! {
-                                    for j in 0..#groups_n {
-                                        scales[#slot + j] = #ops::scale_or_one(group_max[j]);
-                                    }
-                                },
-                                quote!(scales[#slot + j]),
-                            ),
+                        let finish = match scale {
+                            RadiusScale::Page => {
+                                quote!(scales[#slot] = #ops::scale_or_one(#ops::max_abs(&group_max));)
+                            }
+                            RadiusScale::PageGroup => quote! {
+                                for j in 0..#groups_n {
+                                    scales[#slot + j] = #ops::scale_or_one(group_max[j]);
+                                }
+                            },
                         };
+                        let scale = self.radius_scale();
                         let rbits = lit(bits);
                         let head_dim = self.head_dim();
                         Plan::TwoPass {
@@ -517,15 +516,19 @@ impl Codec<'_> {
                         let dense: [u32; #n] = ::core::array::from_fn(|c| #ops::dense_bits(#dtype, y[c] / #s));
                     }
                 };
+                let dense = match self.dense_divisor().0 {
+                    Some(s) => encode(s),
+                    None => quote! {
+                        let dense: [u32; #n] = ::core::array::from_fn(|c| #ops::dense_bits(#dtype, y[c]));
+                    },
+                };
                 match (scale, format) {
                     (Some(DenseScale::Item(_)), Some((_, max))) => Plan::OnePass {
-                        item: {
-                            let dense = encode(quote!(scale));
-                            quote! {
-                                let scale = #ops::half_scale(#ops::max_abs(y), #max);
-                                let item_scale = [#ops::f16_bits(scale)];
-                                #dense
-                            }
+                        item: quote! {
+                            let scale = #ops::half_scale(#ops::max_abs(y), #max);
+                            let item_scale = [#ops::f16_bits(scale)];
+                            let params = [(scale, 0.0f32)];
+                            #dense
                         },
                     },
                     (Some(DenseScale::Header(slot)), Some((format, _))) => {
@@ -535,20 +538,10 @@ impl Codec<'_> {
                             measure: quote!(max = max.max(#ops::max_abs(y));),
                             finish: quote!(scales[#slot] = #ops::fp8_scale(max, #format);),
                             keep_y: true,
-                            item: encode(quote!(scales[#slot])),
+                            item: dense,
                         }
                     }
-                    (Some(DenseScale::Table(t)), _) => {
-                        let scales = table(t);
-                        Plan::OnePass {
-                            item: encode(quote!(#scales[0])),
-                        }
-                    }
-                    _ => Plan::OnePass {
-                        item: quote! {
-                            let dense: [u32; #n] = ::core::array::from_fn(|c| #ops::dense_bits(#dtype, y[c]));
-                        },
-                    },
+                    _ => Plan::OnePass { item: dense },
                 }
             }
             FieldLayout::Radius { .. } => unreachable!("body() is never a radius"),
@@ -589,40 +582,69 @@ impl Codec<'_> {
         quote!(#krate::compiler::spec::#ty::#variant)
     }
 
-    /// The scale and zero point of coefficient `c`: the item's (`params`,
-    /// bound by the caller, one per channel group), header slots, or the
-    /// trained component tables.
-    fn coeff_factor(&self) -> (TokenStream, TokenStream) {
-        let FieldLayout::Coeff {
-            scale,
-            group,
-            slot,
-            zero_slot,
-            table: t,
-            zero_table,
-            ..
-        } = *self.codec.body()
-        else {
-            unreachable!("coeff_factor of a coeff codec")
-        };
-        let (slot, zero_slot, g) = (slot as usize, zero_slot as usize, group as usize);
-        match scale {
-            CoeffScale::Item | CoeffScale::Group => {
-                (quote!(params[c / #g].0), quote!(params[c / #g].1))
+    /// The codec's encode description.
+    fn encode(&self) -> CodecEncode {
+        lower_codec(self.codec)
+    }
+
+    /// The scale (or, `zero`, the zero point) `source` gives element `i`:
+    /// `scales[..]` of the header, a trained table, or the item's `params`
+    /// (bound by the caller, one (scale, zero) per group).
+    fn source(&self, source: Source, i: TokenStream, zero: bool) -> TokenStream {
+        match source {
+            Source::Header { slot, each } => {
+                let slot = slot as usize;
+                match each {
+                    true => quote!(scales[#slot + #i]),
+                    false => quote!(scales[#slot]),
+                }
             }
-            CoeffScale::Page => (quote!(scales[#slot]), quote!(scales[#zero_slot])),
-            CoeffScale::PageComponent => {
-                (quote!(scales[#slot + c]), quote!(scales[#zero_slot + c]))
+            Source::Table { table: t, each } => {
+                let t = table(t);
+                match each {
+                    true => quote!(#t[#i]),
+                    false => quote!(#t[0]),
+                }
             }
-            CoeffScale::Component => {
-                let scales = table(t.expect("component scales have a table"));
-                let zeros = zero_table.map_or(quote!(0.0f32), |z| {
-                    let z = table(z);
-                    quote!(#z[c])
-                });
-                (quote!(#scales[c]), zeros)
+            Source::Item { group } => {
+                let g = group as usize;
+                match zero {
+                    true => quote!(params[#i / #g].1),
+                    false => quote!(params[#i / #g].0),
+                }
             }
         }
+    }
+
+    /// The scale and zero point (0 for symmetric codes) of coefficient `c`.
+    fn coeff_factor(&self) -> (TokenStream, TokenStream) {
+        let FieldEncode::Coeff { scale, zero, .. } = *self.encode().body() else {
+            unreachable!("coeff_factor of a coeff codec")
+        };
+        let s = self.source(scale, quote!(c), false);
+        let z = zero.map_or(quote!(0.0f32), |z| self.source(z, quote!(c), true));
+        (s, z)
+    }
+
+    /// The scale of a radius field's group `j`.
+    fn radius_scale(&self) -> TokenStream {
+        let (_, scale) = self.encode().radius().expect("a radius field");
+        self.source(scale, quote!(j), false)
+    }
+
+    /// A dense field's divisor (`None`: unscaled), one per field (an item
+    /// scale is the item's one), and whether it reads the item's `params`.
+    fn dense_divisor(&self) -> (Option<TokenStream>, bool) {
+        let FieldEncode::Dense {
+            divide_by,
+            item_scale,
+            ..
+        } = *self.encode().body()
+        else {
+            unreachable!("dense_divisor of a dense codec")
+        };
+        let divisor = divide_by.map(|by| self.source(by, quote!(0usize), false));
+        (divisor, item_scale.is_some())
     }
 
     /// The first value of group `j`'s book in the codebook table.
@@ -693,14 +715,8 @@ impl Codec<'_> {
                 let book = table(t);
                 let book_start = self.book_start();
                 let set = match self.codec.radius() {
-                    Some(&FieldLayout::Radius {
-                        bits, scale, slot, ..
-                    }) => {
-                        let slot = slot as usize;
-                        let scale = match scale {
-                            RadiusScale::Page => quote!(scales[#slot]),
-                            RadiusScale::PageGroup => quote!(scales[#slot + j]),
-                        };
+                    Some(&FieldLayout::Radius { bits, .. }) => {
+                        let scale = self.radius_scale();
                         let rbits = lit(bits);
                         quote! {
                             let r = #ops::radius_value(radius_code[j], #scale, #rbits);
@@ -761,21 +777,13 @@ impl Codec<'_> {
                 let elem = self.spec_enum("BitmapElem", elem);
                 quote!(#ops::bitmap_decode(&mask, &elems, #g, #elem, #scale, &mut y);)
             }
-            FieldLayout::Dense { dtype, scale, .. } => {
+            FieldLayout::Dense { dtype, .. } => {
                 let dtype = self.spec_enum("DenseDtype", dtype);
-                let scaled = match scale {
-                    None => quote!(),
-                    Some(DenseScale::Item(_)) => quote!(* #item_scale),
-                    Some(DenseScale::Header(slot)) => {
-                        let slot = slot as usize;
-                        quote!(* scales[#slot])
-                    }
-                    Some(DenseScale::Table(t)) => {
-                        let t = table(t);
-                        quote!(* #t[0])
-                    }
-                };
+                let (divisor, item) = self.dense_divisor();
+                let bind = item.then(|| quote!(let params = [(#item_scale, 0.0f32)];));
+                let scaled = divisor.map(|s| quote!(* #s));
                 quote! {
+                    #bind
                     for (v, &raw) in y.iter_mut().zip(&dense) {
                         *v = #ops::dense_value(#dtype, raw) #scaled;
                     }
