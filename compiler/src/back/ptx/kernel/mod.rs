@@ -52,6 +52,7 @@ mod score;
 mod score_mma;
 mod softmax;
 mod staging;
+mod value_fragments;
 mod warp_tile;
 
 /// The decode kernel of one tier.

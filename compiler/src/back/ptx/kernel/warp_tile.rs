@@ -10,11 +10,12 @@
 
 use super::super::builder::{Cmp, Kernel, Pred, Reg, Shared, F32, U32};
 use super::super::tensor_cores::{MmaPlan, TILE, TILE_HEADS};
-use super::accumulate_mma::{item_scale, parity_fragments, AccumulateMma, MmaValues, ValueTile};
+use super::accumulate_mma::{AccumulateMma, MmaValues, ValueTile};
 use super::cta::{Cta, Tile};
 use super::fragments::{f16_parts, Across, Fragments};
 use super::score_mma::{MmaScoreThread, ScoreMma};
 use super::softmax::RESCALE_SLACK_BITS;
+use super::value_fragments::{item_scale, parity_fragments};
 
 /// The tensor-core tile: score, warp softmax and accumulate together.
 #[derive(Clone, Copy)]
