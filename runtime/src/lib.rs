@@ -24,6 +24,7 @@ pub mod live;
 pub mod math;
 pub mod metrics;
 pub mod reference;
+pub mod sweep;
 pub mod synth;
 pub mod table;
 pub mod tensor_io;

@@ -12,8 +12,8 @@ use kvcc_runtime::cuda::measure::{DecodeShape, StepPlan, StepTiming};
 use kvcc_runtime::cuda::Gpu;
 use kvcc_runtime::exec::ExecutorKind;
 use kvcc_runtime::live::CachePolicy;
+use kvcc_runtime::sweep::{self, SearchOptions, TuneOptions};
 use kvcc_runtime::tensor_io::load_qkv;
-use kvcc_runtime::tune::sweep::{self, SearchOptions, TuneOptions};
 use kvcc_runtime::tune::TuneCache;
 
 #[derive(Parser)]

@@ -7,8 +7,8 @@ use kvcc_compiler::Format;
 use serde::Serialize;
 
 use crate::builtin::SPECS;
+use crate::sweep::{Origin, Tuned};
 use crate::table::Table;
-use crate::tune::sweep::{Origin, Tuned};
 use crate::tune::{shipped, Entry, TuneCache};
 
 /// A spec file, or a bundled spec by name (`dense_f16`, `spherical`, …).

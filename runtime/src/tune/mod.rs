@@ -13,8 +13,9 @@
 //! - [`lookup`]: what the runtime launches with: the tuned winner for the
 //!   pages' page size (the user's cache, then the shipped results), or the
 //!   model's defaults (saying why, once).
-//! - [`sweep`]: measuring candidates on the GPU (checked against the
-//!   interpreter before any time counts).
+//!
+//! Measuring candidates on the GPU is [`crate::sweep`]'s, above both this
+//! module and [`crate::cuda`].
 
 pub mod config;
 pub mod key;
@@ -23,7 +24,6 @@ pub mod model;
 pub mod search;
 pub mod shipped;
 pub mod store;
-pub mod sweep;
 
 pub use config::KernelConfig;
 pub use key::{codegen_hash, GpuId, ShapeBucket, TuneKey};

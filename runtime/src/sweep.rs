@@ -11,16 +11,16 @@ use std::time::Instant;
 use kvcc_compiler::back::ptx;
 use kvcc_compiler::Format;
 
-use super::config::with_page_items;
-use super::search::{search, Measured, Space, Strategy};
-use super::store::{Candidate, Confirmation, Entry, Found, SweepRecord, TuneCache};
-use super::{model, shipped, KernelConfig, TuneKey};
 use crate::cache::PagedCache;
 use crate::cuda::measure::{
     decode_steps, source_cache, time_steps, upload_copies, DecodeShape, Reference, StepPlan,
     StepTiming, Timing, TOLERANCE,
 };
 use crate::cuda::{DeviceCache, FormatKernels, Gpu};
+use crate::tune::config::with_page_items;
+use crate::tune::search::{search, Measured, Space, Strategy};
+use crate::tune::store::{Candidate, Confirmation, Entry, Found, SweepRecord, TuneCache};
+use crate::tune::{model, shipped, KernelConfig, TuneKey};
 
 #[derive(Debug, Clone)]
 pub struct TuneOptions {
