@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -220,17 +221,28 @@ def in_processes(args, argv) -> dict:
     for name in sorted(specs, key=lambda n: -weight[n]):
         min(shares, key=lambda share: sum(weight[n] for n in share)).append(name)
     own = _without(argv, {"--jobs": 1, "--specs": 1, "--json": 1, "--markdown": 1, "--plots": 1})
-    with tempfile.TemporaryDirectory() as folder:
+    # The CPU's cores shared among the processes, not each taking them all.
+    env = dict(os.environ)
+    if args.device == "cpu":
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // len(shares))))
+    with tempfile.TemporaryDirectory() as scratch:
+        # Each share's rows beside --json as they are measured (kept if a process fails).
+        folder = os.path.dirname(os.path.abspath(args.json)) if args.json else scratch
+        stem = os.path.basename(args.json) if args.json else "quality"
         paths, children = [], []
         for i, share in enumerate(shares):
-            paths.append(f"{folder}/share{i}.json")
+            paths.append(os.path.join(folder, f"{stem}.share{i}.json"))
             command = [sys.executable, "-m", "kvcc.bench.quality", *own, "--specs", ",".join(share),
                        "--json", paths[-1]]
-            children.append(subprocess.Popen(command, stdout=subprocess.DEVNULL))
+            # Rows and progress go to this process's stderr; the merged table to stdout.
+            children.append(subprocess.Popen(command, stdout=sys.stderr, env=env))
         failed = [c.args for c in children if c.wait() != 0]
         if failed:
             raise SystemExit(f"{len(failed)} of {len(children)} processes failed: {failed[0]}")
-        return merge(paths)
+        result = merge(paths)
+        for path in paths:
+            os.remove(path)
+        return result
 
 
 def _without(argv, options) -> list:
@@ -261,7 +273,11 @@ def merge(paths) -> dict:
         for key in ("model", "device", "dtype", "settings"):
             if about[key] != first[key]:
                 raise SystemExit(f"cannot merge runs whose {key} differs: {first[key]} and {about[key]}")
-    rows = [runs[0]["rows"][0]] + [r for run in runs for r in run["rows"][1:]]
+    # The reference, then the specs in bundled order (each spec's tiers as measured).
+    order = {name: i for i, name in enumerate(Format.bundled())}
+    measured = [r for run in runs for r in run["rows"][1:]]
+    measured.sort(key=lambda r: order.get(r["spec"], len(order)))
+    rows = [runs[0]["rows"][0]] + measured
     about = dict(first, seconds=max(run["about"].get("seconds", 0.0) for run in runs))
     return {"about": about, "rows": rows}
 
