@@ -1,5 +1,5 @@
 //! The numeric pieces of encoding and decoding, shared by the reference
-//! encoder ([`encode_items`](super::encode_items), which walks a `TierLayout`
+//! encoder ([`encode_page`](super::encode_page), which walks a `TierLayout`
 //! at run time) and the encoders `kv_format!` generates (which unroll that walk for
 //! one tier at compile time, with constant bit offsets). Both call these for
 //! every number they store or reconstruct, so their pages are byte-identical

@@ -11,7 +11,7 @@ use super::super::tensor_cores::{
 /// `channels` of a head.
 pub(super) const ROW_GROUPS: u32 = WARP_LANES / ROW_LANES;
 
-/// The XOR on the lane of group channel `c`'s sum ([`AccumulateMma::store`])
+/// The XOR on the lane of group channel `c`'s sum ([`AccumulateMma::store`](super::accumulate_mma::AccumulateMma::store))
 /// for `channels` per lane group: `c`'s low two bits, its others above the
 /// lane bits that the rows of 32 consecutive channels take. Those 32 channels
 /// then land in 32 banks (the rows' lane bits differ; the channels' XORs
@@ -132,7 +132,7 @@ pub(super) fn token_pair(
 /// tile. So a C tile holds four channels of one head where the (head,
 /// part) columns of the other tiers need two tiles.
 ///
-/// A step's tokens are `values` (the lane's [`StepTokens`] `t + {0, 8, e, e +
+/// A step's tokens are `values` (the lane's [`StepTokens`](super::fragments::StepTokens) `t + {0, 8, e, e +
 /// 8}`, channel pair words in the lane group's order); `b`: per reduction
 /// step and part, the lane's B fragment ([`parity_fragments`]). Reduction
 /// step `s` takes tokens `8 · s` and `8 · s + e`; M tile `i` takes the lane
