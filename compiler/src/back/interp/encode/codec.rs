@@ -333,14 +333,15 @@ fn encode_field(
     }
 }
 
-/// Reference decoder: the coordinates (codec dims) an item's bits stand for.
+/// Reference decoder: the coordinates (codec dims) an item's bits stand for
+/// (`encode`: the codec's description, lowered once per page).
 pub fn decode_item(
     codec: &CodecLayout,
+    encode: &CodecEncode,
     tables: &[Vec<f32>],
     item: &[u8],
     scales: &[f32],
 ) -> Vec<f32> {
-    let encode = lower_codec(codec);
     let stored = SlotValues::read(codec, item);
     let mut x = vec![0.0f32; codec.dims as usize];
     let item_scale = || f16_value(stored.get(SlotRole::ItemScale)[0]);

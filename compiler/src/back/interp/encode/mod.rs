@@ -17,6 +17,7 @@ pub mod ops;
 pub mod transform;
 
 use crate::layout::{Side, TierLayout};
+use crate::lower::encode::lower_codec;
 use crate::page::PageHeader;
 
 /// Encodes the tokens of one kv head (`[token][head_dim]` keys and as many
@@ -62,11 +63,12 @@ pub fn decode_page(layout: &TierLayout, tables: &[Vec<f32>], page: &[u8]) -> (Ve
     let mut out = [Vec::new(), Vec::new()];
     for (side, dense) in [Side::Key, Side::Value].into_iter().zip(out.iter_mut()) {
         let codec = layout.codec(side);
+        let encode = lower_codec(codec);
         let stride = codec.stride as usize;
         let start = layout.stream_offset(side) as usize;
         for i in 0..header.count as usize {
             let item = &page[start + i * stride..start + (i + 1) * stride];
-            let y = codec::decode_item(codec, tables, item, &header.scales);
+            let y = codec::decode_item(codec, &encode, tables, item, &header.scales);
             dense.extend(transform::inverse(
                 codec.transform,
                 tables,
