@@ -128,6 +128,20 @@ pub fn check_page(
     Ok(tokens)
 }
 
+/// [`check_page`] at a tier layout's head_dim and page size.
+fn check_layout_page(
+    layout: &TierLayout,
+    keys: &[f32],
+    values: &[f32],
+) -> Result<usize, EncodeError> {
+    check_page(
+        layout.head_dim as usize,
+        layout.items_per_page,
+        keys,
+        values,
+    )
+}
+
 /// Encodes the tokens of one kv head (`[token][head_dim]`, at most one page)
 /// into `page` (`layout.page_bytes`), with this head's `tables`.
 pub fn encode_page(
@@ -137,12 +151,7 @@ pub fn encode_page(
     values: &[f32],
     page: &mut [u8],
 ) -> Result<(), EncodeError> {
-    check_page(
-        layout.head_dim as usize,
-        layout.items_per_page,
-        keys,
-        values,
-    )?;
+    check_layout_page(layout, keys, values)?;
     reference::encode_page(layout, tables, keys, values, page);
     Ok(())
 }
@@ -167,12 +176,7 @@ pub fn encode_page_compiled(
             index: layout.index,
         });
     }
-    check_page(
-        layout.head_dim as usize,
-        layout.items_per_page,
-        keys,
-        values,
-    )?;
+    check_layout_page(layout, keys, values)?;
     match encoder.encode(tables, keys, values, page) {
         Ok(_) => Ok(()),
         Err(clif::EncodeError::Tables { found, expected }) => Err(EncodeError::TableShape {

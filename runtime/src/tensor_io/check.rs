@@ -106,7 +106,7 @@ mod tests {
     use half::f16;
 
     use crate::tensor_io::test_support::*;
-    use crate::tensor_io::{load_qkv, npy_sibling, save_qkv_safetensors, write_npy};
+    use crate::tensor_io::{load_qkv, npy_sibling, save_qkv_safetensors, write_npy, Qkv};
 
     #[test]
     fn tensor_io_validation_bad_rank() {
@@ -131,55 +131,55 @@ mod tests {
 
     #[test]
     fn tensor_io_validation_shape_mismatches() {
-        // 3 query heads over 2 kv heads.
-        let mut qkv = sample();
-        qkv.q = ramp([2, 3, 3, 8], 0.0);
-        let msg = load_err(&qkv, "gqa.safetensors");
-        assert!(msg.contains("gqa.safetensors"), "{msg}");
-        assert!(msg.contains("`p.q` has 3 heads"), "{msg}");
-        assert!(
-            msg.contains("not a positive multiple of the 2 kv heads"),
-            "{msg}"
-        );
-
-        // Fewer query heads than kv heads.
-        let mut qkv = sample();
-        qkv.q = ramp([2, 1, 3, 8], 0.0);
-        let msg = load_err(&qkv, "gqa1.safetensors");
-        assert!(msg.contains("not a positive multiple"), "{msg}");
-
-        // k and v differ.
-        let mut qkv = sample();
-        qkv.v = ramp([2, 2, 6, 8], 0.0);
-        let msg = load_err(&qkv, "kv.safetensors");
-        assert!(
-            msg.contains("`p.k` has shape [2, 2, 5, 8] but `p.v` has shape [2, 2, 6, 8]"),
-            "{msg}"
-        );
-
-        // Layers differ.
-        let mut qkv = sample();
-        qkv.q = ramp([3, 4, 3, 8], 0.0);
-        let msg = load_err(&qkv, "layers.safetensors");
-        assert!(msg.contains("`p.q` has 3 layers"), "{msg}");
-
-        // head_dim differs.
-        let mut qkv = sample();
-        qkv.q = ramp([2, 4, 3, 16], 0.0);
-        let msg = load_err(&qkv, "dim.safetensors");
-        assert!(msg.contains("`p.q` has head_dim 16"), "{msg}");
-        assert!(msg.contains("`p.k` has head_dim 8"), "{msg}");
-
-        // Zero-sized dimension.
-        let mut qkv = sample();
-        qkv.k = ramp([2, 2, 0, 8], 0.0);
-        qkv.v = ramp([2, 2, 0, 8], 0.0);
-        let msg = load_err(&qkv, "zero.safetensors");
-        assert!(msg.contains("zero.safetensors"), "{msg}");
-        assert!(
-            msg.contains("tensor `p.k` has a zero-sized dimension"),
-            "{msg}"
-        );
+        type Edit = fn(&mut Qkv);
+        let cases: [(&str, Edit, &[&str]); 6] = [
+            (
+                "gqa",
+                |qkv| qkv.q = ramp([2, 3, 3, 8], 0.0),
+                &[
+                    "`p.q` has 3 heads",
+                    "not a positive multiple of the 2 kv heads",
+                ],
+            ),
+            (
+                "gqa1",
+                |qkv| qkv.q = ramp([2, 1, 3, 8], 0.0),
+                &["not a positive multiple"],
+            ),
+            (
+                "kv",
+                |qkv| qkv.v = ramp([2, 2, 6, 8], 0.0),
+                &["`p.k` has shape [2, 2, 5, 8] but `p.v` has shape [2, 2, 6, 8]"],
+            ),
+            (
+                "layers",
+                |qkv| qkv.q = ramp([3, 4, 3, 8], 0.0),
+                &["`p.q` has 3 layers"],
+            ),
+            (
+                "dim",
+                |qkv| qkv.q = ramp([2, 4, 3, 16], 0.0),
+                &["`p.q` has head_dim 16", "`p.k` has head_dim 8"],
+            ),
+            (
+                "zero",
+                |qkv| {
+                    qkv.k = ramp([2, 2, 0, 8], 0.0);
+                    qkv.v = ramp([2, 2, 0, 8], 0.0);
+                },
+                &["tensor `p.k` has a zero-sized dimension"],
+            ),
+        ];
+        for (name, edit, expected) in cases {
+            let mut qkv = sample();
+            edit(&mut qkv);
+            let file = format!("{name}.safetensors");
+            let msg = load_err(&qkv, &file);
+            assert!(msg.contains(&file), "{msg}");
+            for part in expected {
+                assert!(msg.contains(part), "{name}: {msg}");
+            }
+        }
     }
 
     #[test]

@@ -398,23 +398,16 @@ pub fn pack_items(
                     k.bar_sync();
                 }
                 k.comment(&format!("{side}: coefficients"));
-                let range = codec.slot(SlotRole::Coefficient);
-                let tasks = k.mul(count, dims);
-                for_each(k, ctx, tasks, |k, w| {
-                    let (item, c) = split(k, w, dims);
-                    let at = ctx.shared_word(k, plan.x, w);
-                    let v = k.ld_shared(at);
+                let role = SlotRole::Coefficient;
+                write_components(k, (ctx, plan, codec), count, role, |k, (item, c), v| {
                     let at = (ctx, plan, tables);
                     let zero = zero_source.map(|z| read_source(k, at, z, (item, c), true));
                     let scale = scale_source.expect("coefficient scale");
                     let factor = read_source(k, at, scale, (item, c), false);
-                    let code = match zero {
+                    match zero {
                         Some(z) => quantize_unsigned(k, v, factor, z, bits),
                         None => quantize(k, v, factor, bits),
-                    };
-                    let bit = k.mad_lo(c, range.width, range.offset);
-                    let bit = item_bit(k, item, stride, bit);
-                    write_bits(k, ctx, plan.image, bit, range.width, code);
+                    }
                 });
             }
             FieldLayout::Bitmap {
@@ -460,12 +453,8 @@ pub fn pack_items(
                     k.bar_sync();
                 }
                 k.comment(&format!("{side}: dense values"));
-                let range = codec.slot(SlotRole::DenseValue);
-                let tasks = k.mul(count, dims);
-                for_each(k, ctx, tasks, |k, w| {
-                    let (item, c) = split(k, w, dims);
-                    let at = ctx.shared_word(k, plan.x, w);
-                    let v: Reg<F32> = k.ld_shared(at);
+                let role = SlotRole::DenseValue;
+                write_components(k, (ctx, plan, codec), count, role, |k, (item, c), v| {
                     let v = match scale_source {
                         Some(by) => {
                             let s = read_source(k, (ctx, plan, tables), by, (item, c), false);
@@ -473,7 +462,7 @@ pub fn pack_items(
                         }
                         None => v,
                     };
-                    let raw = match dtype {
+                    match dtype {
                         DenseDtype::F16 => {
                             let h = k.f32_to_f16(v);
                             k.widen16(h)
@@ -485,15 +474,34 @@ pub fn pack_items(
                         DenseDtype::F32 => k.bitcast(v),
                         DenseDtype::Fp8e4m3 => fp8_encode(k, Fp8::E4m3, v),
                         DenseDtype::Fp8e5m2 => fp8_encode(k, Fp8::E5m2, v),
-                    };
-                    let bit = k.mad_lo(c, range.width, range.offset);
-                    let bit = item_bit(k, item, stride, bit);
-                    write_bits(k, ctx, plan.image, bit, range.width, raw);
+                    }
                 });
             }
         }
     }
     k.bar_sync();
+}
+
+/// Every component `c` of every staged item: `code` of its value, written
+/// at component `c` of the item's `role` slot.
+fn write_components(
+    k: &mut Kernel,
+    (ctx, plan, codec): (&Ctx, &Plan, &CodecLayout),
+    count: Reg<U32>,
+    role: SlotRole,
+    code: impl FnOnce(&mut Kernel, (Reg<U32>, Reg<U32>), Reg<F32>) -> Reg<U32>,
+) {
+    let (dims, range) = (codec.dims, codec.slot(role));
+    let tasks = k.mul(count, dims);
+    for_each(k, ctx, tasks, |k, w| {
+        let (item, c) = split(k, w, dims);
+        let at = ctx.shared_word(k, plan.x, w);
+        let v = k.ld_shared(at);
+        let code = code(k, (item, c), v);
+        let bit = k.mad_lo(c, range.width, range.offset);
+        let bit = item_bit(k, item, codec.stride, bit);
+        write_bits(k, ctx, plan.image, bit, range.width, code);
+    });
 }
 
 /// The scale (or, `zero`, the zero point) that `source` gives element `i`
