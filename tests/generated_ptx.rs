@@ -11,7 +11,7 @@ mod ptxas;
 
 use std::path::PathBuf;
 
-use kvcc::compiler::back::ptx::{self, Options};
+use kvcc::compiler::back::ptx::{self, Options, Schedule};
 use kvcc::compiler::target::Target;
 
 #[test]
@@ -98,7 +98,10 @@ fn tensor_core_formats_accumulate_on_the_tensor_cores() {
         for target in Target::ALL {
             for head_block in [1, 4, 8] {
                 let options = Options {
-                    head_block,
+                    schedule: Schedule {
+                        head_block,
+                        ..Schedule::default()
+                    },
                     ..Options::for_target(target)
                 };
                 let output = ptx::write(&format, &options).expect("test formats generate");
@@ -121,7 +124,10 @@ fn tensor_cores_serve_exactly_the_f16_exact_phases() {
     for format in common::bundled() {
         for tensor_cores in [true, false] {
             let options = Options {
-                tensor_cores,
+                schedule: Schedule {
+                    tensor_cores,
+                    ..Schedule::default()
+                },
                 ..Options::for_target(Target::Sm90)
             };
             let output = ptx::write(&format, &options).expect("bundled formats generate");
@@ -215,7 +221,10 @@ fn bulk_copies_and_swizzled_tensor_copies_where_documented() {
             (Target::Sm80, Some(true)),
         ] {
             let options = Options {
-                bulk_copies,
+                schedule: Schedule {
+                    bulk_copies,
+                    ..Schedule::default()
+                },
                 ..Options::for_target(target)
             };
             let output = ptx::write(&format, &options).expect("bundled formats generate");

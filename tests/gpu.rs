@@ -10,6 +10,7 @@ use common::{
     fresh_seed, scrambled_bitmap_masks, tensor_core_formats,
 };
 use kvcc::compiler::back::interp::{Interpreter, Options};
+use kvcc::compiler::back::ptx::Schedule;
 use kvcc::compiler::Format;
 use kvcc::runtime::cache::PagedCache;
 use kvcc::runtime::encode::encode_page;
@@ -261,65 +262,98 @@ fn gpu_tuning_space_matches_interpreter_and_page_size_is_enforced() {
         // Pipelined with partial and empty tiles, a warp without a token
         // tile and values loading two tiles ahead.
         let partial_pipelined = KernelConfig {
-            pipeline: true,
-            warps: 2,
-            tile_items: Some(16),
             splits: Some(3),
-            stages: 3,
+            schedule: Schedule {
+                pipeline: true,
+                warps: 2,
+                tile_items: Some(16),
+                stages: 3,
+                ..default.schedule
+            },
             ..default
         };
         for config in [
             KernelConfig {
-                warps: 2,
                 splits: Some(3),
-                stages: 3,
+                schedule: Schedule {
+                    warps: 2,
+                    stages: 3,
+                    ..default.schedule
+                },
                 ..default
             },
             KernelConfig {
-                warps: 8,
-                head_block: 4,
-                max_accumulators: 16,
-                stages: 4,
+                schedule: Schedule {
+                    warps: 8,
+                    head_block: 4,
+                    max_accumulators: 16,
+                    stages: 4,
+                    ..default.schedule
+                },
                 ..default
             },
             KernelConfig {
-                tile_items: Some(32),
                 splits: Some(1),
+                schedule: Schedule {
+                    tile_items: Some(32),
+                    ..default.schedule
+                },
                 ..default
             },
             // Tiles of 22, 22 and 20 items: the last box of a swizzled
             // tensor copy reaches past the page (zero-filled).
             KernelConfig {
-                tile_items: Some(24),
+                schedule: Schedule {
+                    tile_items: Some(24),
+                    ..default.schedule
+                },
                 ..default
             },
             KernelConfig {
-                tile_items: Some(16),
-                stages: 4,
+                schedule: Schedule {
+                    tile_items: Some(16),
+                    stages: 4,
+                    ..default.schedule
+                },
                 ..default
             },
             KernelConfig {
-                tensor_cores: false,
+                schedule: Schedule {
+                    tensor_cores: false,
+                    ..default.schedule
+                },
                 ..default
             },
             // Bulk copies forced on (rows a multiple of 32 bytes unpadded)
             // and off.
             KernelConfig {
-                bulk_copies: Some(true),
+                schedule: Schedule {
+                    bulk_copies: Some(true),
+                    ..default.schedule
+                },
                 ..default
             },
             KernelConfig {
-                bulk_copies: Some(false),
+                schedule: Schedule {
+                    bulk_copies: Some(false),
+                    ..default.schedule
+                },
                 ..default
             },
             KernelConfig {
-                pipeline: true,
+                schedule: Schedule {
+                    pipeline: true,
+                    ..default.schedule
+                },
                 ..default
             },
             partial_pipelined,
             // The same with bulk copies forced on.
             KernelConfig {
-                bulk_copies: Some(true),
+                schedule: Schedule {
+                    bulk_copies: Some(true),
+                    ..partial_pipelined.schedule
+                },
                 ..partial_pipelined
             },
         ] {
@@ -344,12 +378,18 @@ fn gpu_tuning_space_matches_interpreter_and_page_size_is_enforced() {
         // A step keeps what it was made for: launched with kernels of another
         // tile (whose tensor copies move other boxes), it is refused.
         let made_for = kernels_of(KernelConfig {
-            bulk_copies: Some(true),
+            schedule: Schedule {
+                bulk_copies: Some(true),
+                ..default.schedule
+            },
             ..default
         });
         let other = kernels_of(KernelConfig {
-            bulk_copies: Some(true),
-            tile_items: Some(16),
+            schedule: Schedule {
+                bulk_copies: Some(true),
+                tile_items: Some(16),
+                ..default.schedule
+            },
             ..default
         });
         let mut step = kvcc::runtime::cuda::DeviceDecode::new(gpu, &made_for, &uploaded, 8, None)

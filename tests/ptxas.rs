@@ -14,7 +14,7 @@ mod ptxas;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
-use kvcc::compiler::back::ptx::{self, Options};
+use kvcc::compiler::back::ptx::{self, Options, Schedule};
 use kvcc::compiler::spec::{
     BasisDtype, BitmapElem, CodecSpec, CodewordKind, CoeffScale, DenseDtype, FieldSpec, FormatSpec,
     Fp8Scale, PageSpec, RadiusScale, TableDtype, TierSpec, TransformSpec,
@@ -158,7 +158,7 @@ fn random_specs_assemble_without_local_memory() {
         let mut options = random_options(&mut rng, index);
         // A fixed tile may not fit; automatic tiles always must.
         if let Err(ptx::Error::SharedMemory { .. }) = ptx::write(&format, &options) {
-            options.tile_items = None;
+            options.schedule.tile_items = None;
         }
         // The checker admits what the roomiest target holds: a spec that only
         // sm_90 fits is refused on sm_80 with that error, and assembled for sm_90.
@@ -200,11 +200,14 @@ fn long_heads_in_wide_groups_assemble_without_local_memory() {
     let mut jobs = Vec::new();
     for target in Target::ALL {
         let options = Options {
-            warps: 8,
-            tile_items: Some(16),
-            tile_bytes: 16384,
-            head_block: 2,
-            max_accumulators: 16,
+            schedule: Schedule {
+                warps: 8,
+                tile_items: Some(16),
+                tile_bytes: 16384,
+                head_block: 2,
+                max_accumulators: 16,
+                ..Schedule::default()
+            },
             ..Options::for_target(target)
         };
         let output = ptx::write(&format, &options).expect("the kernel fits");
@@ -238,11 +241,14 @@ fn kivi2_tuning_space_assembles_without_local_memory() {
     for (i, &(warps, tile_items, stages, head_block, pipeline)) in corners.iter().enumerate() {
         let target = Target::ALL[i % 2];
         let options = Options {
-            warps,
-            tile_items,
-            stages,
-            head_block,
-            pipeline,
+            schedule: Schedule {
+                warps,
+                tile_items,
+                stages,
+                head_block,
+                pipeline,
+                ..Schedule::default()
+            },
             ..Options::for_target(target)
         };
         let output =
@@ -446,20 +452,22 @@ fn random_spec(rng: &mut Rng, index: usize) -> FormatSpec {
 fn random_options(rng: &mut Rng, index: usize) -> Options {
     Options {
         target: Target::ALL[index % 2],
-        warps: rng.pick(&[1, 2, 4, 8]),
-        tile_items: if rng.coin() {
-            None
-        } else {
-            Some(1 + rng.below(64))
-        },
-        tile_bytes: rng.pick(&[4096, 16 * 1024, 40 * 1024]),
-        stages: rng.pick(&[2, 3, 4]),
-        head_block: 1 + rng.below(8),
-        max_accumulators: rng.pick(&[4, 16, 32]),
         query_group: None,
-        tensor_cores: rng.coin(),
-        pipeline: rng.coin(),
-        bulk_copies: rng.pick(&[None, Some(true), Some(false)]),
+        schedule: Schedule {
+            warps: rng.pick(&[1, 2, 4, 8]),
+            tile_items: if rng.coin() {
+                None
+            } else {
+                Some(1 + rng.below(64))
+            },
+            tile_bytes: rng.pick(&[4096, 16 * 1024, 40 * 1024]),
+            stages: rng.pick(&[2, 3, 4]),
+            head_block: 1 + rng.below(8),
+            max_accumulators: rng.pick(&[4, 16, 32]),
+            tensor_cores: rng.coin(),
+            pipeline: rng.coin(),
+            bulk_copies: rng.pick(&[None, Some(true), Some(false)]),
+        },
     }
 }
 

@@ -3,7 +3,8 @@
 
 use std::path::Path;
 
-use crate::front::check::check_spec;
+use crate::front::check::{check_page_items, check_spec};
+use crate::front::problem::Problem;
 use crate::front::{load_spec, parse_spec, Diagnostic, SpecError};
 use crate::layout::TierLayout;
 use crate::lower::lower_tier;
@@ -43,22 +44,28 @@ impl Format {
     pub fn compile(spec: FormatSpec) -> Result<Format, CompileError> {
         let problems = check_spec(&spec);
         if !problems.is_empty() {
-            let file = format!("<spec `{}`>", spec.name);
-            let diagnostics = problems
-                .into_iter()
-                .map(|p| Diagnostic {
-                    file: file.clone(),
-                    line: 0,
-                    column: 0,
-                    path: p.path_string(),
-                    message: p.message,
-                })
-                .collect();
-            return Err(SpecError::Invalid(diagnostics).into());
+            return Err(unplaced(&spec, problems).into());
         }
         let tiers = (0..spec.tiers.len())
             .map(|t| validate(lower_tier(&spec.name, &TierLayout::new(&spec, t))))
             .collect::<Result<_, _>>()?;
+        Ok(Format { spec, tiers })
+    }
+
+    /// This format with `items` items per page, without checking or lowering
+    /// it again: the page size moves only the layout's page geometry. Refused,
+    /// with the error [`Format::compile`] would give, outside the spec's range.
+    pub fn with_page_items(&self, items: u32) -> Result<Format, SpecError> {
+        let mut spec = self.spec.clone();
+        spec.page.items = items;
+        if let Some(problem) = check_page_items(items) {
+            return Err(unplaced(&spec, vec![problem]));
+        }
+        let tiers = self
+            .tiers
+            .iter()
+            .map(|t| t.with_page_items(items))
+            .collect();
         Ok(Format { spec, tiers })
     }
 
@@ -81,4 +88,20 @@ impl Format {
     pub fn tier_index(&self, name: &str) -> Option<usize> {
         self.spec.tiers.iter().position(|t| t.name == name)
     }
+}
+
+/// Problems of a spec built in code, which has no source positions to give.
+fn unplaced(spec: &FormatSpec, problems: Vec<Problem>) -> SpecError {
+    let file = format!("<spec `{}`>", spec.name);
+    let diagnostics = problems
+        .into_iter()
+        .map(|p| Diagnostic {
+            file: file.clone(),
+            line: 0,
+            column: 0,
+            path: p.path_string(),
+            message: p.message,
+        })
+        .collect();
+    SpecError::Invalid(diagnostics)
 }

@@ -74,3 +74,36 @@ fn reference_example_parses() {
     assert_eq!(spec.tiers.len(), 2);
     assert_eq!(shared_memory_estimate(&spec, 0), 69632);
 }
+
+/// Re-paging a compiled format gives what compiling it at that page size
+/// gives: the same layout, IR and proofs, and the same refusal.
+#[test]
+fn repaging_matches_compiling_at_that_page_size() {
+    use kvcc_compiler::Format;
+    for entry in std::fs::read_dir(SPECS).expect("specs/ exists") {
+        let path = entry.expect("readable directory entry").path();
+        if path.extension().is_none_or(|ext| ext != "toml") {
+            continue;
+        }
+        let format = Format::load(&path).unwrap();
+        for items in [0, 1, 7, 16, 64, 100, 256, 4096, 4097] {
+            let mut spec = format.spec().clone();
+            spec.page.items = items;
+            let compiled = Format::compile(spec);
+            let repaged = format.with_page_items(items);
+            match (compiled, repaged) {
+                (Ok(compiled), Ok(repaged)) => {
+                    assert_eq!(compiled.spec(), repaged.spec());
+                    for (c, r) in compiled.tiers().iter().zip(repaged.tiers()) {
+                        assert_eq!(c.module().layout, r.module().layout, "{items}");
+                        assert_eq!(format!("{c:?}"), format!("{r:?}"), "{items}");
+                    }
+                }
+                (Err(compiled), Err(repaged)) => {
+                    assert_eq!(compiled.to_string(), repaged.to_string())
+                }
+                (c, r) => panic!("{}: items {items}: {c:?} vs {r:?}", path.display()),
+            }
+        }
+    }
+}

@@ -6,6 +6,7 @@
 use std::path::Path;
 use std::process::Command;
 
+use kvcc_compiler::back::ptx::Schedule;
 use kvcc_compiler::Format;
 use kvcc_runtime::tune::lookup::{resolve, Source};
 use kvcc_runtime::tune::model;
@@ -75,12 +76,18 @@ fn candidate(config: KernelConfig, ms: Option<f64>) -> Candidate {
 fn entry(format: &Format, tier: usize, gpu: &GpuId, winner_pages: u32) -> Entry {
     let default = KernelConfig::reference(format);
     let eight_warps = KernelConfig {
-        warps: 8,
+        schedule: Schedule {
+            warps: 8,
+            ..default.schedule
+        },
         ..default
     };
     let winner = KernelConfig {
         page_items: winner_pages,
-        warps: 2,
+        schedule: Schedule {
+            warps: 2,
+            ..default.schedule
+        },
         ..default
     };
     Entry {
@@ -93,7 +100,10 @@ fn entry(format: &Format, tier: usize, gpu: &GpuId, winner_pages: u32) -> Entry 
             candidate(eight_warps, Some(0.35)),
             candidate(
                 KernelConfig {
-                    warps: 1,
+                    schedule: Schedule {
+                        warps: 1,
+                        ..default.schedule
+                    },
                     ..default
                 },
                 None,
@@ -261,7 +271,7 @@ fn the_runtime_uses_the_winner_for_its_page_size_and_never_another() {
     // Winner at the pages' size: used.
     cache.insert(entry(&f, 0, &h200(), 64));
     let r = resolve(&[&cache], &h200(), machine(), &f, shape());
-    assert_eq!(r.configs[0].warps, 2);
+    assert_eq!(r.configs[0].schedule.warps, 2);
     assert!(matches!(r.sources[0], Source::Tuned { ms, .. } if ms == 0.30));
     assert!(r.notes.is_empty());
 
@@ -269,7 +279,7 @@ fn the_runtime_uses_the_winner_for_its_page_size_and_never_another() {
     cache.insert(entry(&f, 0, &h200(), 128));
     let r = resolve(&[&cache], &h200(), machine(), &f, shape());
     assert_eq!(r.configs[0].page_items, 64);
-    assert_eq!(r.configs[0].warps, 8);
+    assert_eq!(r.configs[0].schedule.warps, 8);
     assert!(matches!(r.sources[0], Source::Tuned { ms, .. } if ms == 0.35));
     assert_eq!(r.notes[0].0, 0, "the note names its tier");
     assert!(
@@ -283,7 +293,7 @@ fn the_runtime_uses_the_winner_for_its_page_size_and_never_another() {
     let f128 = spec(8, 128);
     let r = resolve(&[&cache], &h200(), machine(), &f128, shape());
     assert_eq!(r.configs[0].page_items, 128);
-    assert_eq!(r.configs[0].warps, 2);
+    assert_eq!(r.configs[0].schedule.warps, 2);
 
     // Pages of 32 items: no candidate at that size, defaults.
     let f32_pages = spec(8, 32);
@@ -406,7 +416,7 @@ fn exported_entries_import_into_another_cache() {
     let r = resolve(&[&target], &h200(), machine(), &f, shape());
     assert!(r.sources.iter().all(|s| matches!(s, Source::Tuned { .. })));
     assert_eq!(
-        r.configs[0].warps, 2,
+        r.configs[0].schedule.warps, 2,
         "the imported winner replaced the older entry"
     );
 
@@ -532,7 +542,7 @@ fn shipped_results_serve_any_driver_and_the_users_own_entries_win() {
     // The user's cache is empty: the shipped winner, marked as shipped.
     let user = TuneCache::open(&dir.path().join("user.json"));
     let r = resolve(&[&user, &shipped], &h200(), machine(), &f, shape());
-    assert_eq!(r.configs[0].warps, 2);
+    assert_eq!(r.configs[0].schedule.warps, 2);
     assert!(matches!(r.sources[0], Source::Tuned { shipped: true, .. }));
     // A user's cache file ignores entries of another driver.
     assert!(matches!(
@@ -544,12 +554,15 @@ fn shipped_results_serve_any_driver_and_the_users_own_entries_win() {
     let mut user = user;
     let mut own = entry(&f, 0, &h200(), 64);
     own.winner = KernelConfig {
-        warps: 8,
+        schedule: Schedule {
+            warps: 8,
+            ..own.default.schedule
+        },
         ..own.default
     };
     user.insert(own);
     let r = resolve(&[&user, &shipped], &h200(), machine(), &f, shape());
-    assert_eq!(r.configs[0].warps, 8);
+    assert_eq!(r.configs[0].schedule.warps, 8);
     assert!(matches!(r.sources[0], Source::Tuned { shipped: false, .. }));
 
     // A malformed shipped file is a problem, never a failure.

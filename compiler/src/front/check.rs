@@ -46,6 +46,18 @@ pub fn check_spec(spec: &FormatSpec) -> Vec<Problem> {
     checker.problems
 }
 
+/// The one check that depends on the page size: a format re-paged by
+/// [`crate::Format::with_page_items`] passes every other check unchanged.
+pub fn check_page_items(items: u32) -> Option<Problem> {
+    let (lo, hi) = PAGE_ITEMS_RANGE;
+    (!(lo..=hi).contains(&items)).then(|| Problem {
+        path: vec![PathSegment::Key("page"), PathSegment::Key("items")],
+        message: format!(
+            "page.items {items} is out of range; use {lo}..={hi} items per page (64 is typical)"
+        ),
+    })
+}
+
 struct Checker {
     problems: Vec<Problem>,
 }
@@ -96,16 +108,7 @@ impl Checker {
             );
         }
 
-        let (lo, hi) = PAGE_ITEMS_RANGE;
-        if !(lo..=hi).contains(&spec.page.items) {
-            self.report(
-                vec![Key("page"), Key("items")],
-                format!(
-                    "page.items {} is out of range; use {lo}..={hi} items per page (64 is typical)",
-                    spec.page.items
-                ),
-            );
-        }
+        self.problems.extend(check_page_items(spec.page.items));
         let (lo, hi) = MAX_QUERY_GROUP_RANGE;
         if !(lo..=hi).contains(&spec.page.max_query_group) {
             self.report(

@@ -274,26 +274,36 @@ impl TierLayout {
             &mut scales,
         );
         let slots = scales.iter().map(|s| s.count).sum::<u32>();
-        let items = spec.page.items;
         let header_bytes = round_up(HEADER_FIXED_BYTES + 4 * slots, STREAM_ALIGN);
-        let key_stream_offset = header_bytes;
-        let value_stream_offset = key_stream_offset + round_up(items * key.stride, STREAM_ALIGN);
-        let page_bytes = round_up(value_stream_offset + items * value.stride, PAGE_ALIGN);
-        TierLayout {
+        let mut layout = TierLayout {
             index: index as u32,
             name: tier.name.clone(),
             head_dim: spec.head_dim,
-            items_per_page: items,
+            items_per_page: 0,
             key,
             value,
             header_slots: slots,
             header_scales: scales,
             header_bytes,
-            key_stream_offset,
-            value_stream_offset,
-            page_bytes,
+            key_stream_offset: header_bytes,
+            value_stream_offset: 0,
+            page_bytes: 0,
             tables,
-        }
+        };
+        layout.set_page_items(spec.page.items);
+        layout
+    }
+
+    /// Places the value stream and sizes the page for `items` items per page:
+    /// the only positions that depend on the page size.
+    pub(crate) fn set_page_items(&mut self, items: u32) {
+        self.items_per_page = items;
+        self.value_stream_offset =
+            self.key_stream_offset + round_up(items * self.key.stride, STREAM_ALIGN);
+        self.page_bytes = round_up(
+            self.value_stream_offset + items * self.value.stride,
+            PAGE_ALIGN,
+        );
     }
 
     pub fn codec(&self, side: Side) -> &CodecLayout {

@@ -45,6 +45,15 @@ impl ValidModule {
     pub fn info(&self) -> &ModuleInfo {
         &self.info
     }
+
+    /// The same module over pages of `items` items: programs address items
+    /// within a page and never the page size, so only the layout's page
+    /// geometry changes and the proofs still hold.
+    pub(crate) fn with_page_items(&self, items: u32) -> ValidModule {
+        let mut repaged = self.clone();
+        repaged.module.layout.set_page_items(items);
+        repaged
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]

@@ -3,7 +3,7 @@
 
 use std::fmt;
 
-use kvcc_compiler::back::ptx::Options;
+use kvcc_compiler::back::ptx::{Options, Schedule};
 use kvcc_compiler::target::Target;
 use kvcc_compiler::Format;
 use serde::{Deserialize, Serialize};
@@ -14,50 +14,21 @@ use super::TuneError;
 pub struct KernelConfig {
     /// Items per page: a property of the stored pages (re-encoding changes it).
     pub page_items: u32,
-    /// Warps per CTA.
-    pub warps: u32,
-    /// Items per tile; `None`: as many as the default tile budget holds, at
-    /// most a page.
-    pub tile_items: Option<u32>,
-    /// Tile buffers: tiles in flight while one is computed, plus one.
-    #[serde(default = "two_stages")]
-    pub stages: u32,
-    /// Score and accumulate on the tensor cores where the tier allows it.
-    #[serde(default = "tensor_cores_on")]
-    pub tensor_cores: bool,
-    /// Each tile's values accumulated during the next tile (tensor-core
-    /// scores only; entries written before the knob had none).
-    #[serde(default)]
-    pub pipeline: bool,
-    /// Tiles load by bulk copies on sm_90 (`None`: unless both streams' rows
-    /// would be padded and stay unswizzled, `ptx::Options::bulk_copies`;
-    /// entries written before the knob had none).
-    #[serde(default)]
-    pub bulk_copies: Option<bool>,
-    /// Query heads per score / accumulate work unit.
-    pub head_block: u32,
-    /// Accumulator registers per thread in the accumulate phase.
-    pub max_accumulators: u32,
+    /// The back end's schedule, stored field by field beside the page size.
+    #[serde(flatten)]
+    pub schedule: Schedule,
     /// CTAs per (sequence, kv head) row; `None`: one full wave of CTAs.
     pub splits: Option<u32>,
 }
 
 impl KernelConfig {
-    /// The backend's default options at the spec's page size: the kernel the
+    /// The back end's default schedule at the spec's page size: the kernel the
     /// tune key's code hash covers, and the base the cost model
     /// ([`super::model`]) changes.
     pub fn reference(format: &Format) -> KernelConfig {
-        let options = Options::default();
         KernelConfig {
             page_items: format.spec().page.items,
-            warps: options.warps,
-            tile_items: options.tile_items,
-            stages: options.stages,
-            tensor_cores: options.tensor_cores,
-            pipeline: options.pipeline,
-            bulk_copies: options.bulk_copies,
-            head_block: options.head_block,
-            max_accumulators: options.max_accumulators,
+            schedule: Schedule::default(),
             splits: None,
         }
     }
@@ -66,16 +37,8 @@ impl KernelConfig {
     pub fn options(&self, target: Target, query_group: u32) -> Options {
         Options {
             target,
-            warps: self.warps,
-            tile_items: self.tile_items,
-            stages: self.stages,
-            tensor_cores: self.tensor_cores,
-            pipeline: self.pipeline,
-            bulk_copies: self.bulk_copies,
-            head_block: self.head_block,
-            max_accumulators: self.max_accumulators,
             query_group: Some(query_group),
-            ..Options::default()
+            schedule: self.schedule,
         }
     }
 
@@ -98,28 +61,18 @@ impl KernelConfig {
     }
 }
 
-/// Entries written before tile buffers were a knob had two.
-fn two_stages() -> u32 {
-    2
-}
-
-/// Entries written before the tensor-core path had none to turn off.
-fn tensor_cores_on() -> bool {
-    true
-}
-
-/// `format` recompiled with `items` items per page.
+/// `format` with `items` items per page ([`Format::with_page_items`]).
 pub fn with_page_items(format: &Format, items: u32) -> Result<Format, TuneError> {
     if format.spec().page.items == items {
         return Ok(format.clone());
     }
-    let mut spec = format.spec().clone();
-    spec.page.items = items;
-    Format::compile(spec).map_err(|e| TuneError::PageVariant {
-        format: format.name().to_string(),
-        items,
-        reason: e.to_string(),
-    })
+    format
+        .with_page_items(items)
+        .map_err(|e| TuneError::PageVariant {
+            format: format.name().to_string(),
+            items,
+            reason: e.to_string(),
+        })
 }
 
 /// A short label for tables: `p64 w4 tile:page x2 mma hb8 acc32 splits:auto`
@@ -133,18 +86,18 @@ impl fmt::Display for KernelConfig {
             f,
             "p{} w{} tile:{} x{} {} hb{} acc{} splits:{}{}",
             self.page_items,
-            self.warps,
-            opt(self.tile_items, "page"),
-            self.stages,
-            match (self.tensor_cores, self.pipeline) {
+            self.schedule.warps,
+            opt(self.schedule.tile_items, "page"),
+            self.schedule.stages,
+            match (self.schedule.tensor_cores, self.schedule.pipeline) {
                 (false, _) => "fma",
                 (true, false) => "mma",
                 (true, true) => "mma+pipe",
             },
-            self.head_block,
-            self.max_accumulators,
+            self.schedule.head_block,
+            self.schedule.max_accumulators,
             opt(self.splits, "auto"),
-            match self.bulk_copies {
+            match self.schedule.bulk_copies {
                 None => "",
                 Some(true) => " bulk",
                 Some(false) => " cp.async",
@@ -186,7 +139,7 @@ mod tests {
     }
 
     #[test]
-    fn page_variants_recompile_the_spec() {
+    fn page_variants_move_the_page_geometry() {
         let f = format();
         let config = KernelConfig {
             page_items: 32,

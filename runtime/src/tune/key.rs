@@ -4,6 +4,7 @@
 //! old entries are reported stale instead of being used.
 
 use kvcc_compiler::back::ptx;
+use kvcc_compiler::back::ptx::defaults::Workload;
 use kvcc_compiler::target::Target;
 use kvcc_compiler::Format;
 use serde::{Deserialize, Serialize};
@@ -53,6 +54,16 @@ impl ShapeBucket {
     /// Query heads per kv head.
     pub fn query_group(&self) -> u32 {
         self.q_heads / self.kv_heads.max(1)
+    }
+
+    /// The bucket's smallest step, which the cost model chooses for.
+    pub fn workload(&self) -> Workload {
+        Workload {
+            batch: self.batch.0,
+            q_heads: self.q_heads,
+            kv_heads: self.kv_heads,
+            context: self.context.0,
+        }
     }
 }
 

@@ -1,14 +1,15 @@
 //! Autotuning of the generated decode kernels: which page size, tile shape,
 //! warps and splits are fastest for a tier on this GPU at a serving shape.
 //!
-//! - [`config`]: one point of the space ([`KernelConfig`]) and how it becomes
-//!   PTX options and a page format.
+//! - [`config`]: one point of the space ([`KernelConfig`]: a page size, the
+//!   back end's [`Schedule`](kvcc_compiler::back::ptx::Schedule), splits) and
+//!   how it becomes PTX options and a page format.
 //! - [`key`]: what a result is valid for ([`TuneKey`]: GPU, driver, a hash of
 //!   the generated code, tier, shape bucket).
 //! - [`search`]: the candidate space and the search over it (exhaustive or
 //!   coordinate descent), independent of how a candidate is measured.
 //! - [`store`]: the on-disk cache of every candidate's timing, export/import.
-//! - [`model`]: the defaults, from a cost model of the decode step.
+//! - [`model`]: the defaults: the back end's cost model at a shape bucket.
 //! - [`shipped`]: the tune results that ship with kvcc.
 //! - [`lookup`]: what the runtime launches with: the tuned winner for the
 //!   pages' page size (the user's cache, then the shipped results), or the

@@ -4,6 +4,7 @@
 
 use std::collections::HashMap;
 
+use kvcc_compiler::back::ptx::Schedule;
 use serde::{Deserialize, Serialize};
 
 use super::KernelConfig;
@@ -58,15 +59,18 @@ impl Space {
         let tiles = [None, Some(16), Some(32), Some(64), Some(128)];
         Space {
             page_items: with(page_items.to_vec(), default.page_items),
-            warps: with(vec![2, 4, 8], default.warps),
+            warps: with(vec![2, 4, 8], default.schedule.warps),
             splits: with_first(default.splits, [None, Some(2), Some(4), Some(8), Some(16)]),
-            tile_items: with_first(default.tile_items, tiles),
-            stages: with(vec![2, 3, 4], default.stages),
-            tensor_cores: with_first(default.tensor_cores, [true, false]),
-            head_block: with(vec![4, 8], default.head_block),
-            max_accumulators: with(vec![16, 32], default.max_accumulators),
-            pipeline: with_first(default.pipeline, [false, true]),
-            bulk_copies: with_first(default.bulk_copies, [None, Some(true), Some(false)]),
+            tile_items: with_first(default.schedule.tile_items, tiles),
+            stages: with(vec![2, 3, 4], default.schedule.stages),
+            tensor_cores: with_first(default.schedule.tensor_cores, [true, false]),
+            head_block: with(vec![4, 8], default.schedule.head_block),
+            max_accumulators: with(vec![16, 32], default.schedule.max_accumulators),
+            pipeline: with_first(default.schedule.pipeline, [false, true]),
+            bulk_copies: with_first(
+                default.schedule.bulk_copies,
+                [None, Some(true), Some(false)],
+            ),
         }
     }
 
@@ -87,16 +91,20 @@ impl Space {
             set(&mut c);
             !same(&c)
         };
-        self.tensor_cores
-            .retain(|&v| v == default.tensor_cores || differs(&|c| c.tensor_cores = v));
-        self.head_block
-            .retain(|&v| v == default.head_block || differs(&|c| c.head_block = v));
-        self.max_accumulators
-            .retain(|&v| v == default.max_accumulators || differs(&|c| c.max_accumulators = v));
+        self.tensor_cores.retain(|&v| {
+            v == default.schedule.tensor_cores || differs(&|c| c.schedule.tensor_cores = v)
+        });
+        self.head_block.retain(|&v| {
+            v == default.schedule.head_block || differs(&|c| c.schedule.head_block = v)
+        });
+        self.max_accumulators.retain(|&v| {
+            v == default.schedule.max_accumulators || differs(&|c| c.schedule.max_accumulators = v)
+        });
         self.pipeline
-            .retain(|&v| v == default.pipeline || differs(&|c| c.pipeline = v));
-        self.bulk_copies
-            .retain(|&v| v == default.bulk_copies || differs(&|c| c.bulk_copies = v));
+            .retain(|&v| v == default.schedule.pipeline || differs(&|c| c.schedule.pipeline = v));
+        self.bulk_copies.retain(|&v| {
+            v == default.schedule.bulk_copies || differs(&|c| c.schedule.bulk_copies = v)
+        });
         self
     }
 
@@ -120,15 +128,15 @@ impl Space {
         let mut c = config;
         match axis {
             0 => c.page_items = self.page_items[i],
-            1 => c.warps = self.warps[i],
+            1 => c.schedule.warps = self.warps[i],
             2 => c.splits = self.splits[i],
-            3 => c.tile_items = self.tile_items[i],
-            4 => c.stages = self.stages[i],
-            5 => c.tensor_cores = self.tensor_cores[i],
-            6 => c.head_block = self.head_block[i],
-            7 => c.max_accumulators = self.max_accumulators[i],
-            8 => c.pipeline = self.pipeline[i],
-            _ => c.bulk_copies = self.bulk_copies[i],
+            3 => c.schedule.tile_items = self.tile_items[i],
+            4 => c.schedule.stages = self.stages[i],
+            5 => c.schedule.tensor_cores = self.tensor_cores[i],
+            6 => c.schedule.head_block = self.head_block[i],
+            7 => c.schedule.max_accumulators = self.max_accumulators[i],
+            8 => c.schedule.pipeline = self.pipeline[i],
+            _ => c.schedule.bulk_copies = self.bulk_copies[i],
         }
         c.normalized()
     }
@@ -203,7 +211,10 @@ impl KernelConfig {
     /// whole page.
     pub fn normalized(self) -> KernelConfig {
         KernelConfig {
-            tile_items: self.tile_items.filter(|&t| t < self.page_items),
+            schedule: Schedule {
+                tile_items: self.schedule.tile_items.filter(|&t| t < self.page_items),
+                ..self.schedule
+            },
             ..self
         }
     }
@@ -335,15 +346,8 @@ mod tests {
     fn default() -> KernelConfig {
         KernelConfig {
             page_items: 64,
-            warps: 4,
-            tile_items: None,
-            stages: 2,
-            tensor_cores: true,
-            pipeline: false,
-            bulk_copies: None,
-            head_block: 8,
-            max_accumulators: 32,
             splits: None,
+            schedule: Schedule::default(),
         }
     }
 
@@ -352,12 +356,20 @@ mod tests {
         let axis = |v: f64, best: f64| (v.log2() - best.log2()).abs();
         Ok(1.0
             + axis(c.page_items as f64, 128.0)
-            + axis(c.warps as f64, 8.0)
+            + axis(c.schedule.warps as f64, 8.0)
             + axis(c.splits.unwrap_or(6) as f64, 8.0)
-            + axis(c.head_block as f64, 4.0)
-            + if c.tile_items.is_some() { 0.5 } else { 0.0 }
-            + axis(c.stages as f64, 3.0)
-            + if c.max_accumulators == 16 { 0.25 } else { 0.0 })
+            + axis(c.schedule.head_block as f64, 4.0)
+            + if c.schedule.tile_items.is_some() {
+                0.5
+            } else {
+                0.0
+            }
+            + axis(c.schedule.stages as f64, 3.0)
+            + if c.schedule.max_accumulators == 16 {
+                0.25
+            } else {
+                0.0
+            })
     }
 
     fn space() -> Space {
@@ -385,7 +397,8 @@ mod tests {
     fn axes_that_leave_the_kernel_unchanged_are_not_swept() {
         // A tier whose kernel ignores the tensor-core switch and the head
         // block: only the accumulators change it.
-        let same = |c: &KernelConfig| c.max_accumulators == default().max_accumulators;
+        let same =
+            |c: &KernelConfig| c.schedule.max_accumulators == default().schedule.max_accumulators;
         let s = space().without_duplicates(default(), same);
         assert_eq!(s.tensor_cores, vec![true]);
         assert_eq!(s.head_block, vec![8]);
@@ -408,7 +421,7 @@ mod tests {
         assert_eq!(report.trials[0].0, default());
         assert_eq!(report.trials.len(), space().all(default()).len());
         assert_eq!(best.page_items, 128);
-        assert_eq!(best.warps, 8);
+        assert_eq!(best.schedule.warps, 8);
         assert_eq!(best.splits, Some(8));
         assert_eq!(*ms.as_ref().unwrap(), 1.0);
     }
@@ -434,7 +447,7 @@ mod tests {
         // As measured for kivi int8: 64-item tiles lose at the splits the
         // whole page prefers (4) and win at one wave's (auto).
         let coupled = |c: &KernelConfig| -> Measured {
-            Ok(match (c.tile_items, c.splits) {
+            Ok(match (c.schedule.tile_items, c.splits) {
                 (Some(64), None) => 0.5,
                 (Some(64), _) => 1.2,
                 (_, Some(4)) => 0.9,
@@ -444,7 +457,7 @@ mod tests {
         let report = search(&space(), default(), &[], Strategy::Descent, 0, coupled);
         let (best, _) = report.trials[report.best.unwrap()];
         assert_eq!(
-            (best.page_items, best.tile_items, best.splits),
+            (best.page_items, best.schedule.tile_items, best.splits),
             (128, Some(64), None)
         );
         assert!(report.trials.len() <= space().expected_trials(default(), 0, Strategy::Descent, 0));
@@ -455,7 +468,7 @@ mod tests {
         // A minimum no single move reaches from the default: fewer warps pay
         // only with small tiles and many splits (as KIVI int4 measured).
         let hidden = |c: &KernelConfig| -> Measured {
-            Ok(match (c.warps, c.tile_items, c.splits) {
+            Ok(match (c.schedule.warps, c.schedule.tile_items, c.splits) {
                 (2, Some(32), Some(16)) => 0.5,
                 (2, _, _) => 1.3,
                 _ => 1.0,
@@ -468,24 +481,36 @@ mod tests {
         };
         assert_eq!(best_of(&[]).1, Ok(1.0));
         let seed = KernelConfig {
-            warps: 2,
-            tile_items: Some(32),
             splits: Some(16),
+            schedule: Schedule {
+                warps: 2,
+                tile_items: Some(32),
+                ..default().schedule
+            },
             ..default()
         };
         assert_eq!(best_of(&[seed]), (seed, Ok(0.5)));
         // The default's own descent still runs: a point it reaches wins over
         // the seed's basin.
-        let both = |c: &KernelConfig| match (c.page_items, c.warps) {
+        let both = |c: &KernelConfig| match (c.page_items, c.schedule.warps) {
             (128, 4) => Ok(0.4),
             _ => hidden(c),
         };
         let report = search(&space(), default(), &[seed], Strategy::Descent, 0, both);
         let (best, ms) = &report.trials[report.best.unwrap()];
-        assert_eq!((best.page_items, best.warps, ms), (128, 4, &Ok(0.4)));
+        assert_eq!(
+            (best.page_items, best.schedule.warps, ms),
+            (128, 4, &Ok(0.4))
+        );
         assert_eq!(report.trials[1].0, seed);
         // Seeds outside the space are not measured.
-        let outside = KernelConfig { warps: 3, ..seed };
+        let outside = KernelConfig {
+            schedule: Schedule {
+                warps: 3,
+                ..seed.schedule
+            },
+            ..seed
+        };
         let report = search(
             &space(),
             default(),
@@ -494,7 +519,7 @@ mod tests {
             0,
             hidden,
         );
-        assert!(report.trials.iter().all(|(c, _)| c.warps != 3));
+        assert!(report.trials.iter().all(|(c, _)| c.schedule.warps != 3));
         assert!(!space().contains(&outside) && space().contains(&seed));
     }
 
@@ -502,7 +527,7 @@ mod tests {
     fn candidates_that_fail_never_win() {
         // The fastest point fails to run; the search keeps going around it.
         let failing = |c: &KernelConfig| {
-            if c.warps == 8 {
+            if c.schedule.warps == 8 {
                 Err("too many registers".to_string())
             } else {
                 cost(c)
@@ -511,11 +536,11 @@ mod tests {
         for strategy in [Strategy::Exhaustive, Strategy::Descent] {
             let report = search(&space(), default(), &[], strategy, 0, failing);
             let (best, _) = report.trials[report.best.unwrap()];
-            assert_ne!(best.warps, 8);
+            assert_ne!(best.schedule.warps, 8);
             assert!(report
                 .trials
                 .iter()
-                .any(|(c, m)| c.warps == 8 && m.is_err()));
+                .any(|(c, m)| c.schedule.warps == 8 && m.is_err()));
         }
         let none = search(&space(), default(), &[], Strategy::Descent, 0, |_| {
             Err("no".into())

@@ -1,21 +1,55 @@
-//! The default configuration of a tier's kernel, from a cost model of the
-//! decode step instead of constants: what the runtime launches where no tune
-//! result covers the tier, the GPU and the shape, and where `kvcc tune`'s
-//! search starts.
+//! The back end's default schedule and page size for a tier, from a cost
+//! model of the decode step instead of constants: what the runtime launches
+//! where no tune result covers the tier, the GPU and the shape, and where
+//! `kvcc tune`'s search starts.
 //!
 //! A step streams every page once, so its time is the pages' bytes over the
 //! bandwidth the grid reaches, plus fixed costs per tile and per CTA. Each
-//! rule ([`page_items`], [`config`], [`splits`]) removes one such cost that
+//! rule ([`page_items`], [`schedule`], [`splits`]) removes one such cost that
 //! tune sweeps measured. The rules, the measurements behind each and how the
 //! model compares with tuned winners: docs/autotune.md § The cost model.
 
-use kvcc_compiler::back::ptx::{shared_stride, tensor_core_phases};
-use kvcc_compiler::proc::{reads_header, reads_tables};
-use kvcc_compiler::target::Target;
-use kvcc_compiler::Format;
+use super::{shared_stride, tensor_core_phases, Options, Schedule};
+use crate::proc::{reads_header, reads_tables};
+use crate::target::Target;
+use crate::Format;
 
-use super::config::with_page_items;
-use super::{KernelConfig, ShapeBucket};
+/// What the model knows of the GPU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Machine {
+    pub target: Target,
+    pub multiprocessors: u32,
+}
+
+/// The decode step a default is chosen for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Workload {
+    pub batch: u32,
+    pub q_heads: u32,
+    pub kv_heads: u32,
+    /// Tokens of the longest sequence.
+    pub context: u32,
+}
+
+impl Workload {
+    /// Query heads per kv head.
+    fn query_group(&self) -> u32 {
+        (self.q_heads / self.kv_heads.max(1)).max(1)
+    }
+
+    /// Pages of `items` items the whole batch streams.
+    fn pages(&self, items: u32) -> u64 {
+        let rows = u64::from(self.batch.max(1)) * u64::from(self.kv_heads.max(1));
+        rows * u64::from(self.context.max(1)).div_ceil(u64::from(items.max(1)))
+    }
+}
+
+fn options(machine: Machine, query_group: u32, schedule: Schedule) -> Options {
+    Options {
+        query_group: Some(query_group),
+        ..options_for(machine.target, schedule)
+    }
+}
 
 /// Bytes of codes a page (hence a tile) should hold.
 pub const TILE_BYTES: u32 = 32 * 1024;
@@ -63,58 +97,48 @@ pub fn splits(resident: u32, multiprocessors: u32, rows: u32, row_pages: u32) ->
     wave.min((MAX_SHORT_CTAS_PER_SM * multiprocessors / rows).max(1))
 }
 
-/// What the model knows of the GPU.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Machine {
-    pub target: Target,
-    pub multiprocessors: u32,
-}
-
-/// The modeled configuration of `tier`, page size included: for callers that
-/// encode the pages themselves (`kvcc bench`, the tuner's starting point).
-pub fn config(format: &Format, tier: usize, shape: ShapeBucket, machine: Machine) -> KernelConfig {
-    let items = page_items(format, tier, shape, machine);
-    match with_page_items(format, items) {
-        Ok(paged) => config_at(&paged, tier, shape, machine),
-        Err(_) => config_at(format, tier, shape, machine),
+/// The modeled page size of `tier` and its schedule at that size: for
+/// callers that encode the pages themselves (`kvcc bench`, the tuner's
+/// starting point).
+pub fn paged_schedule(
+    format: &Format,
+    tier: usize,
+    workload: Workload,
+    machine: Machine,
+) -> (u32, Schedule) {
+    let items = page_items(format, tier, workload, machine);
+    match format.with_page_items(items) {
+        Ok(paged) => (items, schedule(&paged, tier, workload, machine)),
+        Err(_) => (
+            format.spec().page.items,
+            schedule(format, tier, workload, machine),
+        ),
     }
 }
 
-/// The modeled configuration of `tier` at `shape` for pages of the format's
-/// own size: for caches whose pages are already written.
-pub fn config_at(
-    format: &Format,
-    tier: usize,
-    shape: ShapeBucket,
-    machine: Machine,
-) -> KernelConfig {
-    let config = layout_config(format, tier, machine.target);
-    let pages = batch_pages(shape, format.spec().page.items);
+/// The modeled schedule of `tier` for pages of the format's own size: for
+/// caches whose pages are already written.
+pub fn schedule(format: &Format, tier: usize, workload: Workload, machine: Machine) -> Schedule {
+    let schedule = layout_schedule(format, tier, machine.target);
+    let pages = workload.pages(format.spec().page.items);
     let few_pages = pages < u64::from(FEW_PAGES_PER_SM * machine.multiprocessors);
-    let group = (shape.q_heads / shape.kv_heads.max(1)).max(1);
-    let options = config.options(machine.target, group);
+    let options = options(machine, workload.query_group(), schedule);
     let warps = match few_pages
-        && config.warps == KernelConfig::reference(format).warps
+        && schedule.warps == Schedule::default().warps
         && tensor_core_phases(format, tier, &options).score
     {
         true => FEW_PAGE_WARPS,
-        false => config.warps,
+        false => schedule.warps,
     };
-    KernelConfig { warps, ..config }
+    Schedule { warps, ..schedule }
 }
 
-/// Pages of `items` items the whole batch streams at `shape`.
-fn batch_pages(shape: ShapeBucket, items: u32) -> u64 {
-    let rows = u64::from(shape.batch.0.max(1)) * u64::from(shape.kv_heads.max(1));
-    rows * u64::from(shape.context.0.max(1)).div_ceil(u64::from(items.max(1)))
-}
-
-/// The configuration the tier's layout asks for, whatever the shape.
-fn layout_config(format: &Format, tier: usize, target: Target) -> KernelConfig {
+/// The schedule the tier's layout asks for, whatever the workload.
+fn layout_schedule(format: &Format, tier: usize, target: Target) -> Schedule {
     let layout = format.layout(tier);
     let module = format.tiers()[tier].module();
-    let reference = KernelConfig::reference(format);
-    let phases = tensor_core_phases(format, tier, &reference.options(target, 1));
+    let reference = Schedule::default();
+    let phases = tensor_core_phases(format, tier, &options_for(target, reference));
     let grouped = phases.grouped_values;
     let warps = if reads_tables(&module.value.accumulate.exprs) && !phases.accumulate {
         TABLE_READ_WARPS
@@ -138,7 +162,7 @@ fn layout_config(format: &Format, tier: usize, target: Target) -> KernelConfig {
     } else {
         reference.bulk_copies
     };
-    KernelConfig {
+    Schedule {
         warps,
         tile_items,
         bulk_copies,
@@ -146,24 +170,32 @@ fn layout_config(format: &Format, tier: usize, target: Target) -> KernelConfig {
     }
 }
 
-/// Items per page for `tier` at `shape`: [`PAGE_SCALED_KEY_ITEMS`] for keys
+/// Options for one query head per kv head: what the layout rules look at.
+fn options_for(target: Target, schedule: Schedule) -> Options {
+    Options {
+        target,
+        query_group: Some(1),
+        schedule,
+    }
+}
+
+/// Items per page for `tier` at `workload`: [`PAGE_SCALED_KEY_ITEMS`] for keys
 /// scaled per page and scored on the tensor cores, else the smallest
 /// of [`PAGE_ITEMS`] up to the CTA's threads whose page holds
 /// [`TILE_BYTES`]; halved while the batch has fewer than [`PAGES_PER_SM`]
 /// pages per SM, among the sizes the spec accepts.
-pub fn page_items(format: &Format, tier: usize, shape: ShapeBucket, machine: Machine) -> u32 {
+pub fn page_items(format: &Format, tier: usize, workload: Workload, machine: Machine) -> u32 {
     let layout = format.layout(tier);
     let item_bytes = layout.key.stride + layout.value.stride;
     let page_bytes = |items: u32| items * item_bytes + layout.header_bytes;
-    let fits = |items: u32| with_page_items(format, items).is_ok();
+    let fits = |items: u32| format.with_page_items(items).is_ok();
     let Some(smallest) = PAGE_ITEMS.iter().copied().find(|&items| fits(items)) else {
         return format.spec().page.items;
     };
-    let pages = |items: u32| batch_pages(shape, items);
+    let pages = |items: u32| workload.pages(items);
     let per_sm = |n: u32| u64::from(n * machine.multiprocessors);
-    let config = layout_config(format, tier, machine.target);
-    let group = (shape.q_heads / shape.kv_heads.max(1)).max(1);
-    let options = config.options(machine.target, group);
+    let schedule = layout_schedule(format, tier, machine.target);
+    let options = options(machine, workload.query_group(), schedule);
     let phases = tensor_core_phases(format, tier, &options);
     let per_page_keys =
         reads_header(&format.tiers()[tier].module().key.score.exprs) && phases.score;
@@ -174,7 +206,7 @@ pub fn page_items(format: &Format, tier: usize, shape: ShapeBucket, machine: Mac
         // gives each thread an item of it.
         let (candidates, threads) = match phases.score && !phases.gathered_keys {
             true => (&TENSOR_PAGE_ITEMS[..], u32::MAX),
-            false => (&PAGE_ITEMS[..], 32 * config.warps),
+            false => (&PAGE_ITEMS[..], 32 * schedule.warps),
         };
         let sizes: Vec<u32> = (candidates.iter().copied())
             .filter(|&items| items <= threads && fits(items))
@@ -204,21 +236,36 @@ mod tests {
         multiprocessors: 132,
     };
 
-    fn bundled_source(name: &str) -> &'static str {
-        let file = format!("specs/{name}.toml");
-        let (_, source) = crate::builtin::SPECS
-            .iter()
-            .find(|(path, _)| *path == file)
-            .unwrap();
-        source
+    fn bundled_source(name: &str) -> String {
+        let path = format!("{}/../specs/{name}.toml", env!("CARGO_MANIFEST_DIR"));
+        std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e}"))
     }
 
     fn bundled(name: &str) -> Format {
-        Format::parse(bundled_source(name), &format!("specs/{name}.toml")).unwrap()
+        Format::parse(&bundled_source(name), &format!("specs/{name}.toml")).unwrap()
     }
 
-    fn shape(batch: usize, context: usize) -> ShapeBucket {
-        ShapeBucket::of(batch, 32, 8, context)
+    fn shape(batch: u32, context: u32) -> Workload {
+        Workload {
+            batch,
+            q_heads: 32,
+            kv_heads: 8,
+            context,
+        }
+    }
+
+    /// The modeled page size and schedule, as the tuner starts from.
+    struct Modeled {
+        page_items: u32,
+        schedule: Schedule,
+    }
+
+    fn config(format: &Format, tier: usize, workload: Workload, machine: Machine) -> Modeled {
+        let (page_items, schedule) = paged_schedule(format, tier, workload, machine);
+        Modeled {
+            page_items,
+            schedule,
+        }
     }
 
     fn tier(format: &Format, name: &str) -> usize {
@@ -285,20 +332,20 @@ mod tests {
     #[test]
     fn table_reading_values_get_small_ctas_and_narrow_rows_bulk_copies() {
         let books = f32_books();
-        let config = layout_config(&books, 0, Target::Sm90);
+        let config = layout_schedule(&books, 0, Target::Sm90);
         assert_eq!(config.warps, TABLE_READ_WARPS);
         assert_eq!(config.bulk_copies, Some(true));
         // Looked up for the tensor cores: the reference warps.
         let shard = bundled("shard");
-        let config = layout_config(&shard, 0, Target::Sm90);
-        assert_eq!(config.warps, KernelConfig::reference(&shard).warps);
+        let config = layout_schedule(&shard, 0, Target::Sm90);
+        assert_eq!(config.warps, Schedule::default().warps);
         assert_eq!(config.bulk_copies, Some(true));
         let dense = bundled("dense_f16");
         assert_eq!(
-            layout_config(&dense, 0, Target::Sm90),
-            KernelConfig::reference(&dense)
+            layout_schedule(&dense, 0, Target::Sm90),
+            Schedule::default()
         );
-        assert_eq!(layout_config(&shard, 0, Target::Sm80).bulk_copies, None);
+        assert_eq!(layout_schedule(&shard, 0, Target::Sm80).bulk_copies, None);
     }
 
     #[test]
@@ -307,21 +354,32 @@ mod tests {
         for name in ["int2", "int3"] {
             let config = config(&kivi2, tier(&kivi2, name), shape(8, 32768), H100);
             assert_eq!(
-                (config.page_items, config.warps, config.tile_items),
+                (
+                    config.page_items,
+                    config.schedule.warps,
+                    config.schedule.tile_items
+                ),
                 (512, GROUPED_VALUE_WARPS, Some(GROUPED_VALUE_TILE_ITEMS)),
                 "{name}"
             );
         }
         // int3's 64-byte value rows are padded (cp.async), int2's 48-byte ones not.
-        let copies = |name| config(&kivi2, tier(&kivi2, name), shape(8, 32768), H100).bulk_copies;
+        let copies = |name| {
+            config(&kivi2, tier(&kivi2, name), shape(8, 32768), H100)
+                .schedule
+                .bulk_copies
+        };
         assert_eq!((copies("int2"), copies("int3")), (Some(true), Some(false)));
         // Values scaled per item (KIVI) keep the reference warps and whole-page tiles.
         let kivi = bundled("kivi");
         let int4 = config(&kivi, tier(&kivi, "int4"), shape(8, 32768), H100);
-        let reference = KernelConfig::reference(&kivi);
+        let reference = Modeled {
+            page_items: 0,
+            schedule: Schedule::default(),
+        };
         assert_eq!(
-            (int4.warps, int4.tile_items),
-            (reference.warps, reference.tile_items)
+            (int4.schedule.warps, int4.schedule.tile_items),
+            (reference.schedule.warps, reference.schedule.tile_items)
         );
     }
 
@@ -331,18 +389,24 @@ mod tests {
         let int4 = tier(&kivi, "int4");
         // One sequence of 32K: 512 pages of 512 items, under 8 per SM.
         assert_eq!(
-            config(&kivi, int4, shape(1, 32768), H100).warps,
+            config(&kivi, int4, shape(1, 32768), H100).schedule.warps,
             FEW_PAGE_WARPS
         );
         // 2048 pages at 128K, and 4096 at batch 8 × 32K, keep 4.
-        assert_eq!(config(&kivi, int4, shape(1, 131072), H100).warps, 4);
-        assert_eq!(config(&kivi, int4, shape(8, 32768), H100).warps, 4);
+        assert_eq!(
+            config(&kivi, int4, shape(1, 131072), H100).schedule.warps,
+            4
+        );
+        assert_eq!(config(&kivi, int4, shape(8, 32768), H100).schedule.warps, 4);
         // Scores on the CUDA cores (Spherical) and the other warp rules keep theirs.
         let spherical = bundled("spherical");
-        assert_eq!(config(&spherical, 0, shape(1, 8192), H100).warps, 4);
+        assert_eq!(
+            config(&spherical, 0, shape(1, 8192), H100).schedule.warps,
+            4
+        );
         let kivi2 = bundled("kivi2");
         let int2 = tier(&kivi2, "int2");
-        let warps = config(&kivi2, int2, shape(1, 32768), H100).warps;
+        let warps = config(&kivi2, int2, shape(1, 32768), H100).schedule.warps;
         assert_eq!(warps, GROUPED_VALUE_WARPS);
     }
 
@@ -363,11 +427,11 @@ mod tests {
     }
 
     #[test]
-    fn the_modeled_config_carries_its_page_size() {
+    fn the_modeled_page_size_is_one_the_spec_accepts() {
         let kivi = bundled("kivi");
         let int4 = tier(&kivi, "int4");
         let config = config(&kivi, int4, shape(8, 32768), H100);
         assert_eq!(config.page_items, 512);
-        assert!(config.paged_format(&kivi).is_ok());
+        assert!(kivi.with_page_items(config.page_items).is_ok());
     }
 }

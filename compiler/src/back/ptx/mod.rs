@@ -6,6 +6,10 @@
 //!
 //! - [`abi`]: the launch contract: kernel names, parameters, launch shapes,
 //!   buffer layouts, the shared-memory symbol.
+//! - `options`: what a kernel is generated for and its [`Schedule`], the
+//!   choices that change speed but not results.
+//! - [`defaults`]: the default schedule and page size of a tier for a
+//!   workload, from a cost model of the decode step.
 //! - [`builder`]: the typed PTX builder (registers, instructions, modules).
 //! - `plan`: tile geometry, work split and shared-memory layout of a tier;
 //!   `streams` (where a tile's items sit), `tensor_cores` (which tiers the
@@ -20,16 +24,19 @@
 pub mod abi;
 mod append;
 pub mod builder;
+pub mod defaults;
 pub mod encode;
 mod expr;
 mod kernel;
 mod lane_split;
 mod merge;
+mod options;
 mod plan;
 mod streams;
 mod tensor_cores;
 
 pub use append::NotExact;
+pub use options::{Options, Schedule};
 pub use streams::shared_stride;
 
 use crate::target::Target;
@@ -39,98 +46,6 @@ use crate::Format;
 /// PTX ISA version of the modules: accepted by CUDA 12.0+ drivers (the target
 /// GPUs run CUDA 13.0's) and by ptxas for both targets.
 pub const PTX_VERSION: &str = "8.0";
-
-/// Generation parameters: the target and the tile shape. Splits are a launch
-/// parameter ([`abi::DecodeKernel::launch`]); the page size comes from the spec.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Options {
-    pub target: Target,
-    /// Warps per CTA (1..=32), for the decode and the merge kernels.
-    pub warps: u32,
-    /// Items per tile (one `cp.async` batch); `None`: as many as fit
-    /// `tile_bytes`, at most a page.
-    pub tile_items: Option<u32>,
-    /// Shared-memory budget of one tile buffer when `tile_items` is `None`.
-    pub tile_bytes: u32,
-    /// Tile buffers (2..=8): while one tile is computed on, the next
-    /// `stages - 1` load.
-    pub stages: u32,
-    /// Query heads per score / accumulate work unit: each value code is decoded
-    /// once per block of this many heads.
-    pub head_block: u32,
-    /// Accumulator registers per thread in the accumulate phase; channels per
-    /// thread are capped at `max_accumulators / head_block`.
-    pub max_accumulators: u32,
-    /// Query heads per kv head the kernels serve at most; `None`: the spec's
-    /// `page.max_query_group`. A model's actual group (at most the spec's)
-    /// avoids computing for heads it does not have.
-    pub query_group: Option<u32>,
-    /// Score and accumulate on the tensor cores (`mma.sync`) when the tier
-    /// qualifies (`tensor_cores.rs`: f16 keys and values read as stored); otherwise,
-    /// and when off, per-thread fma chains.
-    pub tensor_cores: bool,
-    /// With the score and its softmax per warp on the tensor cores: each
-    /// tile's values are accumulated during the next tile, next to its score
-    /// (more independent work per warp, more registers).
-    pub pipeline: bool,
-    /// On sm_90, each tile's streams load by bulk copies (the tensor memory
-    /// accelerator: one instruction per stream, completion on an mbarrier)
-    /// into unpadded rows, instead of 16-byte `cp.async` per thread into
-    /// padded rows; ignored on sm_80. `None`: bulk copies unless both
-    /// streams' rows would be padded (multiples of 32 bytes: unpadded, lanes
-    /// reading one offset of neighbouring rows hit the same banks).
-    pub bulk_copies: Option<bool>,
-}
-
-impl Default for Options {
-    fn default() -> Self {
-        Options {
-            target: Target::Sm90,
-            warps: 4,
-            tile_items: None,
-            tile_bytes: 40 * 1024,
-            stages: 2,
-            head_block: 8,
-            max_accumulators: 32,
-            query_group: None,
-            tensor_cores: true,
-            pipeline: false,
-            bulk_copies: None,
-        }
-    }
-}
-
-impl Options {
-    pub fn for_target(target: Target) -> Options {
-        Options {
-            target,
-            ..Options::default()
-        }
-    }
-
-    fn check(&self) -> Result<(), Error> {
-        let bad = |what: String| Err(Error::Options(what));
-        if !(1..=32).contains(&self.warps) {
-            return bad(format!("warps {} is outside 1..=32", self.warps));
-        }
-        if !(2..=8).contains(&self.stages) {
-            return bad(format!("stages {} is outside 2..=8", self.stages));
-        }
-        if self.tile_items == Some(0) {
-            return bad("tile_items must be at least 1".into());
-        }
-        if self.head_block == 0 {
-            return bad("head_block must be at least 1".into());
-        }
-        if self.max_accumulators == 0 {
-            return bad("max_accumulators must be at least 1".into());
-        }
-        if self.query_group == Some(0) {
-            return bad("query_group must be at least 1".into());
-        }
-        Ok(())
-    }
-}
 
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum Error {
@@ -213,7 +128,7 @@ pub fn write_merge(format: &Format, options: &Options) -> MergeOutput {
     let name = format!("kvcc_{}_merge", identifier(format.name()));
     let shape = merge::MergeShape {
         head_dim: format.head_dim(),
-        group_threads: 32 * options.warps,
+        group_threads: 32 * options.schedule.warps,
     };
     let ptx = builder::module(
         PTX_VERSION,

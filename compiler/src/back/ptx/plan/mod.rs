@@ -10,7 +10,7 @@ use super::abi::{
 };
 use super::streams::{shared_stride, Stream, CHUNK};
 use super::tensor_cores::{MmaPlan, MmaScore, TILE_HEADS, WARP_LANES};
-use super::{Error, Options};
+use super::{Error, Options, Schedule};
 use crate::ir::{ArrayDecl, Expr, Handle, Module, Stage};
 use crate::layout::{round_up, Side, TierLayout};
 use crate::proc::{depends_on, operands, reads_tables, shared_reads};
@@ -120,7 +120,7 @@ pub struct Plan {
     pub mma: Option<MmaPlan>,
     /// The tile buffers.
     pub buffers: u32,
-    /// With bulk copies ([`super::Options::bulk_copies`]): the shared offset
+    /// With bulk copies ([`super::Schedule::bulk_copies`]): the shared offset
     /// of the buffers' mbarriers, 8 bytes each: per stage one completing the
     /// tile's header and keys (and, unpipelined, its values), then per stage
     /// one completing a pipelined tile's values.
@@ -128,7 +128,7 @@ pub struct Plan {
     /// Tile buffers: tiles `t + 1 .. t + stages - 1` load while tile `t` is computed.
     pub stages: u32,
     /// Tile `t`'s values are accumulated during tile `t + 1` (only with a
-    /// tensor-core score: [`super::Options::pipeline`]).
+    /// tensor-core score: [`super::Schedule::pipeline`]).
     pub pipelined: bool,
     /// The tile's logits (softmax weights after the softmax phase): item `i`,
     /// head `h` at float `i * head_stride + h`, so the accumulate phase loads
@@ -159,11 +159,11 @@ pub struct Plan {
     pub shared_bytes: u32,
 }
 
-/// Whether tiles load by bulk copies ([`super::Options::bulk_copies`]):
+/// Whether tiles load by bulk copies ([`super::Schedule::bulk_copies`]):
 /// unless turned off, wherever the target has them ([`Plan::new`] takes
 /// the default back where they would leave rows conflicting).
 fn bulk_copies(options: &Options) -> bool {
-    options.bulk_copies != Some(false) && options.target.bulk_copies()
+    options.schedule.bulk_copies != Some(false) && options.target.bulk_copies()
 }
 
 /// Alignment of swizzled rows: the swizzle's period (8 lines).
@@ -241,7 +241,7 @@ impl Plan {
     /// The plan for `group_max` query heads per kv head. With automatic tiles,
     /// the tile shrinks until the kernel fits the target's shared memory.
     pub fn new(module: &Module, group_max: u32, options: &Options) -> Result<Plan, Error> {
-        if options.bulk_copies.is_some() {
+        if options.schedule.bulk_copies.is_some() {
             return Plan::sized(module, group_max, options);
         }
         // By default bulk copies, unless both streams' rows would be padded
@@ -260,7 +260,10 @@ impl Plan {
             Ok(plan) if plan.barriers.is_none() || !conflicted(&plan) => Ok(plan),
             _ => {
                 let copies = Options {
-                    bulk_copies: Some(false),
+                    schedule: Schedule {
+                        bulk_copies: Some(false),
+                        ..options.schedule
+                    },
                     ..*options
                 };
                 Plan::sized(module, group_max, &copies)
@@ -274,12 +277,12 @@ impl Plan {
         let bulk = bulk_copies(options);
         let key = Stream::new(layout.key_stream_offset, layout.key.stride, bulk);
         let value = Stream::new(layout.value_stream_offset, layout.value.stride, bulk);
-        let mut budget = options.tile_bytes;
+        let mut budget = options.schedule.tile_bytes;
         let plan = loop {
-            let tile = tile_items(&key, &value, layout, options.tile_items, budget);
+            let tile = tile_items(&key, &value, layout, options.schedule.tile_items, budget);
             match Plan::with_tile(module, group_max, options, tile) {
                 Err(Error::SharedMemory { .. })
-                    if options.tile_items.is_none()
+                    if options.schedule.tile_items.is_none()
                         && tile_items(&key, &value, layout, None, budget / 2) < tile =>
                 {
                     budget /= 2
@@ -287,7 +290,7 @@ impl Plan {
                 result => break result?,
             }
         };
-        if options.tile_items.is_some() || plan.score_split.is_none() {
+        if options.schedule.tile_items.is_some() || plan.score_split.is_none() {
             return Ok(plan);
         }
         // A split score keeps at most SPLIT_LOGITS logits a thread, so past
@@ -332,8 +335,8 @@ impl Plan {
         bank_copies: bool,
     ) -> Result<Plan, Error> {
         let layout = &module.layout;
-        let threads = 32 * options.warps;
-        let head_block = options.head_block.min(group_max);
+        let threads = 32 * options.schedule.warps;
+        let head_block = options.schedule.head_block.min(group_max);
         let head_blocks = group_max.div_ceil(head_block);
         let score_head_block = (1..=head_block)
             .filter(|h| head_block.is_multiple_of(*h))
@@ -361,10 +364,17 @@ impl Plan {
             (false, true) => PACK,
             (false, false) => 2,
         };
-        let accumulate = partition(threads, dims, head_block, pack, options.max_accumulators);
+        let accumulate = partition(
+            threads,
+            dims,
+            head_block,
+            pack,
+            options.schedule.max_accumulators,
+        );
 
         let fp8 = options.target.fp8_conversions();
         let mut mma = options
+            .schedule
             .tensor_cores
             .then(|| super::tensor_cores::plan(module, group_max, tile_items, &key, &value, fp8))
             .flatten();
@@ -407,7 +417,7 @@ impl Plan {
         // arrays overlap; the prologue's arrays after it when they fit, so the
         // first tile can load while the prologue runs.
         let mut bump = Bump(0);
-        let barriers = bulk.then(|| bump.take(2 * BARRIER_BYTES * options.stages));
+        let barriers = bulk.then(|| bump.take(2 * BARRIER_BYTES * options.schedule.stages));
         let staged = staged_tables(module);
         // A looked-up codebook is read as f16 (its own copy), not as the table.
         let lookup = mma.as_mut().and_then(|m| m.value_rows.lookup.as_mut());
@@ -485,7 +495,8 @@ impl Plan {
         // Every head of every score block has a slot (the last block may pass group_max).
         let head_stride = (head_blocks * head_block).div_ceil(4) * 4;
         let tile_max = bump.take(4 * head_stride);
-        let headers_bytes = |s: &MmaScore| options.warps * s.header_rows() * s.padded_row_bytes();
+        let headers_bytes =
+            |s: &MmaScore| options.schedule.warps * s.header_rows() * s.padded_row_bytes();
         let page_queries = (mma.as_ref())
             .and_then(|m| m.score.as_ref())
             .filter(|s| s.padded_page_queries())
@@ -498,9 +509,9 @@ impl Plan {
         // each warp has one to prepare (subspace's two registers a lane ran
         // 1-2 % slower split over 4 warps on an H200).
         let page_registers = (mma.as_ref())
-            .filter(|_| options.warps > 1)
+            .filter(|_| options.schedule.warps > 1)
             .and_then(|m| m.score.as_ref().map(|s| (m, s)))
-            .filter(|(_, s)| s.key_scale.is_some() && s.key_registers() >= options.warps)
+            .filter(|(_, s)| s.key_scale.is_some() && s.key_registers() >= options.schedule.warps)
             .map(|(m, s)| {
                 let bytes = m.column_tiles * s.query_tiles() * s.key_registers() * 4 * WARP_LANES;
                 match page_queries {
@@ -513,15 +524,15 @@ impl Plan {
         if swizzled {
             bump.0 = round_up(bump.0, SWIZZLE_ALIGN);
         }
-        let buffers = bump.take(options.stages * buffer_bytes);
+        let buffers = bump.take(options.schedule.stages * buffer_bytes);
         let logits_bytes = match mma_score {
-            true => head_stride * 4 * 2 * options.warps,
+            true => head_stride * 4 * 2 * options.schedule.warps,
             false => head_stride * 4 * tile_items,
         };
         let logits = bump.take(logits_bytes);
         let page_fragments = page_registers.map(|registers| {
             let m = mma.as_ref().expect("page fragments are the tensor cores'");
-            let stats = m.column_tiles * options.warps * TILE_HEADS * PAGE_STATS_BYTES;
+            let stats = m.column_tiles * options.schedule.warps * TILE_HEADS * PAGE_STATS_BYTES;
             // A tile's heads are within the head stride, rounded to 4.
             assert!(stats <= logits_bytes, "page statistics fit the logits rows");
             PageFragments {
@@ -547,7 +558,7 @@ impl Plan {
         );
         let sums_bytes = mma
             .as_ref()
-            .map_or(0, |m| options.warps * m.warp_sums_bytes());
+            .map_or(0, |m| options.schedule.warps * m.warp_sums_bytes());
         let arrays_end = stream_end.max(epilogue_bump.0);
         let warp_sums = match buffers + sums_bytes <= logits {
             true => buffers,
@@ -626,7 +637,7 @@ impl Plan {
         Ok(Plan {
             dependent_launch: options.target.dependent_launches(),
             threads,
-            warps: options.warps,
+            warps: options.schedule.warps,
             group_max,
             head_block,
             head_blocks,
@@ -656,8 +667,8 @@ impl Plan {
             mma,
             buffers,
             barriers,
-            stages: options.stages,
-            pipelined: options.pipeline && mma_score && !page_scaled,
+            stages: options.schedule.stages,
+            pipelined: options.schedule.pipeline && mma_score && !page_scaled,
             logits,
             head_stride,
             prefetch,
@@ -814,7 +825,10 @@ mod tests {
         );
         let format = crate::Format::parse(&spec, "p.toml").expect("valid spec");
         let options = Options {
-            warps,
+            schedule: Schedule {
+                warps,
+                ..Schedule::default()
+            },
             ..Options::for_target(super::super::Target::Sm90)
         };
         Plan::new(format.tiers()[0].module(), 4, &options).expect("plans")
