@@ -178,6 +178,9 @@ fn worst(per_seed: &[Fidelity]) -> Fidelity {
             .map(|f| f.mean_logit_drift)
             .fold(0.0, f64::max),
         top8_overlap: per_seed.iter().map(|f| f.top8_overlap).fold(1.0, f64::min),
+        attention_mass_recall: (per_seed.iter())
+            .map(|f| f.attention_mass_recall)
+            .fold(1.0, f64::min),
         rows: per_seed.iter().map(|f| f.rows).sum(),
     }
 }

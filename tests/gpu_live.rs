@@ -61,6 +61,7 @@ impl Case<'_> {
             window: self.window,
             exact: self.exact,
             tier: self.tiers[0],
+            select: None,
         }
     }
 }
@@ -318,6 +319,7 @@ fn gpu_live_cache_bad_calls_change_nothing() {
             window: 64,
             exact: ExactDtype::F16,
             tier: 1,
+            select: None,
         },
         kv_heads,
         max_sequences: 2,

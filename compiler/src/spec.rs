@@ -69,6 +69,77 @@ pub struct CacheSpec {
     /// The tier new pages are compressed into, by name; `None`: the first tier.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tier: Option<String>,
+    /// Which compressed pages a decode step reads; `None`: all of them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub select: Option<SelectSpec>,
+}
+
+/// `[cache.select]`: per (sequence, kv head), a decode step reads the exact
+/// sinks and window and only the `budget` compressed pages its queries score
+/// highest against each page's summary.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SelectSpec {
+    pub method: SelectMethod,
+    /// Budget in tokens of compressed pages (rounded up to whole pages).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokens: Option<u32>,
+    /// Budget in compressed pages.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pages: Option<u32>,
+    /// How the scores of a kv head's query heads combine into one per page.
+    #[serde(default)]
+    pub group: GroupScore,
+    /// `block_mean`: tokens per block (a divisor of `page.items`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub block: Option<u32>,
+}
+
+impl SelectSpec {
+    /// Tokens per `block_mean` block when `block` is not given: MosaicKV's
+    /// default (seed 004 §6).
+    pub const DEFAULT_BLOCK: u32 = 8;
+}
+
+/// What a page's summary holds and how a query scores it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SelectMethod {
+    /// Quest: each channel's smallest and largest key of the page; the score
+    /// is the upper bound `Σ_c max(q_c · min_c, q_c · max_c)` of `q · k`.
+    Quest,
+    /// MosaicKV's block keys: the mean key of every block of `block` tokens;
+    /// the score is the largest `q · mean` of the page's blocks.
+    BlockMean,
+}
+
+impl SelectMethod {
+    pub fn name(self) -> &'static str {
+        match self {
+            SelectMethod::Quest => "quest",
+            SelectMethod::BlockMean => "block_mean",
+        }
+    }
+}
+
+/// How a GQA group's query heads share one page choice.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum GroupScore {
+    /// The largest of the heads' scores: a page any head needs is kept.
+    #[default]
+    Max,
+    /// The heads' scores summed.
+    Sum,
+}
+
+impl GroupScore {
+    pub fn name(self) -> &'static str {
+        match self {
+            GroupScore::Max => "max",
+            GroupScore::Sum => "sum",
+        }
+    }
 }
 
 impl CacheSpec {

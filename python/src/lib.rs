@@ -295,6 +295,7 @@ impl Pages {
                     queries: q,
                     q_heads,
                     logits: true,
+                    rows: None,
                 })
             })
             .map_err(to_py)?;
@@ -377,6 +378,8 @@ impl Live {
                 window,
                 exact: parse_exact(&exact)?,
                 tier,
+                // The spec's `[cache.select]`, as every other backend reads it.
+                select: CachePolicy::of(&format.inner).select,
             },
             kv_heads,
             pages_per_tier,

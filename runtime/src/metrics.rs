@@ -10,10 +10,14 @@ pub struct Fidelity {
     /// `sqrt(Σ_rows ||o - o_ref||²) / sqrt(Σ_rows ||o_ref||²)`. Zero when both are zero,
     /// infinite when only the reference is zero.
     pub output_rel_error: f64,
-    /// Largest `|logit - logit_ref|` over all tokens of all rows.
+    /// Largest `|logit - logit_ref|` over all tokens read of all rows (a
+    /// token a selection did not read has logit -inf).
     pub max_logit_drift: f64,
-    /// Mean `|logit - logit_ref|` over all tokens of all rows.
+    /// Mean `|logit - logit_ref|` over all tokens read of all rows.
     pub mean_logit_drift: f64,
+    /// Mean over rows of the reference softmax mass on the tokens read: 1
+    /// where every token is read.
+    pub attention_mass_recall: f64,
     /// Mean over rows of `|top8(approx) ∩ top8(ref)| / 8` (`/ tokens` when a row has fewer than
     /// eight tokens; a row with no tokens counts as a full overlap). Ties break by lower index.
     pub top8_overlap: f64,
@@ -46,6 +50,7 @@ pub struct FidelityAccumulator {
     drift_sum: f64,
     drift_count: usize,
     overlap_sum: f64,
+    recall_sum: f64,
     rows: usize,
 }
 
@@ -79,12 +84,26 @@ impl FidelityAccumulator {
             self.err_sq += (o - r) * (o - r);
             self.ref_sq += r * r;
         }
+        let read = |l: f32| l != f32::NEG_INFINITY;
         for (&l, &r) in logits.iter().zip(reference_logits) {
-            let drift = (f64::from(l) - f64::from(r)).abs();
-            self.max_drift = self.max_drift.max(drift);
-            self.drift_sum += drift;
+            if read(l) {
+                let drift = (f64::from(l) - f64::from(r)).abs();
+                self.max_drift = self.max_drift.max(drift);
+                self.drift_sum += drift;
+                self.drift_count += 1;
+            }
         }
-        self.drift_count += logits.len();
+        let max = reference_logits
+            .iter()
+            .copied()
+            .fold(f32::NEG_INFINITY, f32::max);
+        let weight = |r: f32| f64::from(r - max).exp();
+        let total: f64 = reference_logits.iter().map(|&r| weight(r)).sum();
+        let kept: f64 = (logits.iter().zip(reference_logits))
+            .filter(|(&l, _)| read(l))
+            .map(|(_, &r)| weight(r))
+            .sum();
+        self.recall_sum += if total > 0.0 { kept / total } else { 1.0 };
 
         let k = TOP_K.min(logits.len());
         self.overlap_sum += if k == 0 {
@@ -117,6 +136,11 @@ impl FidelityAccumulator {
             },
             top8_overlap: if self.rows > 0 {
                 self.overlap_sum / self.rows as f64
+            } else {
+                0.0
+            },
+            attention_mass_recall: if self.rows > 0 {
+                self.recall_sum / self.rows as f64
             } else {
                 0.0
             },

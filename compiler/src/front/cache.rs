@@ -2,12 +2,16 @@
 //! recent window, the tier new pages are compressed into).
 
 use super::problem::{PathSegment, Problem};
-use crate::spec::FormatSpec;
+use crate::spec::{FormatSpec, SelectMethod, SelectSpec};
 
 /// Most tokens `sinks` or `window` may keep exact: far beyond any published
 /// policy (StreamingLLM 4 sinks, ParisKV 256–512 local tokens), small enough
 /// that a cache of them stays a bounded fraction of a long context.
 pub const MAX_EXACT_TOKENS: u32 = 65536;
+
+/// Most tokens a selection budget may name: 16M, past any context a page
+/// table can hold.
+pub const MAX_SELECT_TOKENS: u32 = 1 << 24;
 
 /// Every problem of `spec.cache`, in document order.
 pub fn check_cache(spec: &FormatSpec) -> Vec<Problem> {
@@ -36,6 +40,73 @@ pub fn check_cache(spec: &FormatSpec) -> Vec<Problem> {
                 ),
             });
         }
+    }
+    if let Some(select) = &cache.select {
+        problems.extend(check_select(select, spec.page.items));
+    }
+    problems
+}
+
+/// Problems of `[cache.select]` for pages of `items` items.
+fn check_select(select: &SelectSpec, items: u32) -> Vec<Problem> {
+    let at = |key: Option<&'static str>| {
+        let mut path = vec![PathSegment::Key("cache"), PathSegment::Key("select")];
+        path.extend(key.map(PathSegment::Key));
+        path
+    };
+    let mut problems = Vec::new();
+    let mut report = |key, message: String| {
+        problems.push(Problem {
+            path: at(key),
+            message,
+        })
+    };
+    match (select.tokens, select.pages) {
+        (None, None) => report(
+            None,
+            "a selection needs a budget: `tokens = N` (rounded up to whole pages) or `pages = N`"
+                .to_string(),
+        ),
+        (Some(_), Some(_)) => report(
+            Some("pages"),
+            "give the budget once: `tokens` or `pages`, not both".to_string(),
+        ),
+        (Some(tokens), None) if !(1..=MAX_SELECT_TOKENS).contains(&tokens) => report(
+            Some("tokens"),
+            format!("tokens = {tokens} is out of range; valid: 1..={MAX_SELECT_TOKENS}"),
+        ),
+        (None, Some(pages)) if !(1..=MAX_SELECT_TOKENS / items.max(1)).contains(&pages) => report(
+            Some("pages"),
+            format!(
+                "pages = {pages} is out of range; valid: 1..={} ({MAX_SELECT_TOKENS} tokens of \
+                 {items}-item pages)",
+                MAX_SELECT_TOKENS / items.max(1)
+            ),
+        ),
+        _ => {}
+    }
+    match (select.method, select.block) {
+        (SelectMethod::Quest, Some(_)) => report(
+            Some("block"),
+            "`block` is for method = \"block_mean\"; Quest summarizes whole pages".to_string(),
+        ),
+        (SelectMethod::BlockMean, block) => {
+            let block = block.unwrap_or(SelectSpec::DEFAULT_BLOCK);
+            if block == 0 || !items.is_multiple_of(block) {
+                let divisors: Vec<String> = (1..=items.min(64))
+                    .filter(|b| items.is_multiple_of(*b))
+                    .map(|b| b.to_string())
+                    .collect();
+                report(
+                    Some("block"),
+                    format!(
+                        "block = {block} does not divide page.items = {items}; use one of {}",
+                        divisors.join(", ")
+                    ),
+                );
+            }
+        }
+        _ => {}
     }
     problems
 }

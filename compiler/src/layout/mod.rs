@@ -6,6 +6,7 @@
 
 pub mod bits;
 pub mod schema;
+pub mod summary;
 
 use crate::spec::{
     BasisDtype, BitmapElem, CodecSpec, CodewordKind, CoeffScale, DenseDtype, FieldSpec, FormatSpec,

@@ -203,6 +203,10 @@ struct PolicyArgs {
     /// Most recent tokens kept exact (default: the spec's `cache.window`).
     #[arg(long)]
     window: Option<usize>,
+    /// Compressed pages a step reads per sequence and kv head, where the
+    /// spec has a `[cache.select]` (default: its budget).
+    #[arg(long)]
+    select_pages: Option<u32>,
 }
 
 fn bar(total: u64, message: &str) -> ProgressBar {
@@ -460,7 +464,9 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             loading.enable_steady_tick(Duration::from_millis(200));
             let data = load_qkv(&qkv, prefix.as_deref())?;
             loading.finish_and_clear();
-            let policy = CachePolicy::of(&format).with_overrides(policy.sinks, policy.window);
+            let policy = CachePolicy::of(&format)
+                .with_overrides(policy.sinks, policy.window)
+                .with_select_budget(policy.select_pages);
             let progress = bar(0, "eval").with_finish(ProgressFinish::AndClear);
             progress.enable_steady_tick(Duration::from_millis(200));
             let report = eval::run(
@@ -469,7 +475,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                 max_queries.max(1),
                 fidelity.context,
                 fidelity.executor,
-                policy.keeps_exact().then_some(policy),
+                (policy.keeps_exact() || policy.select.is_some()).then_some(policy),
                 |done, total| {
                     progress.set_length(total as u64);
                     progress.set_position(done as u64);

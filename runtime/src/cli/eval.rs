@@ -180,9 +180,10 @@ pub fn render(report: &EvalReport) -> String {
     let executor_ms = format!("{} ms", report.executor);
     let mut headers = vec!["tier", "B/token", "vs f16"];
     headers.extend(Fidelity::HEADERS);
+    headers.push("mass recall");
     headers.push(&executor_ms);
     let mut table = Table::new(&headers);
-    for column in 1..8 {
+    for column in 1..9 {
         table.right_align(column);
     }
     for r in &report.rows {
@@ -192,11 +193,13 @@ pub fn render(report: &EvalReport) -> String {
             format!("{:.2}x", r.compression),
         ];
         row.extend(r.fidelity.cells(5));
+        row.push(format!("{:.3}", r.fidelity.attention_mass_recall));
         row.push(format!("{:.1}", r.executor_ms));
         table.row(row);
         if let Some(policy) = &r.policy {
             let mut row = vec![policy.label()];
             row.extend(policy.cells(5));
+            row.push(format!("{:.3}", policy.fidelity.attention_mass_recall));
             row.push(format!("{:.1}", policy.executor_ms));
             table.row(row);
         }

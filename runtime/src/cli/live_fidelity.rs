@@ -27,6 +27,9 @@ pub struct PolicyScore {
     pub fidelity: Fidelity,
     /// Time of the live cache's decode steps.
     pub executor_ms: f64,
+    /// `quest 16 pages`: the selection that chose the pages read, if any.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub select: Option<String>,
 }
 
 impl PolicyScore {
@@ -46,12 +49,18 @@ impl PolicyScore {
             compression: f64::from(4 * format.head_dim()) / bytes_per_token,
             fidelity: acc.finish(),
             executor_ms: elapsed.as_secs_f64() * 1e3,
+            select: (policy.select)
+                .map(|s| format!("{} {} pages", s.method.name(), s.budget_pages)),
         }
     }
 
     /// How report tables name it under its tier's row: "+ sinks 4, window 64".
     pub fn label(&self) -> String {
-        format!("+ sinks {}, window {}", self.sinks, self.window)
+        let select = match &self.select {
+            Some(s) => format!(", {s}"),
+            None => String::new(),
+        };
+        format!("+ sinks {}, window {}{select}", self.sinks, self.window)
     }
 
     /// Bytes, ratio and `digits`-digit fidelity cells, as the tier rows show them.

@@ -34,6 +34,9 @@ pub struct PolicyReport {
     pub exact_row_bytes: u32,
     /// Per tier, as if its pages held the compressed tokens.
     pub tiers: Vec<PolicyTier>,
+    /// `[cache.select]` in words (what each page keeps, what a step reads),
+    /// where the spec selects; its summaries are in `bytes_per_token`.
+    pub select: Option<String>,
 }
 
 /// One tier's bytes per token per kv head at the report's context: exact
@@ -86,6 +89,7 @@ pub fn report(format: &Format, context: usize) -> PolicyReport {
         exact_tokens: split.sinks + split.tail,
         exact_row_bytes: 2 * format.head_dim() * policy.exact.bytes(),
         tiers,
+        select: policy.select.map(|s| s.describe()),
     }
 }
 
@@ -114,8 +118,12 @@ pub fn render(format: &Format, report: &PolicyReport) -> String {
             format!("{:.2}x", t.all_pages_compression),
         ]);
     }
+    let select = match &report.select {
+        Some(line) => format!("{line}\n"),
+        None => String::new(),
+    };
     format!(
-        "cache policy: {} (* new pages' tier)\n\
+        "cache policy: {} (* new pages' tier)\n{select}\
          at {} tokens: {} sinks + {} pages + {} tail tokens; exact rows {} B/token each \
          (K+V), pages and tables amortized over the context\n{}",
         CachePolicy::of(format).describe(format),

@@ -107,6 +107,17 @@ impl Executor for CudaExecutor {
     /// on the same pages (both backends equal the interpreter's logits within
     /// 1e-5 in the tests).
     fn execute(&self, r: Request<'_>) -> Result<Decoded, ExecError> {
+        if r.rows.is_some() {
+            // Selected pages on the GPU are the device live cache's.
+            return Err(ExecError::Backend {
+                executor: "cuda",
+                format: r.cache.format().name().to_string(),
+                tier: "all".into(),
+                message: "this executor reads every page of its cache; a selection of \
+                          pages runs on the interp or jit executors"
+                    .into(),
+            });
+        }
         let outputs = self
             .run(r.cache, r.queries, r.q_heads)
             .map_err(|e| match e {

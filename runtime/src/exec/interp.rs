@@ -13,14 +13,15 @@ impl Executor for InterpExecutor {
     }
 
     fn execute(&self, request: Request<'_>) -> Result<Decoded, ExecError> {
+        let view = request.view();
         let Request {
             cache,
             queries,
             q_heads,
             logits,
+            ..
         } = request;
         let interp = Interpreter::new(cache.format().tiers(), Options::default());
-        let view = cache.view();
         if !logits {
             let outputs = interp.decode(&view, queries, q_heads)?;
             return Ok(Decoded {

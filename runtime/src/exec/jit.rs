@@ -126,7 +126,7 @@ impl Executor for JitExecutor {
     }
 
     fn execute(&self, r: Request<'_>) -> Result<Decoded, ExecError> {
-        self.run(r.cache, r.queries, r.q_heads, r.logits)
+        self.run(r.cache, &r.view(), (r.queries, r.q_heads), r.logits)
     }
 }
 
@@ -134,14 +134,13 @@ impl JitExecutor {
     fn run(
         &self,
         cache: &PagedCache,
-        queries: &[f32],
-        q_heads: usize,
+        view: &CacheView,
+        (queries, q_heads): (&[f32], usize),
         logits: bool,
     ) -> Result<Decoded, ExecError> {
         let format = cache.format();
-        let view = cache.view();
         let interp = Interpreter::new(format.tiers(), Options::default());
-        interp.check_cache(&view)?;
+        interp.check_cache(view)?;
         interp.check_queries(queries, view.page_tables.len(), q_heads, view.kv_heads)?;
         let group = q_heads / view.kv_heads;
         let chunk = group.min(self.options.heads.clamp(1, clif::MAX_HEADS) as usize);
@@ -156,7 +155,7 @@ impl JitExecutor {
             .chain(rest.as_deref())
             .collect();
         let job = Job {
-            view: &view,
+            view,
             queries,
             q_heads,
             group,

@@ -9,6 +9,8 @@ pub use cuda::CudaExecutor;
 pub use interp::InterpExecutor;
 pub use jit::{page_encoder, JitExecutor};
 
+use kvcc_compiler::page::{CacheView, PageRef};
+
 use crate::cache::PagedCache;
 
 #[derive(Debug, thiserror::Error)]
@@ -47,6 +49,21 @@ pub struct Request<'a> {
     pub queries: &'a [f32],
     pub q_heads: usize,
     pub logits: bool,
+    /// The pages each (sequence, kv head) reads, `[sequence][kv_head]` in
+    /// token order, where a step reads fewer than the cache holds (a
+    /// selection); `None`: the cache's page tables.
+    pub rows: Option<&'a [Vec<Vec<PageRef>>]>,
+}
+
+impl<'a> Request<'a> {
+    /// What the request reads: the cache, through `rows` where given.
+    pub fn view(&self) -> CacheView<'a> {
+        let mut view = self.cache.view();
+        if let Some(rows) = self.rows {
+            view.page_tables = rows;
+        }
+        view
+    }
 }
 
 /// Decode attention: `queries` and the result are `[sequence][q_head][head_dim]`.
@@ -67,6 +84,7 @@ pub trait Executor: Send + Sync {
             queries,
             q_heads,
             logits: false,
+            rows: None,
         };
         Ok(self.execute(request)?.outputs)
     }
@@ -82,6 +100,7 @@ pub trait Executor: Send + Sync {
             queries,
             q_heads,
             logits: true,
+            rows: None,
         })
     }
 }

@@ -6,7 +6,7 @@
 use std::sync::{Arc, OnceLock};
 
 use kvcc_compiler::back::clif::PageEncoder;
-use kvcc_compiler::back::interp::{merge, Interpreter, Options, Softmax};
+use kvcc_compiler::back::interp::{merge, select, Interpreter, Options, Softmax};
 use kvcc_compiler::page::PageRef;
 use kvcc_compiler::spec::ExactDtype;
 use kvcc_compiler::Format;
@@ -16,7 +16,7 @@ use super::pool::PagePool;
 use super::{Append, Attention, CachePolicy, LiveError, LiveKv, SequenceKv};
 use crate::cache::{self, PagedCache, Tables};
 use crate::encode::{encode_page, encode_page_compiled, EncodeError, TrainOptions};
-use crate::exec::{page_encoder, Executor, ExecutorKind};
+use crate::exec::{page_encoder, Executor, ExecutorKind, Request};
 
 /// How a [`LiveCache`] is shaped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -46,6 +46,7 @@ pub struct LiveState {
     pub pools: Vec<Vec<u8>>,
     pub pool: PagePool,
     pub policy: CachePolicy,
+    pub summaries: Vec<Vec<u16>>,
 }
 
 pub struct LiveCache {
@@ -59,6 +60,9 @@ pub struct LiveCache {
     /// Under the JIT executor: each tier's compiled page encoder, fetched
     /// on the first page of that tier.
     encoders: Option<Vec<OnceLock<Arc<PageEncoder>>>>,
+    /// `[tier]`: each page's selection summary (`select::summarize`) at
+    /// `page * values`, where the policy selects.
+    summaries: Vec<Vec<u16>>,
 }
 
 impl std::fmt::Debug for LiveCache {
@@ -81,6 +85,9 @@ struct Planned {
     tail: Vec<ExactRows>,
     /// Per page compressed: per kv head, the page's bytes.
     pages: Vec<Vec<Vec<u8>>>,
+    /// Per page compressed: per kv head, its selection summary (none
+    /// without a selection).
+    summaries: Vec<Vec<Vec<u16>>>,
 }
 
 impl LiveCache {
@@ -105,6 +112,7 @@ impl LiveCache {
             executor: options.executor.executor()?,
             encoders: (options.executor == ExecutorKind::Jit)
                 .then(|| (0..tiers).map(|_| OnceLock::new()).collect()),
+            summaries: vec![Vec::new(); tiers],
         })
     }
 
@@ -147,6 +155,7 @@ impl LiveCache {
             pools: view.tiers.iter().map(|t| t.pool.to_vec()).collect(),
             pool: self.pool.clone(),
             policy: self.policy,
+            summaries: self.summaries.clone(),
         }
     }
 
@@ -165,7 +174,11 @@ impl LiveCache {
         let tables = (0..format.tiers().len())
             .map(|t| format.layout(t).table_bytes() as usize * self.pages.kv_heads())
             .sum::<usize>();
-        exact + pages + tables
+        let summaries: usize = (0..format.tiers().len())
+            .map(|t| self.pool.used(t))
+            .sum::<usize>()
+            * self.policy.select.map_or(0, |s| s.bytes() as usize);
+        exact + pages + tables + summaries
     }
 
     /// The sequence after `keys`/`values` arrive, with its new pages encoded.
@@ -204,10 +217,15 @@ impl LiveCache {
         let items = layout.items_per_page as usize;
         let count = tail[0].tokens(d).saturating_sub(self.policy.window) / items;
         let mut pages = Vec::with_capacity(count);
+        let mut summaries = Vec::with_capacity(count);
         for _ in 0..count {
             let mut heads = Vec::with_capacity(kv_heads);
+            let mut summary = Vec::new();
             for (h, rows) in tail.iter_mut().enumerate() {
                 let (k, v) = rows.take_front(exact, items, d);
+                if let Some(layout) = &self.policy.select {
+                    summary.push(select::summarize(layout, &k));
+                }
                 let mut page = vec![0u8; layout.page_bytes as usize];
                 let tables = &self.pages.tables()[self.policy.tier][h];
                 match &encoder {
@@ -217,6 +235,7 @@ impl LiveCache {
                 heads.push(page);
             }
             pages.push(heads);
+            summaries.push(summary);
         }
         Ok(Planned {
             sequence,
@@ -224,6 +243,7 @@ impl LiveCache {
             sinks,
             tail,
             pages,
+            summaries,
         })
     }
 
@@ -268,11 +288,20 @@ impl LiveCache {
                     tail: Vec::new(),
                 });
             }
-            for heads in &plan.pages {
+            for (heads, summaries) in plan.pages.iter().zip(&plan.summaries) {
                 for (h, bytes) in heads.iter().enumerate() {
                     let page = self.pool.allocate(tier);
                     self.pages.write_page(tier, page.page, bytes);
                     self.pages.page_tables_mut()[plan.sequence][h].push(page);
+                    if let Some(summary) = summaries.get(h) {
+                        let n = summary.len();
+                        let at = page.page as usize * n;
+                        let stored = &mut self.summaries[tier];
+                        if stored.len() < at + n {
+                            stored.resize(at + n, 0);
+                        }
+                        stored[at..at + n].copy_from_slice(summary);
+                    }
                 }
             }
             self.sequences[plan.sequence] = SequenceState {
@@ -419,7 +448,8 @@ impl LiveKv for LiveCache {
 
 impl LiveCache {
     /// [`attend`](LiveKv::attend) with every row's scaled logits in token
-    /// order (sinks, pages, tail): what fidelity metrics compare.
+    /// order (sinks, pages, tail): what fidelity metrics compare. Tokens of
+    /// pages a selection did not read have logit -inf.
     pub fn attend_with_logits(
         &self,
         queries: &[f32],
@@ -446,11 +476,15 @@ impl LiveCache {
             .page_tables
             .iter()
             .any(|heads| heads.iter().any(|refs| !refs.is_empty()));
+        let selected = self.select_pages(queries, q_heads);
         let compressed = if any_pages {
-            Some(
-                self.executor
-                    .decode_with_logits(&self.pages, queries, q_heads)?,
-            )
+            Some(self.executor.execute(Request {
+                cache: &self.pages,
+                queries,
+                q_heads,
+                logits: true,
+                rows: selected.as_deref(),
+            })?)
         } else {
             None
         };
@@ -473,7 +507,20 @@ impl LiveCache {
                     let output = decoded.outputs[row * d..(row + 1) * d].to_vec();
                     finished.push((Softmax { max: lse, sum: 1.0 }, output));
                 }
-                row_logits.extend(&decoded.logits[row]);
+                match &selected {
+                    None => row_logits.extend(&decoded.logits[row]),
+                    Some(rows) => {
+                        let all = &self.pages.view().page_tables[row / q_heads][kv_head];
+                        let read = &rows[row / q_heads][kv_head];
+                        let items = format.spec().page.items as usize;
+                        row_logits.extend(unread_as_minus_infinity(
+                            all,
+                            read,
+                            &decoded.logits[row],
+                            items,
+                        ));
+                    }
+                }
             }
             row_logits.extend(&exact.logits[sinks..]);
             logits.push(row_logits);
@@ -486,6 +533,43 @@ impl LiveCache {
                 .push(log_sum_exp(&parts).unwrap_or(f32::NEG_INFINITY));
         }
         Ok((out, logits))
+    }
+}
+
+impl LiveCache {
+    /// The compressed pages each (sequence, kv head) reads under the
+    /// policy's selection (`[sequence][kv_head]`, token order): the
+    /// budget's highest-scoring pages for that kv head's query heads.
+    /// `None` without a selection: every page.
+    fn select_pages(&self, queries: &[f32], q_heads: usize) -> Option<Vec<Vec<Vec<PageRef>>>> {
+        let layout = self.policy.select?;
+        let d = layout.head_dim as usize;
+        let kv_heads = self.pages.kv_heads();
+        let group = q_heads / kv_heads;
+        let view = self.pages.view();
+        let rows = (view.page_tables.iter().enumerate())
+            .map(|(s, heads)| {
+                (heads.iter().enumerate())
+                    .map(|(h, refs)| {
+                        let first = (s * q_heads + h * group) * d;
+                        let group_queries = &queries[first..first + group * d];
+                        let scores: Vec<f32> = (refs.iter())
+                            .map(|r| {
+                                let n = layout.values();
+                                let at = r.page as usize * n;
+                                let summary = &self.summaries[r.tier as usize][at..at + n];
+                                let tokens = layout.items_per_page as usize;
+                                select::score(&layout, summary, tokens, group_queries)
+                            })
+                            .collect();
+                        (select::choose(&scores, layout.budget_pages as usize).into_iter())
+                            .map(|i| refs[i])
+                            .collect()
+                    })
+                    .collect()
+            })
+            .collect();
+        Some(rows)
     }
 }
 
@@ -505,6 +589,29 @@ pub(crate) fn check_exact(
         }
     }
     Ok(())
+}
+
+/// The logits of every token of `all` pages (whole pages of `items`) from
+/// those of the `read` ones (a subsequence of `all`): -inf, weight 0, for
+/// tokens not read.
+fn unread_as_minus_infinity(
+    all: &[PageRef],
+    read: &[PageRef],
+    logits: &[f32],
+    items: usize,
+) -> Vec<f32> {
+    let mut out = Vec::with_capacity(all.len() * items);
+    let mut next = read.iter().zip(logits.chunks(items)).peekable();
+    for page in all {
+        match next.peek() {
+            Some((r, page_logits)) if *r == page => {
+                out.extend_from_slice(page_logits);
+                next.next();
+            }
+            _ => out.extend(std::iter::repeat_n(f32::NEG_INFINITY, items)),
+        }
+    }
+    out
 }
 
 /// `ln Σ exp(x)`, computed in f64; `None` for no values.

@@ -1,8 +1,10 @@
 //! A live cache's policy: how many first tokens (sinks) and most recent tokens
 //! (window) stay exact, how exact rows are stored, and the tier whole pages are
-//! compressed into — and what that costs in bytes.
+//! compressed into, which compressed pages a step reads — and what that
+//! costs in bytes.
 
 use kvcc_compiler::front::cache::cache_tier;
+use kvcc_compiler::layout::summary::SummaryLayout;
 use kvcc_compiler::layout::TierLayout;
 use kvcc_compiler::spec::ExactDtype;
 use kvcc_compiler::Format;
@@ -14,6 +16,9 @@ pub struct CachePolicy {
     pub exact: ExactDtype,
     /// Index of the tier new pages are compressed into.
     pub tier: usize,
+    /// `[cache.select]`: the summary every compressed page keeps and the
+    /// pages a step reads; `None`: every page.
+    pub select: Option<SummaryLayout>,
 }
 
 /// Where a sequence's tokens are under a policy: the first `sinks` exact, then
@@ -34,6 +39,7 @@ impl CachePolicy {
             window: cache.window as usize,
             exact: cache.exact,
             tier: cache_tier(format.spec()).unwrap_or(0),
+            select: SummaryLayout::of(format.spec()),
         }
     }
 
@@ -44,6 +50,7 @@ impl CachePolicy {
             window: 0,
             exact: ExactDtype::F16,
             tier,
+            select: None,
         }
     }
 
@@ -54,6 +61,16 @@ impl CachePolicy {
             window: window.unwrap_or(self.window),
             ..self
         }
+    }
+
+    /// This policy reading at most `pages` compressed pages per (sequence,
+    /// kv head) where it selects (`--select-pages`); unchanged otherwise.
+    pub fn with_select_budget(self, pages: Option<u32>) -> CachePolicy {
+        let select = self.select.map(|s| SummaryLayout {
+            budget_pages: pages.unwrap_or(s.budget_pages),
+            ..s
+        });
+        CachePolicy { select, ..self }
     }
 
     /// Whether any token is kept exact.
@@ -89,20 +106,33 @@ impl CachePolicy {
         } else {
             layout.effective_bytes_per_token(compressed as u32) * compressed as f64
         };
+        let summaries = self
+            .select
+            .map_or(0.0, |s| s.bytes_per_token() * compressed as f64);
+        let pages = pages + summaries;
         (exact + pages) / context.max(1) as f64
     }
 
-    /// "sinks 4 + window 64 exact (f16), pages in `pca64_vq`".
+    /// "sinks 4 + window 64 exact (f16), whole pages in `pca64_vq`", and
+    /// "; reads 16 pages by quest" where it selects.
     pub fn describe(&self, format: &Format) -> String {
         let tier = &format.layout(self.tier).name;
-        if !self.keeps_exact() {
-            return format!("no exact tokens, every page in `{tier}`");
+        let kept = match self.keeps_exact() {
+            false => format!("no exact tokens, every page in `{tier}`"),
+            true => format!(
+                "sinks {} + window {} exact ({}), whole pages in `{tier}`",
+                self.sinks,
+                self.window,
+                self.exact.name()
+            ),
+        };
+        match self.select {
+            None => kept,
+            Some(s) => format!(
+                "{kept}; reads {} pages by {}",
+                s.budget_pages,
+                s.method.name()
+            ),
         }
-        format!(
-            "sinks {} + window {} exact ({}), whole pages in `{tier}`",
-            self.sinks,
-            self.window,
-            self.exact.name()
-        )
     }
 }

@@ -8,6 +8,7 @@
 //! merge the partials with a log-sum-exp merge.
 
 pub mod encode;
+pub mod select;
 // The Cranelift backend folds constants with these same functions.
 pub(crate) mod eval;
 

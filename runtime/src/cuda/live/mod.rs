@@ -169,6 +169,14 @@ impl DeviceLiveCache {
                 tiers,
             });
         }
+        if let Some(select) = policy.select {
+            return Err(LiveError::Device(format!(
+                "{}'s [cache.select] ({}) is not built on the device live cache yet; open the \
+                 CPU live cache, or a policy without a selection",
+                format.name(),
+                select.method.name()
+            )));
+        }
         let kv_heads = options.kv_heads;
         crate::cache::PagedCache::new(format, kv_heads, tables.clone())?;
         let serving = serving_format(format, policy.exact).map_err(|e| {
