@@ -67,9 +67,12 @@ fn reference_example_parses() {
         "/../docs/spec-reference.md"
     ))
     .expect("docs/spec-reference.md exists");
-    let start = doc.find("```toml\n").expect("a toml example") + "```toml\n".len();
-    let end = start + doc[start..].find("```").expect("closed example");
-    let spec = kvcc_compiler::front::parse_spec(&doc[start..end], "docs/spec-reference.md")
+    // The first whole spec among the toml blocks (others show one table).
+    let example = (doc.split("```toml\n").skip(1))
+        .map(|block| &block[..block.find("```").expect("closed example")])
+        .find(|block| block.contains("[[tier]]"))
+        .expect("a toml example with tiers");
+    let spec = kvcc_compiler::front::parse_spec(example, "docs/spec-reference.md")
         .unwrap_or_else(|err| panic!("{err}"));
     assert_eq!(spec.tiers.len(), 2);
     assert_eq!(shared_memory_estimate(&spec, 0), 69632);
