@@ -12,9 +12,14 @@ use std::sync::Arc;
 
 use common::{assert_rows_close, bundled, data, fresh_seed, SplitMix64};
 use kvcc::compiler::back::ptx::abi::RowDtype;
+use kvcc::compiler::layout::summary::SummaryLayout;
+use kvcc::compiler::page::PageRef;
 use kvcc::compiler::spec::ExactDtype;
 use kvcc::compiler::Format;
+use kvcc::runtime::builtin::SPECS;
 use kvcc::runtime::cache::{self, Tables};
+use kvcc::runtime::cuda::cudarc::driver as cudarc_slice;
+use kvcc::runtime::cuda::cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use kvcc::runtime::cuda::cudarc::driver::DevicePtr;
 use kvcc::runtime::cuda::{DeviceAppend, DeviceLiveCache, DeviceLiveOptions, Gpu, StepIo};
 use kvcc::runtime::encode::TrainOptions;
@@ -39,6 +44,8 @@ struct Case<'a> {
     tiers: Vec<usize>,
     sequences: usize,
     steps: usize,
+    /// `[cache.select]`: both caches read only the chosen pages.
+    select: Option<SummaryLayout>,
 }
 
 impl Case<'_> {
@@ -61,7 +68,7 @@ impl Case<'_> {
             window: self.window,
             exact: self.exact,
             tier: self.tiers[0],
-            select: None,
+            select: self.select,
         }
     }
 }
@@ -99,6 +106,9 @@ fn compare(case: &Case, cpu: &LiveCache, device: &DeviceLiveCache, queries: &[f3
     let got = device
         .attend(queries, q_heads)
         .unwrap_or_else(|e| panic!("{what}: {e}"));
+    if case.select.is_some() {
+        compare_selection(cpu, device, queries, q_heads, what);
+    }
     assert_rows_close(what, &got.outputs, &want.outputs, d, 2e-4);
     for (row, (g, w)) in got.lse.iter().zip(&want.lse).enumerate() {
         let close = if w.is_finite() {
@@ -107,6 +117,62 @@ fn compare(case: &Case, cpu: &LiveCache, device: &DeviceLiveCache, queries: &[f3
             g == w
         };
         assert!(close, "{what}: lse of row {row}: got {g}, want {w}");
+    }
+}
+
+/// The GPU's summaries of every compressed page equal the CPU's, bit for
+/// bit, and its last step chose the same pages (by position in each row's
+/// list: pool slots may differ).
+fn compare_selection(
+    cpu: &LiveCache,
+    device: &DeviceLiveCache,
+    queries: &[f32],
+    q_heads: usize,
+    what: &str,
+) {
+    let view = cpu.pages().view();
+    let exact_tier = device.serving().exact_tier as u32;
+    let want = cpu
+        .select_pages(queries, q_heads)
+        .expect("the CPU cache selects");
+    let got = device
+        .chosen_pages()
+        .unwrap()
+        .expect("the GPU cache selects");
+    for (s, cpu_heads) in view.page_tables.iter().enumerate() {
+        let device_heads = device.page_table(s).unwrap();
+        for (h, (cpu_refs, device_refs)) in cpu_heads.iter().zip(&device_heads).enumerate() {
+            let device_refs: Vec<_> = (device_refs.iter())
+                .filter(|r| r.tier != exact_tier)
+                .collect();
+            for (c, g) in cpu_refs.iter().zip(&device_refs) {
+                let cpu_summary = cpu.page_summary(c.tier as usize, c.page).unwrap();
+                let device_summary = device.page_summary(g.page).unwrap().unwrap();
+                if let Some(at) = (device_summary.iter().zip(cpu_summary)).position(|(a, b)| a != b)
+                {
+                    panic!(
+                        "{what}: summary of page {c:?} of {s}/{h} differs at value {at}: {:#06x} vs {:#06x}",
+                        device_summary[at], cpu_summary[at]
+                    );
+                }
+            }
+            let position = |list: &[&PageRef], page: &PageRef| list.iter().position(|r| *r == page);
+            let cpu_list: Vec<_> = cpu_refs.iter().collect();
+            let chosen_cpu: Vec<_> = (want[s][h].iter())
+                .map(|r| position(&cpu_list, r).expect("a listed page"))
+                .collect();
+            let chosen_device: Vec<_> = (got[s][h].iter())
+                .map(|&page| {
+                    (device_refs.iter())
+                        .position(|r| r.page == page)
+                        .unwrap_or_else(|| panic!("{what}: {s}/{h} chose unlisted page {page}"))
+                })
+                .collect();
+            assert_eq!(
+                chosen_device, chosen_cpu,
+                "{what}: pages chosen for {s}/{h}"
+            );
+        }
     }
 }
 
@@ -241,6 +307,199 @@ fn run(gpu: &Arc<Gpu>, case: &Case, seed: u64) {
     }
 }
 
+/// A bundled spec with `select` as its `[cache.select]` table.
+fn selecting(name: &str, select: &str) -> Format {
+    let file = format!("specs/{name}.toml");
+    let (_, source) = (SPECS.iter().find(|(path, _)| *path == file)).expect("a bundled spec");
+    let text = format!("{source}\n[cache.select]\n{select}\n");
+    Format::parse(&text, &file).unwrap_or_else(|e| panic!("{e}"))
+}
+
+#[test]
+fn gpu_live_cache_selects_the_pages_the_cpu_live_cache_selects() {
+    let test = "gpu_live_cache_selects_the_pages_the_cpu_live_cache_selects";
+    let Some(gpu) = gpu(test) else { return };
+    let seed = fresh_seed(test);
+    let cases = [
+        (
+            "dense_f16",
+            "method = \"quest\"\npages = 2",
+            ExactDtype::F16,
+            2,
+            4,
+            0,
+        ),
+        (
+            "dense_f16",
+            "method = \"quest\"\npages = 3",
+            ExactDtype::Bf16,
+            1,
+            8,
+            0,
+        ),
+        (
+            "kivi",
+            "method = \"quest\"\ngroup = \"sum\"\npages = 2",
+            ExactDtype::F16,
+            2,
+            4,
+            1,
+        ),
+        (
+            "kivi",
+            "method = \"block_mean\"\npages = 2",
+            ExactDtype::F16,
+            2,
+            1,
+            0,
+        ),
+        (
+            "kivi",
+            "method = \"block_mean\"\nblock = 16\ngroup = \"sum\"\npages = 3",
+            ExactDtype::Bf16,
+            1,
+            4,
+            1,
+        ),
+    ];
+    for (i, (name, select, exact, kv_heads, group, tier)) in cases.into_iter().enumerate() {
+        let format = selecting(name, select);
+        let case = Case {
+            format: &format,
+            sinks: 4,
+            window: 64,
+            exact,
+            kv_heads,
+            group,
+            tiers: vec![tier],
+            sequences: 3,
+            steps: 10,
+            select: SummaryLayout::of(format.spec()),
+        };
+        run(&gpu, &case, seed.wrapping_add(i as u64 * 1000));
+    }
+}
+
+/// A selecting step captured once as a CUDA graph (a fixed plan) and
+/// replayed after appends that fill and compress pages writes what the
+/// same step run eagerly writes, bit for bit.
+#[test]
+fn gpu_live_cache_selecting_graph_replays_as_eager_steps_over_appends() {
+    let test = "gpu_live_cache_selecting_graph_replays_as_eager_steps_over_appends";
+    let Some(gpu) = gpu(test) else { return };
+    let seed = fresh_seed(test);
+    let format = selecting("kivi", "method = \"quest\"\npages = 2");
+    let (kv_heads, q_heads, sequences) = (2, 8, 2);
+    let d = format.head_dim() as usize;
+    let tokens = 700;
+    let twins = Twins::new(&format, seed, [kv_heads, q_heads, sequences], tokens, 64);
+    let (_, mut device) = twins.caches(&gpu, &format, true);
+    let sets = &twins.sets;
+    let queries: Vec<f32> = sets
+        .iter()
+        .flat_map(|s| s.queries[..q_heads * d].to_vec())
+        .collect();
+    let q = gpu.upload(&queries).unwrap();
+    let stream = q.stream().clone();
+    let buffers = |n: usize| {
+        (
+            gpu.upload(&vec![0.0; n]).unwrap(),
+            gpu.upload(&vec![0.0; n / d]).unwrap(),
+        )
+    };
+    let (eager_out, eager_lse) = buffers(queries.len());
+    let (graph_out, graph_lse) = buffers(queries.len());
+    let io = |out: &cudarc_slice::CudaSlice<f32>, lse: &cudarc_slice::CudaSlice<f32>| StepIo {
+        queries: q.device_ptr(&stream).0,
+        output: out.device_ptr(&stream).0,
+        lse: lse.device_ptr(&stream).0,
+    };
+    let (eager_io, graph_io) = (io(&eager_out, &eager_lse), io(&graph_out, &graph_lse));
+    let mut graph = None;
+    let mut taken = 0;
+    for (step, count) in [150, 1, 63, 64, 1, 130, 2, 200].into_iter().enumerate() {
+        let what = format!("step {step}");
+        let (keys, values): (Vec<Vec<f32>>, Vec<Vec<f32>>) = sets
+            .iter()
+            .map(|set| {
+                let pick = |data: &[f32]| -> Vec<f32> {
+                    (0..kv_heads)
+                        .flat_map(|h| {
+                            data[(h * tokens + taken) * d..(h * tokens + taken + count) * d]
+                                .to_vec()
+                        })
+                        .collect()
+                };
+                (pick(&set.keys), pick(&set.values))
+            })
+            .unzip();
+        let batch: Vec<Append> = (0..sequences)
+            .map(|s| Append {
+                sequence: s,
+                keys: &keys[s],
+                values: &values[s],
+            })
+            .collect();
+        device.append(&batch).unwrap();
+        taken += count;
+        // SAFETY: the buffers hold the step's queries and results and
+        // outlive it (the downloads below wait).
+        unsafe {
+            device
+                .on_stream(stream.cu_stream(), |live| {
+                    live.attend_into(eager_io, q_heads)
+                })
+                .unwrap_or_else(|e| panic!("{what}: {e}"));
+        }
+        if graph.is_none() {
+            let mode = CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
+            stream.begin_capture(mode).unwrap();
+            // SAFETY: as above.
+            let captured = unsafe {
+                device.on_stream(stream.cu_stream(), |live| {
+                    live.attend_into(graph_io, q_heads)
+                })
+            };
+            let ended = stream.end_capture(CUgraphInstantiate_flags(0)).unwrap();
+            captured.unwrap_or_else(|e| panic!("{what}, capture: {e}"));
+            graph = ended;
+        }
+        graph.as_ref().expect("a captured step").launch().unwrap();
+        let eager = (
+            stream.clone_dtoh(&eager_out).unwrap(),
+            stream.clone_dtoh(&eager_lse).unwrap(),
+        );
+        let replayed = (
+            stream.clone_dtoh(&graph_out).unwrap(),
+            stream.clone_dtoh(&graph_lse).unwrap(),
+        );
+        stream.synchronize().unwrap();
+        assert!(
+            eager.0.iter().all(|x| x.is_finite()),
+            "{what}: eager output"
+        );
+        let same = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+        assert!(
+            same(&eager.0, &replayed.0),
+            "{what}: the replayed output differs from the eager one"
+        );
+        assert!(
+            same(&eager.1, &replayed.1),
+            "{what}: the replayed log-sum-exp differs"
+        );
+        assert!(
+            device
+                .chosen_pages()
+                .unwrap()
+                .unwrap()
+                .iter()
+                .flatten()
+                .all(|row| row.len() <= 2),
+            "{what}: budget"
+        );
+    }
+}
+
 fn format(name: &str) -> Format {
     bundled()
         .into_iter()
@@ -264,6 +523,7 @@ fn gpu_live_cache_matches_the_cpu_live_cache_on_every_bundled_format() {
             tiers: (0..format.tiers().len()).collect(),
             sequences: 3,
             steps: 10,
+            select: None,
         };
         run(&gpu, &case, seed.wrapping_add(i as u64 * 1000));
     }
@@ -299,6 +559,7 @@ fn gpu_live_cache_sinks_windows_groups_and_exact_dtypes() {
             tiers,
             sequences: 3,
             steps: 8,
+            select: None,
         };
         run(&gpu, &case, seed.wrapping_add(i as u64 * 1000));
     }
@@ -440,6 +701,7 @@ fn gpu_live_cache_matches_the_cpu_live_cache_on_random_specs() {
             tiers: (0..format.tiers().len()).collect(),
             sequences: 2,
             steps: 6,
+            select: None,
         };
         run(&gpu, &case, seed.wrapping_add(i as u64 * 1000));
     }

@@ -498,3 +498,63 @@ fn asymmetric_keys_on_the_tensor_cores_assemble_without_local_memory() {
     let problems = assemble_all(&assembler, jobs);
     assert!(problems.is_empty(), "{}", problems.join("\n"));
 }
+
+#[test]
+fn page_selection_kernels_assemble_without_local_memory() {
+    let Some(assembler) = ptxas::find_or_skip("page_selection_kernels_assemble") else {
+        return;
+    };
+    use kvcc::compiler::layout::summary::SummaryLayout;
+    use kvcc::compiler::spec::ExactDtype;
+    use kvcc::runtime::live::serving_format;
+    let selects = [
+        "method = \"quest\"\npages = 4",
+        "method = \"quest\"\ngroup = \"sum\"\ntokens = 4096",
+        "method = \"block_mean\"\npages = 4",
+        "method = \"block_mean\"\nblock = 16\ngroup = \"sum\"\npages = 4",
+    ];
+    let mut problems = Vec::new();
+    let specs = [
+        "specs/dense_f16.toml",
+        "specs/kivi.toml",
+        "specs/subspace.toml",
+    ];
+    for (file, source) in (kvcc::runtime::builtin::SPECS.iter()).filter(|(f, _)| specs.contains(f))
+    {
+        for (i, select) in selects.iter().enumerate() {
+            let text = format!("{source}\n[cache.select]\n{select}\n");
+            let format = Format::parse(&text, file).unwrap_or_else(|e| panic!("{e}"));
+            let summary = SummaryLayout::of(format.spec()).expect("a selection");
+            let exact = [ExactDtype::F16, ExactDtype::Bf16][i % 2];
+            let serving = serving_format(&format, exact).unwrap();
+            let exact = serving.format.layout(serving.exact_tier);
+            for (target, group) in Target::ALL
+                .into_iter()
+                .flat_map(|t| [1, 4, 8].map(|g| (t, g)))
+            {
+                let (text, _) = ptx::write_select(format.name(), &summary, exact, group, target)
+                    .unwrap_or_else(|e| panic!("{}: {e}", format.name()));
+                let what = format!(
+                    "{} select {i} group {group} ({})",
+                    format.name(),
+                    target.name()
+                );
+                match ptxas::assemble(&assembler, &text, target) {
+                    Err(messages) => problems.push(format!("{what}: ptxas failed:\n{messages}")),
+                    Ok(resources) => {
+                        problems.extend(
+                            resources
+                                .iter()
+                                .flat_map(|r| r.problems())
+                                .map(|p| format!("{what}: {p}")),
+                        );
+                        if resources.len() != 3 {
+                            problems.push(format!("{what}: {} kernels, not 3", resources.len()));
+                        }
+                    }
+                }
+            }
+        }
+    }
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+}

@@ -3,10 +3,12 @@
 # Binaries are built on a CPU machine and carried in .gpu/ (see build.sh):
 #   .gpu/kvcc, .gpu/gpu-tests and .gpu/gpu-live-tests (tests/gpu.rs, tests/gpu_live.rs); wheels in .whl/.
 # Usage: benches/gpu/run.sh STEP...
-#   STEP: env | test | sanitize | ncu | baseline | bench | live-baseline | live-bench | tune | tuned-bench | shipped
+#   STEP: env | test | sanitize | ncu | baseline | bench | live-baseline | live-bench | live-select | tune | tuned-bench | shipped
 #         | ncu-bound | untuned | corpus | shipped-tune | before-after
 # live-baseline / live-bench: the serving loop (append one token per sequence, then decode) of
 # benches/gpu/live_baseline.py (SDPA, FlashInfer f16/fp8) and of `kvcc bench --live`.
+# live-select: the serving loop of the selecting specs (benches/gpu/select) beside full decode of
+# the same pages (dense_f16, kivi), against the live-baseline step's SDPA.
 # before-after: benches the build in $KVCC_BEFORE (default .gpu/before, built by build.sh from an
 # older commit) and .gpu/ alternately, three runs each, and fails if a tier is over 2 % slower.
 # shipped: imports the tune cache exported by an earlier call on another machine
@@ -40,7 +42,7 @@ for s in "$@"; do
       # then the tuning space's other configurations (pipelined ones too); the page encoders
       # and the live cache (append, compress, decode over exact and compressed pages).
       # KVCC_SANITIZE: a space-separated subset of bin:test pairs.
-      tests=${KVCC_SANITIZE:-"gpu-tests:gpu_matches_interpreter_on_every_bundled_tier gpu-tests:gpu_matches_interpreter_on_direct_codebook_formats gpu-tests:gpu_tuning_space_matches_interpreter_and_page_size_is_enforced gpu-tests:gpu_encoders_match_cpu_encoder_on_every_bundled_tier gpu-live-tests:gpu_live_cache_matches_the_cpu_live_cache_on_every_bundled_format"}
+      tests=${KVCC_SANITIZE:-"gpu-tests:gpu_matches_interpreter_on_every_bundled_tier gpu-tests:gpu_matches_interpreter_on_direct_codebook_formats gpu-tests:gpu_tuning_space_matches_interpreter_and_page_size_is_enforced gpu-tests:gpu_encoders_match_cpu_encoder_on_every_bundled_tier gpu-live-tests:gpu_live_cache_matches_the_cpu_live_cache_on_every_bundled_format gpu-live-tests:gpu_live_cache_selects_the_pages_the_cpu_live_cache_selects"}
       for pair in $tests; do
         bin=${pair%%:*}; t=${pair#*:}
         for tool in memcheck racecheck; do
@@ -84,6 +86,16 @@ for s in "$@"; do
         ${KVCC_BENCH_ONLY:+--only "$KVCC_BENCH_ONLY"} --save "$out/live-bench.json" > "$out/live-bench.txt" 2> "$out/live-bench.err" \
         || { status=1; tail -5 "$out/live-bench.err"; }
       cat "$out/live-bench.txt"
+      ;;
+    live-select)
+      step "kvcc bench --live: page selection (benches/gpu/select) and full decode of the same pages"
+      for what in select full; do
+        flags=(--specs benches/gpu/select); [ "$what" = full ] && flags=(--only dense_f16,kivi)
+        .gpu/kvcc bench --live "${flags[@]}" --batch "${KVCC_BENCH_BATCH:-8}" --baseline "$out/live-baseline.json" \
+          --ctx "${KVCC_BENCH_CTX:-32768,131072,524288}" --save "$out/live-$what.json" > "$out/live-$what.txt" 2> "$out/live-$what.err" \
+          || { status=1; tail -5 "$out/live-$what.err"; }
+        cat "$out/live-$what.txt"
+      done
       ;;
     bench)
       step "kvcc bench"

@@ -8,6 +8,7 @@ mod kernels;
 mod live;
 pub mod measure;
 mod resident;
+mod select;
 mod tensor_map;
 
 /// The driver crate this API's device types come from (`CudaSlice`,
@@ -18,6 +19,7 @@ pub use encode::PageEncoders;
 pub use kernels::FormatKernels;
 pub use live::{DeviceAppend, DeviceLiveCache, DeviceLiveOptions};
 pub use resident::{DeviceCache, DeviceDecode, StepIo};
+pub use select::DeviceSelection;
 
 use cudarc::driver::DriverError;
 

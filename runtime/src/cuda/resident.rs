@@ -11,6 +11,7 @@ use cudarc::driver::{
 use kvcc_compiler::back::interp::{Interpreter, Options as InterpOptions};
 use kvcc_compiler::back::ptx::abi;
 
+use super::select::DeviceSelection;
 use super::{CudaError, During, FormatKernels, Gpu};
 use crate::cache::PagedCache;
 use kvcc_compiler::page::PageRef;
@@ -41,6 +42,9 @@ pub struct DeviceCache {
     table_bytes: Vec<u64>,
     /// Bytes a decode step must read: every referenced page and every table once.
     pub bytes_per_step: u64,
+    /// `[cache.select]`: the tier whose pages a step chooses among, and
+    /// the chosen lists its kernel reads instead of the full ones.
+    selection: Option<DeviceSelection>,
 }
 
 impl DeviceCache {
@@ -155,6 +159,7 @@ impl DeviceCache {
             row_pages_max: vec![0; tiers],
             bytes_per_step: 0,
             table_bytes,
+            selection: None,
         })
     }
 
@@ -189,9 +194,20 @@ impl DeviceCache {
         for t in 0..self.pools.len() {
             let upload = |what: &'static str| move || format!("uploading tier {t} {what}");
             let (offsets, mut ids) = abi::page_lists(page_tables, t as u32);
-            self.row_pages_max[t] = offsets.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(0);
+            let rows = offsets.windows(2).map(|w| w[1] - w[0]);
+            let selection = self.selection.as_ref().filter(|s| s.tier == t);
+            let (read, most) = match selection {
+                // The summaries of every listed page, then the chosen pages.
+                Some(s) => (
+                    rows.clone().map(|n| u64::from(s.read_of(n))).sum::<u64>(),
+                    rows.map(|n| s.read_of(n)).max().unwrap_or(0),
+                ),
+                None => (ids.len() as u64, rows.max().unwrap_or(0)),
+            };
+            self.row_pages_max[t] = most;
+            let summaries = selection.map_or(0, |s| ids.len() as u64 * u64::from(s.layout.bytes()));
             bytes_per_step +=
-                ids.len() as u64 * u64::from(self.page_bytes[t]) + self.table_bytes[t];
+                read * u64::from(self.page_bytes[t]) + summaries + self.table_bytes[t];
             if ids.is_empty() {
                 ids.push(0);
             }
@@ -221,6 +237,36 @@ impl DeviceCache {
         self.bytes_per_step = bytes_per_step;
         self.generation += 1;
         Ok(())
+    }
+
+    /// Makes every later step choose among `selection.tier`'s pages (the
+    /// page lists are re-planned for its budget).
+    pub(crate) fn attach_selection(
+        &mut self,
+        gpu: &Gpu,
+        selection: DeviceSelection,
+        page_tables: &[Vec<Vec<PageRef>>],
+    ) -> Result<(), CudaError> {
+        self.selection = Some(selection);
+        self.set_page_lists(gpu, page_tables)
+    }
+
+    pub(crate) fn selection(&self) -> Option<&DeviceSelection> {
+        self.selection.as_ref()
+    }
+
+    pub(crate) fn selection_mut(&mut self) -> Option<&mut DeviceSelection> {
+        self.selection.as_mut()
+    }
+
+    /// The exact pool and the selection, apart (summaries are written
+    /// from the exact pages).
+    pub(crate) fn summarize_buffers(
+        &mut self,
+        exact: usize,
+    ) -> Option<(&CudaSlice<u8>, &mut DeviceSelection)> {
+        let selection = self.selection.as_mut()?;
+        Some((&self.pools[exact], selection))
     }
 
     /// Tier `tier`'s pool.
@@ -659,6 +705,11 @@ impl DeviceDecode {
                 "the decode step was prepared for other kernels (its tensor maps differ)".into(),
             ));
         }
+        if let Some(selection) = &cache.selection {
+            let t = selection.tier;
+            let lists = (&cache.page_offsets[t], &cache.page_ids[t]);
+            selection.select(gpu, io.queries, lists, sequences, kv_heads, q_heads)?;
+        }
         if let Some(side) = &side {
             side.ready
                 .record(&gpu.stream)
@@ -677,10 +728,14 @@ impl DeviceDecode {
                 Some(side) if side.tier == t => side.stream,
                 _ => &gpu.stream,
             };
+            let (offsets, ids) = match &cache.selection {
+                Some(selection) if selection.tier == t => selection.lists(),
+                _ => (&cache.page_offsets[t], &cache.page_ids[t]),
+            };
             let mut args = stream.launch_builder(function);
             args.arg(&cache.pools[t])
-                .arg(&cache.page_offsets[t])
-                .arg(&cache.page_ids[t])
+                .arg(offsets)
+                .arg(ids)
                 .arg(&cache.tables[t])
                 .arg(&io.queries)
                 .arg(&mut self.partials)

@@ -537,11 +537,19 @@ impl LiveCache {
 }
 
 impl LiveCache {
+    /// The selection summary of page `page` of tier `tier`; `None` without
+    /// a selection or for a page never compressed.
+    pub fn page_summary(&self, tier: usize, page: u32) -> Option<&[u16]> {
+        let n = self.policy.select?.values();
+        let at = page as usize * n;
+        self.summaries.get(tier)?.get(at..at + n)
+    }
+
     /// The compressed pages each (sequence, kv head) reads under the
     /// policy's selection (`[sequence][kv_head]`, token order): the
     /// budget's highest-scoring pages for that kv head's query heads.
     /// `None` without a selection: every page.
-    fn select_pages(&self, queries: &[f32], q_heads: usize) -> Option<Vec<Vec<Vec<PageRef>>>> {
+    pub fn select_pages(&self, queries: &[f32], q_heads: usize) -> Option<Vec<Vec<Vec<PageRef>>>> {
         let layout = self.policy.select?;
         let d = layout.head_dim as usize;
         let kv_heads = self.pages.kv_heads();

@@ -11,8 +11,8 @@ use crate::spec::{GroupScore, SelectMethod};
 
 /// The f16 summary (`layout.values()` values, as bits) of one page's keys
 /// (`[token][head_dim]`, at most a page, in the f16 range). Quest: each
-/// channel's minimum rounded down and maximum rounded up, so the score
-/// bounds every stored key's `q · k`; block mean: each block's mean key
+/// channel's minimum rounded down and maximum rounded up (of the keys in
+/// `f32::total_cmp` order), so the score bounds every stored key's `q · k`; block mean: each block's mean key
 /// (summed in token order, divided by its tokens, rounded to nearest),
 /// zero for blocks past the page's tokens.
 pub fn summarize(layout: &SummaryLayout, keys: &[f32]) -> Vec<u16> {
@@ -23,13 +23,10 @@ pub fn summarize(layout: &SummaryLayout, keys: &[f32]) -> Vec<u16> {
         SelectMethod::Quest => {
             let (min, max) = out.split_at_mut(d);
             for c in 0..d {
+                // In `total_cmp`'s order, so -0 sits below +0 on every path.
                 let column = (0..tokens).map(|t| keys[t * d + c]);
-                let lo = column.clone().fold(f32::INFINITY, f32::min);
-                let hi = column.fold(f32::NEG_INFINITY, f32::max);
-                let (lo, hi) = match tokens {
-                    0 => (0.0, 0.0),
-                    _ => (lo, hi),
-                };
+                let lo = column.clone().min_by(f32::total_cmp).unwrap_or(0.0);
+                let hi = column.max_by(f32::total_cmp).unwrap_or(0.0);
                 min[c] = f16_toward(lo, false).to_bits();
                 max[c] = f16_toward(hi, true).to_bits();
             }

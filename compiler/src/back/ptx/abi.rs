@@ -50,7 +50,7 @@ pub struct Param {
     pub doc: &'static str,
 }
 
-const fn param(name: &'static str, ty: ParamType, doc: &'static str) -> Param {
+pub(crate) const fn param(name: &'static str, ty: ParamType, doc: &'static str) -> Param {
     Param { name, ty, doc }
 }
 

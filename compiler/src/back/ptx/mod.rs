@@ -32,6 +32,7 @@ mod lane_split;
 mod merge;
 mod options;
 mod plan;
+pub mod select;
 mod streams;
 mod tensor_cores;
 
@@ -240,6 +241,25 @@ pub fn write_append(
     let (entry, kernel) = append::append(&rows, layout.index, input, &name);
     let ptx = builder::module(PTX_VERSION, target.name(), abi::SHARED_SYMBOL, &[entry]);
     Ok((ptx, kernel))
+}
+
+/// The `[cache.select]` kernels of `format_name` (summarize, score for query
+/// groups of `group` heads, choose: `select::SelectKernels`) in one module,
+/// summarizing pages of the exact tier laid out as `exact`.
+pub fn write_select(
+    format_name: &str,
+    summary: &crate::layout::summary::SummaryLayout,
+    exact: &crate::layout::TierLayout,
+    group: u32,
+    target: Target,
+) -> Result<(String, select::SelectKernels), NotExact> {
+    let source = abi::DenseSource::of_layout(exact).ok_or_else(|| NotExact {
+        tier: exact.name.clone(),
+    })?;
+    let name = format!("kvcc_{}_select", identifier(format_name));
+    let (entries, kernels) = select::kernels(&name, summary, &source, group);
+    let ptx = builder::module(PTX_VERSION, target.name(), abi::SHARED_SYMBOL, &entries);
+    Ok((ptx, kernels))
 }
 
 /// A spec name as a PTX identifier (`-` is not allowed there).

@@ -225,6 +225,9 @@ impl DeviceLiveCache {
                     &jobs,
                     r.jobs.len() as u32,
                 )?;
+                if let Some((pool, selection)) = self.device.summarize_buffers(exact) {
+                    selection.summarize(&self.gpu, pool, &jobs, r.jobs.len() as u32)?;
+                }
             }
         }
         if steady {

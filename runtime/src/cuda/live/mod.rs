@@ -18,7 +18,7 @@ use kvcc_compiler::Format;
 use super::encode::PageEncoders;
 use super::resident::SideLaunch;
 use super::resident::StepIo;
-use super::{CudaError, DeviceCache, DeviceDecode, During, FormatKernels, Gpu};
+use super::{CudaError, DeviceCache, DeviceDecode, DeviceSelection, During, FormatKernels, Gpu};
 use crate::cache::Tables;
 use crate::encode::TrainOptions;
 use crate::live::{
@@ -169,14 +169,6 @@ impl DeviceLiveCache {
                 tiers,
             });
         }
-        if let Some(select) = policy.select {
-            return Err(LiveError::Device(format!(
-                "{}'s [cache.select] ({}) is not built on the device live cache yet; open the \
-                 CPU live cache, or a policy without a selection",
-                format.name(),
-                select.method.name()
-            )));
-        }
         let kv_heads = options.kv_heads;
         crate::cache::PagedCache::new(format, kv_heads, tables.clone())?;
         let serving = serving_format(format, policy.exact).map_err(|e| {
@@ -227,7 +219,7 @@ impl DeviceLiveCache {
         let mut all_tables: Vec<&[Vec<Vec<f32>>]> = tables.iter().map(Vec::as_slice).collect();
         let exact_tables = vec![Vec::new(); kv_heads];
         all_tables.push(&exact_tables);
-        let device = DeviceCache::with_capacity(
+        let mut device = DeviceCache::with_capacity(
             &gpu,
             &kernels,
             kv_heads,
@@ -235,9 +227,24 @@ impl DeviceLiveCache {
             &capacities,
             &all_tables,
         )?;
-        // A row's compressed pages are bounded by the pool, its exact ones by the policy.
+        // A row's compressed pages are bounded by the pool (where it selects,
+        // by the budget), its exact ones by the policy.
         let mut row_pages = vec![options.pages_per_tier as u32; tiers];
         row_pages.push(exact_pages_per_row as u32);
+        if let Some(layout) = policy.select {
+            let selection = DeviceSelection::new(
+                &gpu,
+                format.name(),
+                layout,
+                exact_layout,
+                policy.tier,
+                options.pages_per_tier,
+                options.max_sequences * kv_heads,
+                group,
+            )?;
+            device.attach_selection(&gpu, selection, &[])?;
+            row_pages[policy.tier] = selection_rows(&device, row_pages[policy.tier]);
+        }
         let lists =
             (gpu.stream.alloc_zeros::<u32>(4)).during(|| "allocating append lists".into())?;
         let side = (gpu.stream.fork()).during(|| "creating the side stream".into())?;
@@ -459,6 +466,9 @@ impl DeviceLiveCache {
                     &self.configs,
                     group,
                 )?;
+                if let Some(selection) = self.device.selection_mut() {
+                    selection.set_group(&self.gpu, group)?;
+                }
                 let old = std::mem::replace(&mut self.kernels, kernels);
                 let step = self.decode.get_mut().expect("decode lock").take();
                 self.retired.push((step, Some(old)));
@@ -481,6 +491,30 @@ impl DeviceLiveCache {
             (self.decode.get_mut().expect("decode lock").as_mut()).expect("a step was just made");
         step.launch_io(&self.gpu, &self.kernels, &self.device, None, Some(io))?;
         Ok(())
+    }
+
+    /// The pages the last decode step chose per sequence and kv head
+    /// (`[sequence][kv_head]`, ascending pool pages of the selected tier in
+    /// list order); `None` without `[cache.select]`. Waits for the step.
+    pub fn chosen_pages(&self) -> Result<Option<Vec<Vec<Vec<u32>>>>, LiveError> {
+        let Some(selection) = self.device.selection() else {
+            return Ok(None);
+        };
+        let rows = selection.chosen(&self.gpu, self.books.sequences.len() * self.kv_heads)?;
+        Ok(Some(
+            rows.chunks(self.kv_heads.max(1))
+                .map(<[_]>::to_vec)
+                .collect(),
+        ))
+    }
+
+    /// The selection summary of page `page` of the selected tier, as the
+    /// device holds it; `None` without `[cache.select]`.
+    pub fn page_summary(&self, page: u32) -> Result<Option<Vec<u16>>, LiveError> {
+        match self.device.selection() {
+            Some(selection) => Ok(Some(selection.summary(&self.gpu, page)?)),
+            None => Ok(None),
+        }
     }
 
     /// Bumped by every change of the page lists (a page allocated,
@@ -535,6 +569,11 @@ impl DeviceLiveCache {
             lse: step.lse(&self.gpu, &self.device)?,
         })
     }
+}
+
+/// Most pages a row of the selected tier reads, of `listed` at most.
+fn selection_rows(device: &DeviceCache, listed: u32) -> u32 {
+    device.selection().map_or(listed, |s| s.read_of(listed))
 }
 
 /// Query heads per kv head of a step over `q_heads` query heads.
@@ -646,6 +685,13 @@ impl LiveKv for DeviceLiveCache {
         let tiers = self.format.tiers().len();
         if tier >= tiers {
             return Err(crate::encode::EncodeError::UnknownTier { tier, tiers }.into());
+        }
+        if let Some(selection) = self.device.selection().filter(|s| s.tier != tier) {
+            return Err(LiveError::Device(format!(
+                "this cache selects among tier {}'s pages ([cache.select]): new pages stay in \
+                 that tier",
+                selection.tier
+            )));
         }
         self.policy.tier = tier;
         Ok(())

@@ -240,6 +240,11 @@ impl Kernel {
     pub fn red_shared_or(&mut self, at: Shared, value: Reg<U32>) {
         self.line(format_args!("red.shared.or.b32 {at}, {value}"));
     }
+    /// Atomic `*at += value` in shared memory, no result.
+    pub fn red_shared_add(&mut self, at: Shared, value: impl Into<Op<U32>>) {
+        let value = value.into();
+        self.line(format_args!("red.shared.add.u32 {at}, {value}"));
+    }
     /// Address arithmetic: `base + index * scale` in the global space.
     pub fn global_index(&mut self, base: Reg<U64>, index: Reg<U32>, scale: u32) -> Reg<U64> {
         let offset = if scale == 1 {

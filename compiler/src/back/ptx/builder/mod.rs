@@ -177,7 +177,7 @@ macro_rules! immediates {
         })*
     };
 }
-immediates!(u32 => U32, i32 => S32, f32 => F32, u64 => U64);
+immediates!(u32 => U32, i32 => S32, f32 => F32, u64 => U64, bool => Pred);
 
 /// A shared-memory address: 32-bit register plus byte offset.
 #[derive(Debug, Clone, Copy)]
@@ -453,6 +453,26 @@ impl Kernel {
         let bang = if when { "" } else { "!" };
         self.line(format_args!("@{bang}{p} bra {label}"));
     }
+    /// `for i in (start..count).step_by(step) { body(i) }` as a loop; no
+    /// barrier inside (threads leave it after different trips).
+    pub fn counted(
+        &mut self,
+        start: impl Into<Op<U32>>,
+        count: impl Into<Op<U32>>,
+        step: impl Into<Op<U32>>,
+        body: impl FnOnce(&mut Kernel, Reg<U32>),
+    ) {
+        let (count, step) = (count.into(), step.into());
+        let i = self.mov(start);
+        let (top, end) = (self.label(), self.label());
+        self.place(top);
+        let done = self.setp(Cmp::Ge, i, count);
+        self.bra_if(done, true, end);
+        body(self, i);
+        self.add_to(i, i, step);
+        self.bra(top);
+        self.place(end);
+    }
     /// Lets the grid launched after this one with programmatic dependent
     /// launch start once every CTA of this one has passed here (or exited).
     pub fn launch_dependents(&mut self) {
@@ -498,6 +518,12 @@ impl Kernel {
     pub fn ctaid(&mut self, axis: Axis) -> Reg<U32> {
         let d = self.reg();
         self.line(format_args!("mov.u32 {d}, %ctaid.{}", axis.name()));
+        d
+    }
+    /// CTAs of the grid along `axis`.
+    pub fn nctaid(&mut self, axis: Axis) -> Reg<U32> {
+        let d = self.reg();
+        self.line(format_args!("mov.u32 {d}, %nctaid.{}", axis.name()));
         d
     }
     /// Shared-window address of the dynamic shared memory.

@@ -15,6 +15,10 @@ instructions! {
     /// The nearest integer, ties to even, saturating (`f32::round_ties_even`
     /// then `as u32`).
     fn f32_to_u32_even(a: Reg<F32>) -> U32 = "cvt.rni.u32.f32";
+    /// f32 to IEEE binary16 bits rounded toward -inf (the largest f16 <= `a`).
+    fn f32_to_f16_down(a: Reg<F32>) -> B16 = "cvt.rm.f16.f32";
+    /// f32 to IEEE binary16 bits rounded toward +inf (the smallest f16 >= `a`).
+    fn f32_to_f16_up(a: Reg<F32>) -> B16 = "cvt.rp.f16.f32";
     /// Two e4m3 numbers (high and low byte) as an exact f16 pair (sm_89+).
     fn e4m3x2_to_f16x2(a: Reg<B16>) -> B32 = "cvt.rn.f16x2.e4m3x2";
     /// Two e5m2 numbers (high and low byte) as an exact f16 pair (sm_89+).

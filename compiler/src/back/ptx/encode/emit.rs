@@ -49,30 +49,12 @@ pub fn for_each(
     count: impl Into<Op<U32>>,
     body: impl FnOnce(&mut Kernel, Reg<U32>),
 ) {
-    let count = count.into();
-    let w = k.mov(ctx.tid);
-    let (top, end) = (k.label(), k.label());
-    k.place(top);
-    let done = k.setp(Cmp::Ge, w, count);
-    k.bra_if(done, true, end);
-    body(k, w);
-    k.add_to(w, w, ctx.threads);
-    k.bra(top);
-    k.place(end);
+    k.counted(ctx.tid, count, ctx.threads, body);
 }
 
 /// `body(i)` for `i` in `0..count` in order, in one thread.
 pub fn serial(k: &mut Kernel, count: impl Into<Op<U32>>, body: impl FnOnce(&mut Kernel, Reg<U32>)) {
-    let count = count.into();
-    let i = k.mov(0u32);
-    let (top, end) = (k.label(), k.label());
-    k.place(top);
-    let done = k.setp(Cmp::Ge, i, count);
-    k.bra_if(done, true, end);
-    body(k, i);
-    k.add_to(i, i, 1u32);
-    k.bra(top);
-    k.place(end);
+    k.counted(0u32, count, 1u32, body);
 }
 
 /// `(w / n, w % n)`.

@@ -16,6 +16,8 @@ mod fields;
 mod plan;
 mod transform;
 
+pub(in crate::back::ptx) use transform::load_source_value;
+
 use super::abi::{self, DenseSource, TableBuffer, ENCODE_JOB_WORDS, ENCODE_PARAMS};
 use super::builder::{self, Axis, Cmp, Global, Kernel, Reg, Shared, U32, U64};
 use super::{identifier, Error, PTX_VERSION};

@@ -23,8 +23,17 @@ fn source_element(
     let byte = k.mad_lo(row, stride, offset);
     let byte = k.mad_lo(i, 2u32, byte);
     let at = k.global_index(ctx.src, byte, 1);
-    let raw = k.ld_global_nc_narrow(Global::at(at), 16);
-    match source.dtype {
+    load_source_value(k, Global::at(at), source.dtype)
+}
+
+/// The f16 or bf16 source value at `at`, as f32 (exact).
+pub(in crate::back::ptx) fn load_source_value(
+    k: &mut Kernel,
+    at: Global,
+    dtype: SourceDtype,
+) -> Reg<F32> {
+    let raw = k.ld_global_nc_narrow(at, 16);
+    match dtype {
         SourceDtype::F16 => {
             let h = k.low16(raw);
             k.f16_to_f32(h)

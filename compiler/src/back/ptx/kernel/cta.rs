@@ -109,17 +109,9 @@ impl<'a> Cta<'a> {
         start: Reg<U32>,
         count: Op<U32>,
         step: u32,
-        mut body: impl FnMut(&mut Kernel, Reg<U32>),
+        body: impl FnMut(&mut Kernel, Reg<U32>),
     ) {
-        let i = k.mov(start);
-        let (top, end) = (k.label(), k.label());
-        k.place(top);
-        let done = k.setp(Cmp::Ge, i, count);
-        k.bra_if(done, true, end);
-        body(k, i);
-        k.add_to(i, i, step);
-        k.bra(top);
-        k.place(end);
+        k.counted(start, count, step, body);
     }
 
     /// [`Cta::strided`] running `factor` iterations per trip while that many
