@@ -153,7 +153,7 @@ impl PageEncoders {
         // SAFETY: the arguments follow abi::ENCODE_PARAMS in order and type;
         // the buffers hold at least one page / one head's tables and the
         // caller keeps the job list inside them (see above).
-        unsafe { args.launch(super::resident::config(launch)) }
+        unsafe { args.launch(super::config(launch)) }
             .during(|| format!("launching {}", kernel.name))?;
         Ok(())
     }

@@ -21,7 +21,8 @@ pub use live::{DeviceAppend, DeviceLiveCache, DeviceLiveOptions};
 pub use resident::{DeviceCache, DeviceDecode, StepIo};
 pub use select::DeviceSelection;
 
-use cudarc::driver::DriverError;
+use cudarc::driver::{DriverError, LaunchConfig};
+use kvcc_compiler::back::ptx::abi;
 
 #[derive(Debug, thiserror::Error)]
 pub enum CudaError {
@@ -56,5 +57,14 @@ impl<T> During<T> for Result<T, DriverError> {
             during: what(),
             source,
         })
+    }
+}
+
+/// The driver's launch configuration of an ABI launch shape.
+pub(crate) fn config(launch: abi::Launch) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (launch.grid[0], launch.grid[1], launch.grid[2]),
+        block_dim: (launch.block[0], launch.block[1], launch.block[2]),
+        shared_mem_bytes: launch.shared_bytes,
     }
 }

@@ -6,13 +6,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use cudarc::driver::{
     sys, CudaEvent, CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtr, DriverError,
-    LaunchConfig, PushKernelArg,
+    PushKernelArg,
 };
 use kvcc_compiler::back::interp::{Interpreter, Options as InterpOptions};
 use kvcc_compiler::back::ptx::abi;
 
 use super::select::DeviceSelection;
-use super::{CudaError, During, FormatKernels, Gpu};
+use super::{config, CudaError, During, FormatKernels, Gpu};
 use crate::cache::PagedCache;
 use kvcc_compiler::page::PageRef;
 
@@ -873,12 +873,4 @@ fn download(
             .during(|| format!("downloading {what}"))?;
     }
     Ok(out)
-}
-
-pub(crate) fn config(launch: abi::Launch) -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: (launch.grid[0], launch.grid[1], launch.grid[2]),
-        block_dim: (launch.block[0], launch.block[1], launch.block[2]),
-        shared_mem_bytes: launch.shared_bytes,
-    }
 }

@@ -12,8 +12,7 @@ use kvcc_compiler::back::ptx::{self, select::SelectKernels};
 use kvcc_compiler::layout::summary::SummaryLayout;
 use kvcc_compiler::layout::TierLayout;
 
-use super::resident::config;
-use super::{CudaError, During, Gpu};
+use super::{config, CudaError, During, Gpu};
 
 pub struct DeviceSelection {
     pub layout: SummaryLayout,

@@ -11,7 +11,7 @@ use kvcc_compiler::page::PageRef;
 use kvcc_compiler::Format;
 
 use super::{capturing, DeviceAppend, DeviceLiveCache, ExactPart, Sequence};
-use crate::cuda::{resident, During};
+use crate::cuda::During;
 use crate::live::{check_exact, check_kv, LiveError, PagePool};
 
 /// An append, planned without touching the books: the appended sequences'
@@ -210,7 +210,7 @@ impl DeviceLiveCache {
                 // SAFETY: arguments follow abi::APPEND_PARAMS in order and
                 // type; every source row and exact item was planned inside
                 // its buffer.
-                unsafe { args.launch(resident::config(launch)) }
+                unsafe { args.launch(crate::cuda::config(launch)) }
                     .during(|| format!("launching {}", kernel.name))?;
             }
             if !r.jobs.is_empty() {
