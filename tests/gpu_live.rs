@@ -380,6 +380,80 @@ fn gpu_live_cache_selects_the_pages_the_cpu_live_cache_selects() {
     }
 }
 
+/// Pages whose keys repeat score alike: both caches keep the earliest of the
+/// tied pages (and the highest-scoring ones before them).
+#[test]
+fn gpu_live_cache_breaks_selection_ties_toward_earlier_pages() {
+    let test = "gpu_live_cache_breaks_selection_ties_toward_earlier_pages";
+    let Some(gpu) = gpu(test) else { return };
+    let seed = fresh_seed(test);
+    for (method, exact) in [("quest", ExactDtype::F16), ("block_mean", ExactDtype::Bf16)] {
+        let format = selecting("dense_f16", &format!("method = \"{method}\"\npages = 3"));
+        let (kv_heads, q_heads) = (2, 8);
+        let d = format.head_dim() as usize;
+        let items = format.spec().page.items as usize;
+        let tokens = 12 * items + 70;
+        let mut set = data(&format, seed, kv_heads, q_heads, tokens);
+        // Every page of kv head 0 holds the same keys; kv head 1 repeats
+        // two distinct pages.
+        let keys = set.keys.clone();
+        for t in 0..tokens {
+            let (h0, h1) = (t % items, (t % (2 * items)) + tokens);
+            set.keys[t * d..(t + 1) * d].copy_from_slice(&keys[h0 * d..(h0 + 1) * d]);
+            set.keys[(tokens + t) * d..(tokens + t + 1) * d]
+                .copy_from_slice(&keys[h1 * d..(h1 + 1) * d]);
+        }
+        let policy = CachePolicy {
+            exact,
+            ..CachePolicy::of(&format)
+        };
+        let tables = cache::train(
+            &format,
+            &set.keys,
+            &set.values,
+            kv_heads,
+            &TrainOptions::default(),
+        )
+        .unwrap();
+        let cpu_options = LiveOptions {
+            policy,
+            kv_heads,
+            pages_per_tier: 1024,
+            executor: ExecutorKind::Jit,
+        };
+        let device_options = DeviceLiveOptions {
+            policy,
+            kv_heads,
+            max_sequences: 1,
+            pages_per_tier: 1024,
+            context: 4096,
+            q_heads,
+            fixed_plan: true,
+        };
+        let mut cpu = LiveCache::new(&format, &cpu_options, tables.clone()).unwrap();
+        let mut device =
+            DeviceLiveCache::new(gpu.clone(), &format, &device_options, tables).unwrap();
+        let prompt = [SequenceKv {
+            keys: &set.keys,
+            values: &set.values,
+        }];
+        cpu.prefill(&prompt).unwrap();
+        device.prefill(&prompt).unwrap();
+        let what = format!("{method}, {} exact rows", exact.name());
+        let want = cpu.attend(&set.queries, q_heads).unwrap();
+        let got = device.attend(&set.queries, q_heads).unwrap();
+        assert_rows_close(&what, &got.outputs, &want.outputs, d, 2e-4);
+        compare_selection(&cpu, &device, &set.queries, q_heads, &what);
+        let chosen = cpu.select_pages(&set.queries, q_heads).unwrap();
+        let listed = &cpu.pages().view().page_tables[0][0];
+        assert_eq!(
+            chosen[0][0],
+            listed[..3].to_vec(),
+            "{what}: ties go to the earliest pages"
+        );
+    }
+}
+
 /// A selecting step captured once as a CUDA graph (a fixed plan) and
 /// replayed after appends that fill and compress pages writes what the
 /// same step run eagerly writes, bit for bit.
