@@ -12,6 +12,7 @@ in one place of the native module (`python/src/device.rs`).
 from __future__ import annotations
 
 import weakref
+from pathlib import Path
 from typing import Optional, Sequence, Union
 
 import torch
@@ -26,16 +27,33 @@ Tables = _kvcc.Tables
 class Format:
     """A compiled KV code format: a spec file or a bundled spec by name."""
 
-    def __init__(self, native: "_kvcc.Format"):
+    def __init__(self, native: "_kvcc.Format", source: Optional[str] = None, file: str = "<string>"):
         self._native = native
+        self._source, self._file = source, file
 
     @staticmethod
     def load(path_or_name: str) -> "Format":
-        return Format(_kvcc.Format.load(str(path_or_name)))
+        native = _kvcc.Format.load(str(path_or_name))
+        path = Path(path_or_name)
+        source = path.read_text() if path.is_file() else Format.bundled().get(str(path_or_name))
+        return Format(native, source, str(path_or_name))
 
     @staticmethod
     def parse(source: str, file: str = "<string>") -> "Format":
-        return Format(_kvcc.Format.parse(source, file))
+        return Format(_kvcc.Format.parse(source, file), source, file)
+
+    def without_select(self) -> "Format":
+        """The same format without its `[cache.select]` table: every page read."""
+        if self._source is None:
+            raise KvccError(f"{self.name}: its spec source is not known (load or parse it)")
+        kept, inside = [], False
+        for line in self._source.splitlines(keepends=True):
+            header = line.strip()
+            if header.startswith("["):
+                inside = header == "[cache.select]"
+            if not inside:
+                kept.append(line)
+        return Format.parse("".join(kept), self._file)
 
     @staticmethod
     def bundled() -> dict:

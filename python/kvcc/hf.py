@@ -53,7 +53,9 @@ class KvccOptions:
     `capacity` is the page slots of every tier per layer (default: enough for
     the cache's `max_tokens` of each of its sequences); `executor` runs CPU
     caches (`"jit"` or `"interp"`); `check_finite=False` skips the NaN/Inf
-    scan of every CUDA step's inputs (each scan waits for the GPU)."""
+    scan of every CUDA step's inputs (each scan waits for the GPU). A spec's
+    `[cache.select]` applies from layer `select_from_layer` on; earlier layers
+    read every page (Quest keeps the first two dense)."""
 
     spec: Union[str, Format] = "dense_f16"
     tier: Union[int, str, None] = None
@@ -63,6 +65,7 @@ class KvccOptions:
     capacity: Optional[int] = None
     executor: str = "jit"
     check_finite: bool = True
+    select_from_layer: int = 0
 
     def format(self) -> Format:
         return self.spec if isinstance(self.spec, Format) else Format.load(self.spec)
@@ -210,10 +213,13 @@ class KvccCache(Cache):
         self.sliding = sliding_layers(config)
         self.sliding_window = getattr(config, "sliding_window", None)
 
+        every_page = fmt.without_select() if options.select_from_layer > 0 else fmt
+
         def layer(i):
             if self.sliding[i]:
                 return self._window_layer()
-            return KvccLayer(options, fmt, capacity, q_heads, tables[i] if tables else None)
+            own = every_page if i < options.select_from_layer else fmt
+            return KvccLayer(options, own, capacity, q_heads, tables[i] if tables else None)
 
         super().__init__(layers=[layer(i) for i in range(layers)])
 

@@ -252,3 +252,23 @@ def test_sliding_window_layers_keep_the_default_window():
     assert cache.kvcc_layers[0].live.lengths() == [100 + 23]
     cache.reset()
     assert cache.get_seq_length() == 0 and cache.kvcc_layers[0].live.lengths() == []
+
+
+def test_selection_applies_from_the_layer_the_options_say():
+    """Layers before `select_from_layer` read every page: with it at the
+    model's depth the selecting spec generates what the spec without its
+    `[cache.select]` generates."""
+    source = kvcc.Format.bundled()["dense_f16"] + '\n[cache]\nsinks = 4\nwindow = 16\n\n[cache.select]\nmethod = "quest"\npages = 1\n'
+    fmt = kvcc.Format.parse(source, "select.toml")
+    plain = fmt.without_select()
+    assert fmt.bytes_per_token(None, 4096) > plain.bytes_per_token(None, 4096)
+    model = tiny_llama("kvcc")
+    ids = prompt(batch=1, tokens=300)
+    outs = {}
+    for name, spec, first in [("plain", plain, 0), ("dense layers", fmt, 2), ("layer 1 selects", fmt, 1)]:
+        cache = KvccCache(model.config, KvccOptions(spec=spec, select_from_layer=first), max_tokens=400)
+        outs[name] = generate(model, ids, cache, new=8)
+        reads = [layer.live.format.bytes_per_token(None, 4096) for layer in cache.layers]
+        assert reads == [fmt.bytes_per_token(None, 4096) if i >= first and spec is fmt
+                         else plain.bytes_per_token(None, 4096) for i in range(2)], name
+    assert torch.equal(outs["dense layers"], outs["plain"])

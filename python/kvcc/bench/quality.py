@@ -38,7 +38,7 @@ def _ints(text):
     return tuple(int(x) for x in text.split(","))
 
 
-def choices(harness, specs, policies, tiers=None, executor="jit"):
+def choices(harness, specs, policies, tiers=None, executor="jit", select_from_layer=0):
     """Every (spec, tier, policy) to measure; a spec without a `[cache]`
     table has no `spec` policy, and one whose table is sinks 4 + window 64
     is measured once under `s4w64`."""
@@ -54,7 +54,10 @@ def choices(harness, specs, policies, tiers=None, executor="jit"):
                 if policy == "spec" and (own["sinks"], own["window"]) in [(0, 0), (4, 64)]:
                     continue
                 out.append((fmt, tier, policy))
-    return [harness.choice(fmt, tier, policy, executor=executor) for fmt, tier, policy in out]
+    return [
+        harness.choice(fmt, tier, policy, executor=executor, select_from_layer=select_from_layer)
+        for fmt, tier, policy in out
+    ]
 
 
 def table(rows, about) -> str:
@@ -122,6 +125,8 @@ def main(argv=None):
     parser.add_argument("--tiers", help="only these tiers (names, or spec:tier)")
     parser.add_argument("--policies", default="none,spec,s4w64")
     parser.add_argument("--executor", default="jit", help="CPU caches: jit or interp")
+    parser.add_argument("--select-from-layer", type=int, default=0,
+                        help="a spec's [cache.select] applies from this layer on (earlier layers read every page)")
     defaults = Settings()
     parser.add_argument("--prefill", type=int, default=defaults.prefill)
     parser.add_argument("--steps", type=int, default=defaults.steps)
@@ -187,7 +192,7 @@ def main(argv=None):
         bar.update(n)
 
     harness = Harness(qm, settings, progress=progress)
-    measured = choices(harness, specs, policies, tiers, args.executor)
+    measured = choices(harness, specs, policies, tiers, args.executor, args.select_from_layer)
     bar.reset(total=len(measured) * harness.steps_per_cache)
     rows = [harness.reference_row()]
     about = harness.describe()

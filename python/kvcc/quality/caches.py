@@ -34,6 +34,7 @@ class CacheChoice:
     tables: Optional[List[Tables]] = field(default=None, repr=False)
     check_finite: bool = False
     executor: str = "jit"
+    select_from_layer: int = 0
 
     @staticmethod
     def dense() -> "CacheChoice":
@@ -44,11 +45,13 @@ class CacheChoice:
         """`fmt`'s `tier` under a named policy of `POLICIES`."""
         spec_policy = fmt.policy()
         sinks, window = POLICIES[policy] or (spec_policy["sinks"], spec_policy["window"])
+        dense_first = kwargs.get("select_from_layer", 0)
+        shown = f"{policy}, select from layer {dense_first}" if dense_first else policy
         return CacheChoice(
-            label=f"{fmt.name}:{tier}:{policy}",
+            label=f"{fmt.name}:{tier}:{shown}",
             format=fmt,
             tier=tier,
-            policy=policy,
+            policy=shown,
             sinks=sinks,
             window=window,
             exact=spec_policy["exact"],
@@ -91,6 +94,7 @@ class CacheChoice:
             exact=self.exact,
             executor=self.executor,
             check_finite=self.check_finite,
+            select_from_layer=self.select_from_layer,
         )
         return KvccCache(qm.config, options, tables=self.tables, max_tokens=max_tokens)
 
