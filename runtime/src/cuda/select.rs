@@ -81,11 +81,6 @@ impl DeviceSelection {
         })
     }
 
-    /// Query heads per kv head the score kernel combines.
-    pub fn group(&self) -> u32 {
-        self.kernels.group
-    }
-
     /// Reloads the score kernel for query groups of `group` heads.
     pub fn set_group(&mut self, gpu: &Gpu, group: u32) -> Result<(), CudaError> {
         if group == self.kernels.group {

@@ -466,6 +466,20 @@ const WANT: u32 = STATE + 1;
 const BASE: u32 = STATE + 2;
 const TOTALS: u32 = STATE + 4;
 
+/// The sum of `x` over lanes `0..=lane` of the warp (all 32 lanes take part).
+fn warp_inclusive_sum(k: &mut Kernel, x: Reg<U32>, lane: Reg<U32>) -> Reg<U32> {
+    let inclusive = k.mov(x);
+    for step in [1u32, 2, 4, 8, 16] {
+        let from = k.max(lane, step);
+        let from = k.sub(from, step);
+        let got = k.shfl_idx(inclusive, from);
+        let inside = k.setp(Cmp::Ge, lane, step);
+        let got = k.selp(got, 0u32, inside);
+        k.add_to(inclusive, inclusive, got);
+    }
+    inclusive
+}
+
 /// The exclusive prefix sum over the CTA's threads (thread order) of `x`,
 /// and the total, through `TOTALS`-area words from `area`.
 fn block_scan(
@@ -478,15 +492,7 @@ fn block_scan(
     let warps = CHOOSE_THREADS / 32;
     let lane = k.and(tid, 31u32);
     let warp = k.shr(tid, 5u32);
-    let inclusive = k.mov(x);
-    for step in [1u32, 2, 4, 8, 16] {
-        let from = k.max(lane, step);
-        let from = k.sub(from, step);
-        let got = k.shfl_idx(inclusive, from);
-        let inside = k.setp(Cmp::Ge, lane, step);
-        let got = k.selp(got, 0u32, inside);
-        k.add_to(inclusive, inclusive, got);
-    }
+    let inclusive = warp_inclusive_sum(k, x, lane);
     let last = k.setp(Cmp::Eq, lane, 31u32);
     let slot = k.mad_lo(warp, 4u32, smem);
     k.guarded(last, true, |k| {
@@ -607,15 +613,7 @@ fn choose(names: &SelectKernels) -> String {
             k.add_to(lane_sum, lane_sum, h);
             counts.push((bin, h));
         }
-        let inclusive = k.mov(lane_sum);
-        for step in [1u32, 2, 4, 8, 16] {
-            let from = k.max(tid, step);
-            let from = k.sub(from, step);
-            let got = k.shfl_idx(inclusive, from);
-            let inside = k.setp(Cmp::Ge, tid, step);
-            let got = k.selp(got, 0u32, inside);
-            k.add_to(inclusive, inclusive, got);
-        }
+        let inclusive = warp_inclusive_sum(&mut k, lane_sum, tid);
         // Every lane has read `want` and the bins before the owner rewrites them.
         k.bar_warp_sync();
         let below = k.sub(inclusive, lane_sum);

@@ -242,8 +242,8 @@ impl DeviceLiveCache {
                 options.max_sequences * kv_heads,
                 group,
             )?;
+            row_pages[policy.tier] = selection.read_of(row_pages[policy.tier]);
             device.attach_selection(&gpu, selection, &[])?;
-            row_pages[policy.tier] = selection_rows(&device, row_pages[policy.tier]);
         }
         let lists =
             (gpu.stream.alloc_zeros::<u32>(4)).during(|| "allocating append lists".into())?;
@@ -569,11 +569,6 @@ impl DeviceLiveCache {
             lse: step.lse(&self.gpu, &self.device)?,
         })
     }
-}
-
-/// Most pages a row of the selected tier reads, of `listed` at most.
-fn selection_rows(device: &DeviceCache, listed: u32) -> u32 {
-    device.selection().map_or(listed, |s| s.read_of(listed))
 }
 
 /// Query heads per kv head of a step over `q_heads` query heads.
