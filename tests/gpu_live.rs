@@ -69,6 +69,7 @@ impl Case<'_> {
             exact: self.exact,
             tier: self.tiers[0],
             select: self.select,
+            budget: None,
         }
     }
 }
@@ -260,7 +261,11 @@ fn run(gpu: &Arc<Gpu>, case: &Case, seed: u64) {
         alive.push((i, take));
     }
     let kvs: Vec<SequenceKv> = (prompts.iter())
-        .map(|(k, v)| SequenceKv { keys: k, values: v })
+        .map(|(k, v)| SequenceKv {
+            keys: k,
+            values: v,
+            queries: Default::default(),
+        })
         .collect();
     cpu.prefill(&kvs).unwrap();
     device
@@ -436,6 +441,7 @@ fn gpu_live_cache_breaks_selection_ties_toward_earlier_pages() {
         let prompt = [SequenceKv {
             keys: &set.keys,
             values: &set.values,
+            queries: Default::default(),
         }];
         cpu.prefill(&prompt).unwrap();
         device.prefill(&prompt).unwrap();
@@ -655,6 +661,7 @@ fn gpu_live_cache_bad_calls_change_nothing() {
             exact: ExactDtype::F16,
             tier: 1,
             select: None,
+            budget: None,
         },
         kv_heads,
         max_sequences: 2,
@@ -667,6 +674,7 @@ fn gpu_live_cache_bad_calls_change_nothing() {
     let prompt = SequenceKv {
         keys: &set.keys,
         values: &set.values,
+        queries: Default::default(),
     };
     let (mut live, _) = DeviceLiveCache::train(
         gpu,

@@ -229,6 +229,7 @@ fn run(case: &Case, seed: u64) {
             exact: case.exact,
             tier: case.tiers[0],
             select: None,
+            budget: None,
         },
         kv_heads: case.kv_heads,
         pages_per_tier: 100_000,
@@ -251,7 +252,11 @@ fn run(case: &Case, seed: u64) {
         .collect();
     let kvs: Vec<SequenceKv> = prompts
         .iter()
-        .map(|(k, v)| SequenceKv { keys: k, values: v })
+        .map(|(k, v)| SequenceKv {
+            keys: k,
+            values: v,
+            queries: Default::default(),
+        })
         .collect();
     assert_eq!(
         live.prefill(&kvs).unwrap(),
@@ -401,6 +406,7 @@ fn small_cache(seed: u64, pages_per_tier: usize) -> (LiveCache, Vec<f32>, Vec<f3
             exact: ExactDtype::F16,
             tier: 1,
             select: None,
+            budget: None,
         },
         kv_heads: 2,
         pages_per_tier,
@@ -409,6 +415,7 @@ fn small_cache(seed: u64, pages_per_tier: usize) -> (LiveCache, Vec<f32>, Vec<f3
     let prompt = SequenceKv {
         keys: &set.keys,
         values: &set.values,
+        queries: Default::default(),
     };
     let (live, indices) = LiveCache::train(
         &format,
@@ -524,10 +531,12 @@ fn bad_calls_leave_the_cache_unchanged() {
     let bad_prompt = SequenceKv {
         keys: &k3,
         values: &nan,
+        queries: Default::default(),
     };
     let good_prompt = SequenceKv {
         keys: &k3,
         values: &v3,
+        queries: Default::default(),
     };
     assert!(live.prefill(&[good_prompt, bad_prompt]).is_err());
     assert!(live.state() == before, "prefill: the state changed");
@@ -545,10 +554,7 @@ fn bad_calls_leave_the_cache_unchanged() {
     bad_query[9] = f32::NAN;
     assert!(live.attend(&bad_query, q_heads).is_err());
     assert!(live.state() == before);
-    let empty = SequenceKv {
-        keys: &[],
-        values: &[],
-    };
+    let empty = SequenceKv::default();
     let kivi = format("kivi");
     let options = LiveOptions {
         policy: CachePolicy::of(&kivi),

@@ -65,10 +65,12 @@ fn filled(format: &Format, policy: CachePolicy, seed: u64, executor: ExecutorKin
         SequenceKv {
             keys: &p0.0,
             values: &p0.1,
+            queries: Default::default(),
         },
         SequenceKv {
             keys: &p1.0,
             values: &p1.1,
+            queries: Default::default(),
         },
     ];
     let (mut live, _) =

@@ -54,7 +54,7 @@ impl Default for PageSpec {
 /// What a live cache keeps exact, and the tier it compresses new pages into.
 /// A page is compressed only when whole, so the exact tail holds `window` to
 /// `window + items - 1` tokens once a sequence is long enough.
-#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct CacheSpec {
     /// The first tokens of every sequence, kept exact.
@@ -72,6 +72,84 @@ pub struct CacheSpec {
     /// Which compressed pages a decode step reads; `None`: all of them.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub select: Option<SelectSpec>,
+    /// What each compressed state stores: a tier chosen per state under a
+    /// byte budget, or dropped; `None`: every page in `tier`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub budget: Option<BudgetSpec>,
+}
+
+/// `[cache.budget]`: Spherical KV's rate-distortion controller (seed 000
+/// §2.2, appendix C). Per (sequence, kv head) the states leaving the exact
+/// window are scored at every tier, start at the most expensive tier, are
+/// down-tiered by least distortion per saved byte until the pages fit
+/// `bytes_per_token`, and only then dropped; kept states are packed into
+/// pages of one tier each.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BudgetSpec {
+    /// Average page bytes per compressed state (per kv head; exact sinks
+    /// and window are counted apart).
+    pub bytes_per_token: f64,
+    /// Whether states may be dropped once every state is at the cheapest tier.
+    #[serde(default = "BudgetSpec::default_drop")]
+    pub drop: bool,
+    /// How a state's loss at each tier is estimated.
+    #[serde(default)]
+    pub score: BudgetScore,
+    /// The fraction of states with the most attention mass pinned at the
+    /// most expensive tier (never dropped).
+    #[serde(default)]
+    pub protect: f64,
+    /// Decode steps between allocations of the states that left the window
+    /// since the last one (old pages are never rewritten).
+    #[serde(default = "BudgetSpec::default_refresh")]
+    pub refresh: u32,
+    /// Most recent queries per query head whose attention weighs the states
+    /// (SnapKV's observation window).
+    #[serde(default = "BudgetSpec::default_observe")]
+    pub observe: u32,
+}
+
+impl BudgetSpec {
+    fn default_drop() -> bool {
+        true
+    }
+    /// Four 64-token pages: a refresh's partial pages stay a small share.
+    fn default_refresh() -> u32 {
+        256
+    }
+    /// SnapKV's observation window.
+    fn default_observe() -> u32 {
+        32
+    }
+}
+
+/// What `[cache.budget]` estimates a state's loss by.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BudgetScore {
+    /// The seed's distortion proxy times importance, measured: the squared
+    /// first-order change of the observed queries' attention outputs when
+    /// the state alone is coded at a tier (or dropped), from the state's
+    /// own coding error and attention weights.
+    #[default]
+    Rd,
+    /// The state's attention mass from the observed queries times the
+    /// tier's mean relative coding error (dropping loses the whole state).
+    Attention,
+    /// As `attention`, the state's key norm in place of attention mass (no
+    /// queries needed).
+    KeyNorm,
+}
+
+impl BudgetScore {
+    pub fn name(self) -> &'static str {
+        match self {
+            BudgetScore::Rd => "rd",
+            BudgetScore::Attention => "attention",
+            BudgetScore::KeyNorm => "key_norm",
+        }
+    }
 }
 
 /// `[cache.select]`: per (sequence, kv head), a decode step reads the exact

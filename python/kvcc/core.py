@@ -100,6 +100,15 @@ class Format:
         sinks, window, exact, tier = self._native.policy()
         return {"sinks": sinks, "window": window, "exact": exact, "tier": tier}
 
+    def budget(self) -> Optional[dict]:
+        """The spec's `[cache.budget]` (a tier per compressed state under a
+        byte budget), or None."""
+        b = self._native.budget()
+        if b is None:
+            return None
+        keys = ("bytes_per_token", "drop", "score", "protect", "refresh", "observe")
+        return dict(zip(keys, b))
+
     def train(self, k: torch.Tensor, v: torch.Tensor, seed: Optional[int] = None) -> Tables:
         """Fits every tier's tables (codebooks, PCA bases, scales) per kv head
         to keys and values `[kv_heads, tokens, head_dim]`, or `[batch,
@@ -311,11 +320,16 @@ class LiveCache:
         if lengths:
             self.state[: len(lengths)] = torch.tensor(lengths[: self.batch], dtype=torch.int64)
 
-    def prefill(self, k, v) -> list:
+    def prefill(self, k, v, q=None) -> list:
         """Adds sequences: `[batch, kv_heads, tokens, head_dim]` keys and values,
         or lists of `[kv_heads, tokens_i, head_dim]` (prompts of their own
-        lengths). Returns their sequence indices."""
+        lengths). Returns their sequence indices. A `[cache.budget]` weighs
+        the compressed states by the attention of `q`, the queries of the
+        prompts' last tokens: `[batch, q_heads, rows, head_dim]` or a list of
+        `[q_heads, rows_i, head_dim]`, scaled for a plain `1/sqrt(head_dim)`."""
         pairs = _sequences(k, v, self.kv_heads, self.format.head_dim)
+        if q is not None and self.on_cuda:
+            raise KvccError("prompt queries weigh a [cache.budget], which runs on the CPU only")
         have = len(self.lengths())
         if have + len(pairs) > self.batch:
             raise KvccError(
@@ -339,7 +353,16 @@ class LiveCache:
                 self._stream(),
             )
         else:
-            indices = self._native.prefill(arrays)
+            queries = None
+            if q is not None:
+                rows = list(q) if isinstance(q, (list, tuple)) else list(q.unbind(0))
+                if len(rows) != len(pairs):
+                    raise KvccError(f"queries for {len(rows)} sequences, keys for {len(pairs)}")
+                queries = []
+                for qq in rows:
+                    check_shape(qq, "queries", ["q_heads", "rows", ("head_dim", self.format.head_dim)])
+                    queries.append((self._host(qq, "queries"), qq.shape[0]))
+            indices = self._native.prefill(arrays, queries)
         self._sync_state()
         return indices
 
@@ -390,6 +413,15 @@ class LiveCache:
         out, lse = self._native.attend(self._host(q3, "queries"), q_heads)
         out = torch.from_numpy(out).view(batch, q_heads, d).to(q.dtype)
         return out.view(q.shape), torch.from_numpy(lse).view(batch, q_heads)
+
+    def observe(self, q: torch.Tensor) -> None:
+        """Records a decode step's queries `[batch, q_heads, head_dim]` (as
+        `attend` takes them) as the most recent a `[cache.budget]` weighs the
+        next compressed states by; without a budget it only checks them."""
+        if self._native is None:
+            raise KvccError("observe before prefill: the cache holds no sequence")
+        q3 = _queries(q, self.format.head_dim)
+        self._native.observe(self._host(q3, "queries"), q3.shape[1])
 
     def _attend_cuda(self, q, q3):
         self._check_device(q3, "queries")

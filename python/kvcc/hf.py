@@ -18,6 +18,8 @@ length); a padded attention mask in a decode step raises.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import math
 import weakref
@@ -34,6 +36,24 @@ from .core import Format, LiveCache, Pages, Tables
 # The attribute of a decode step's key tensor that names its cache: the
 # attention function is passed the keys and the module, not the cache.
 _STEP_CACHE = "_kvcc_cache"
+
+# Where `capture_queries` collects each layer's last query rows.
+_QUERY_CAPTURE = contextvars.ContextVar("kvcc_query_capture", default=None)
+
+
+@contextlib.contextmanager
+def capture_queries(rows: int):
+    """Within it, every `kvcc` attention call records its layer's last
+    `rows` query rows (scaled for a plain `1/sqrt(head_dim)`) in the yielded
+    dict, `layer_idx -> [batch, q_heads, rows, head_dim]`: what a
+    `[cache.budget]` prefill weighs states by, passed to `KvccCache.update`
+    as `cache_kwargs={"kvcc_queries": ...}`."""
+    captured = {}
+    token = _QUERY_CAPTURE.set((rows, captured))
+    try:
+        yield captured
+    finally:
+        _QUERY_CAPTURE.reset(token)
 
 
 def cache_argument(model) -> str:
@@ -102,6 +122,10 @@ class KvccLayer(CacheLayerMixin):
         self.tokens = 0
         # The keys of the decode step the attention function has not taken yet.
         self.step: Optional[torch.Tensor] = None
+        # A `[cache.budget]` weighs the prompt's states by its last queries:
+        # the prompt waits here for the attention function to bring them.
+        self.budget = fmt.budget()
+        self.prompt: Optional[tuple] = None
 
     def lazy_initialization(self, key_states, value_states) -> None:
         batch, kv_heads = key_states.shape[:2]
@@ -123,8 +147,20 @@ class KvccLayer(CacheLayerMixin):
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if self.prompt is not None:
+            self.prompt = None
+            raise KvccError(
+                "the prompt's queries did not reach the kvcc attention: a KvccCache with a "
+                '[cache.budget] needs the model loaded with attn_implementation="kvcc" (or '
+                'cache_kwargs={"kvcc_queries": ...} with the prompt)'
+            )
         if self.tokens == 0:
-            self.live.prefill(key_states, value_states)
+            cache_kwargs = (args[0] if args else kwargs.get("cache_kwargs")) or {}
+            queries = cache_kwargs.get("kvcc_queries")
+            if self.budget is not None and queries is None:
+                self.prompt = (key_states, value_states)
+            else:
+                self.live.prefill(key_states, value_states, queries)
             self.tokens += key_states.shape[-2]
             return key_states, value_states
         if self.step is not None:
@@ -137,6 +173,15 @@ class KvccLayer(CacheLayerMixin):
         self.tokens += key_states.shape[-2]
         self.step = key_states
         return key_states, value_states
+
+    def take_prompt(self, queries: torch.Tensor) -> None:
+        """Prefills the waiting prompt, its states weighed by `queries`
+        (`[batch, q_heads, tokens, head_dim]`, unit-scaled; the last
+        `observe` rows are used)."""
+        keys, values = self.prompt
+        self.prompt = None
+        rows = min(self.budget["observe"], queries.shape[-2])
+        self.live.prefill(keys, values, queries[..., -rows:, :].contiguous())
 
     def take_step(self, key: torch.Tensor) -> None:
         """Marks the step's keys `key` as handed to the attention."""
@@ -162,7 +207,7 @@ class KvccLayer(CacheLayerMixin):
         if self.live is not None:
             for _ in self.live.lengths():
                 self.live.release(0)
-        self.tokens, self.step = 0, None
+        self.tokens, self.step, self.prompt = 0, None, None
 
     def reorder_cache(self, beam_idx) -> None:
         raise NotImplementedError("KvccCache does not reorder sequences (beam search)")
@@ -235,7 +280,9 @@ class KvccCache(Cache):
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
-        if getattr(self.layers[layer_idx], "step", None) is keys:
+        layer = self.layers[layer_idx]
+        prompt = getattr(layer, "prompt", None)
+        if getattr(layer, "step", None) is keys or (prompt is not None and prompt[0] is keys):
             setattr(keys, _STEP_CACHE, self)
         return keys, values
 
@@ -296,7 +343,15 @@ def kvcc_attention(
     """The `kvcc` attention implementation: decode steps of a `KvccCache`
     attend through the live cache of layer `module.layer_idx`; anything else
     (the prompt, another cache, no cache) is SDPA."""
+    capture = _QUERY_CAPTURE.get()
+    if capture is not None:
+        rows, captured = capture
+        captured[module.layer_idx] = _unit_scaled(query[..., -rows:, :], scaling).detach().clone()
     cache = getattr(key, _STEP_CACHE, None)
+    if cache is not None and cache.layers[module.layer_idx].prompt is not None:
+        delattr(key, _STEP_CACHE)
+        cache.layers[module.layer_idx].take_prompt(_unit_scaled(query, scaling))
+        cache = None
     if cache is None:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
@@ -311,6 +366,8 @@ def kvcc_attention(
     for t in range(query.shape[-2]):
         layer.live.append(key[:, :, t : t + 1], value[:, :, t : t + 1])
         out, _ = layer.live.attend(query[:, :, t])
+        if layer.budget is not None:
+            layer.live.observe(query[:, :, t])
         outputs.append(out)
     out = torch.stack(outputs, dim=2)  # [batch, q_heads, tokens, head_dim]
     return out.transpose(1, 2).contiguous(), None

@@ -20,7 +20,7 @@ use kvcc_compiler::Format as CoreFormat;
 use kvcc_runtime::cache::{self, PagedCache, Tables as CoreTables};
 use kvcc_runtime::encode::TrainOptions;
 use kvcc_runtime::exec::{ExecutorKind, Request};
-use kvcc_runtime::live::{Append, CachePolicy, LiveKv, LiveOptions, SequenceKv};
+use kvcc_runtime::live::{Append, CachePolicy, LiveKv, LiveOptions, Queries, SequenceKv};
 
 use device::{Backend, Device, DeviceRows};
 use errors::{kvcc_error, to_py};
@@ -123,6 +123,20 @@ impl Format {
             ..spec.with_overrides(sinks, window)
         };
         Ok(policy.bytes_per_token(self.inner.layout(tier), context))
+    }
+
+    /// The spec's `[cache.budget]`: `(bytes_per_token, drop, score, protect,
+    /// refresh, observe)`, or `None`.
+    fn budget(&self) -> Option<(f64, bool, &'static str, f64, usize, usize)> {
+        let b = CachePolicy::of(&self.inner).budget?;
+        Some((
+            b.bytes_per_token,
+            b.drop,
+            b.score.name(),
+            b.protect,
+            b.refresh,
+            b.observe,
+        ))
     }
 
     /// The spec's `[cache]` policy: `(sinks, window, exact dtype, tier)`.
@@ -380,6 +394,7 @@ impl Live {
                 tier,
                 // The spec's `[cache.select]`, as every other backend reads it.
                 select: CachePolicy::of(&format.inner).select,
+                budget: CachePolicy::of(&format.inner).budget,
             },
             kv_heads,
             pages_per_tier,
@@ -419,17 +434,38 @@ impl Live {
     }
 
     /// Adds sequences: per sequence `[kv_head][token][head_dim]` keys and
-    /// values. Returns their indices.
+    /// values, and for a `[cache.budget]` the `[q_head][row][head_dim]`
+    /// queries of its last tokens (unit-scaled) with their query heads.
+    /// Returns their indices.
+    #[pyo3(signature = (sequences, queries = None))]
     fn prefill(
         &self,
         py: Python<'_>,
         sequences: Vec<(PyReadonlyArrayDyn<'_, f32>, PyReadonlyArrayDyn<'_, f32>)>,
+        queries: Option<Vec<(PyReadonlyArrayDyn<'_, f32>, usize)>>,
     ) -> PyResult<Vec<usize>> {
+        if let Some(q) = &queries {
+            if q.len() != sequences.len() {
+                return Err(kvcc_error(format!(
+                    "{} sequences but queries for {}",
+                    sequences.len(),
+                    q.len()
+                )));
+            }
+        }
         let mut kv = Vec::with_capacity(sequences.len());
-        for (k, v) in &sequences {
+        for (i, (k, v)) in sequences.iter().enumerate() {
+            let queries = match &queries {
+                Some(q) => Queries {
+                    data: slice(&q[i].0, "queries")?,
+                    q_heads: q[i].1,
+                },
+                None => Queries::default(),
+            };
             kv.push(SequenceKv {
                 keys: slice(k, "keys")?,
                 values: slice(v, "values")?,
+                queries,
             });
         }
         let inner = &self.inner;
@@ -481,6 +517,20 @@ impl Live {
             PyArray1::from_vec(py, attention.outputs),
             PyArray1::from_vec(py, attention.lse),
         ))
+    }
+
+    /// Records one decode step's `[sequence][q_head][head_dim]` queries
+    /// (unit-scaled) for a `[cache.budget]`'s next allocation.
+    fn observe(
+        &self,
+        py: Python<'_>,
+        queries: PyReadonlyArrayDyn<'_, f32>,
+        q_heads: usize,
+    ) -> PyResult<()> {
+        let q = slice(&queries, "queries")?;
+        let inner = &self.inner;
+        py.detach(|| lock(inner).live_mut().observe(q, q_heads))
+            .map_err(to_py)
     }
 
     /// Drops sequence `sequence`; later sequences move down by one. On CUDA,

@@ -1,6 +1,7 @@
 """transformers integration on the CPU: a tiny randomly initialised Llama
 (GQA, RoPE) generating with a KvccCache, and the codes attention on BERT."""
 
+import pytest
 import torch
 import transformers
 
@@ -272,3 +273,48 @@ def test_selection_applies_from_the_layer_the_options_say():
         assert reads == [fmt.bytes_per_token(None, 4096) if i >= first and spec is fmt
                          else plain.bytes_per_token(None, 4096) for i in range(2)], name
     assert torch.equal(outs["dense layers"], outs["plain"])
+
+
+def _budgeted_kivi(bytes_per_token, refresh=64):
+    """KIVI with a 16-token exact window and a `[cache.budget]` table."""
+    kivi = kvcc.Format.bundled()["kivi"]
+    head, tiers = kivi.split("\n[[tier]]", 1)
+    head = "\n".join(l for l in head.splitlines() if not l.startswith(("[cache]", "window")))
+    budget = (f"\n[cache]\nsinks = 4\nwindow = 16\n\n[cache.budget]\nbytes_per_token = {bytes_per_token}\n"
+              f"refresh = {refresh}\nobserve = 8\n")
+    return kvcc.Format.parse(head + budget + "\n[[tier]]" + tiers, "budget.toml")
+
+
+def test_a_budget_cache_weighs_the_prompt_by_the_queries_its_attention_sees():
+    """The prompt of a `[cache.budget]` layer waits for the attention
+    function's queries; handing the same queries through `cache_kwargs`
+    (as the quality harness does) builds the same cache and generates the
+    same tokens; a prompt whose queries never come is an error."""
+    fmt = _budgeted_kivi(100.0)
+    assert fmt.budget()["bytes_per_token"] == 100.0 and fmt.budget()["score"] == "rd"
+    model = tiny_llama("kvcc")
+    ids = prompt(batch=1, tokens=300)
+    cache = KvccCache(model.config, KvccOptions(spec=fmt), max_tokens=400)
+    through_attention = generate(model, ids, cache, new=80)
+    # The same prompt's queries captured, then given to the cache's update.
+    from transformers import DynamicCache
+    from kvcc.quality.measure import PROMPT_QUERY_ROWS
+
+    dense = DynamicCache()
+    with torch.no_grad(), kvcc.hf.capture_queries(PROMPT_QUERY_ROWS) as queries:
+        logits = model(ids, **{kvcc.hf.cache_argument(model): dense}).logits[:, -1]
+    given = KvccCache(model.config, KvccOptions(spec=fmt), max_tokens=400)
+    for i, layer in enumerate(dense.layers):
+        given.update(layer.keys, layer.values, i, {"kvcc_queries": queries[i]})
+    tokens = [int(logits.argmax())]
+    with torch.no_grad():
+        for _ in range(79):
+            step = torch.tensor([[tokens[-1]]])
+            out = model(step, **{kvcc.hf.cache_argument(model): given})
+            tokens.append(int(out.logits[0, -1].argmax()))
+    assert tokens == through_attention[0, 300:].tolist()
+    # Keys and values without their queries, and no attention to bring them.
+    lost = KvccCache(model.config, KvccOptions(spec=fmt), max_tokens=400)
+    lost.update(dense.layers[0].keys, dense.layers[0].values, 0)
+    with pytest.raises(kvcc.KvccError, match="queries did not reach"):
+        lost.update(dense.layers[0].keys[..., :1, :], dense.layers[0].values[..., :1, :], 0)

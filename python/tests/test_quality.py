@@ -90,3 +90,39 @@ def test_bad_inputs_are_clear_errors(qm, tmp_path):
         quality.Harness(qm, quality.Settings(prefill=64, steps=4, lengths=(16384,), calibration=64))
     with pytest.raises(kvcc.KvccError, match="has head_dim 128 but smollm2's heads are 64 wide"):
         quality.CacheChoice.kvcc(kvcc.Format.load("kivi"), "int4", "none", None).open(qm, 64)
+
+
+BUDGET_SPEC = os.path.join(
+    os.path.dirname(__file__), "..", "..", "benches", "fidelity", "budget",
+    "spherical_controller_b24.toml",
+)
+
+
+def test_a_budget_cache_gets_the_prompts_queries_either_way(harness, qm):
+    """A `[cache.budget]` cache filled by the model's forward pass (its
+    attention brings the prompt's queries) and one handed the shared pass's
+    keys, values and captured queries decode the same logits; the harness
+    measures it as one cache over its tiers."""
+    fmt = kvcc.Format.load(BUDGET_SPEC)
+    choice = harness.choice(fmt, fmt.tiers[0], "s4w64")
+    ids = harness.text[:, :300]
+    own = choice.open(qm, 400)
+    qm.forward(ids, own)
+    shared = choice.open(qm, 400)
+    prefill(qm, ids).fill(shared)
+    step = harness.text[:, 300:303]
+    assert torch.equal(qm.forward(step, own), qm.forward(step, shared))
+    row = harness.row(choice)
+    assert row["tier"] == "budget over high+mid+low"
+    assert row["bytes_per_token"] < fmt.bytes_per_token(0, SMALL.prefill + SMALL.steps, sinks=4, window=64) + 1e-9
+
+
+def test_a_prefilled_question_leaves_the_dense_answers_alone(qm):
+    """With the question prefilled with the haystack (Quest's protocol) the
+    dense kvcc cache still answers as the default cache does."""
+    settings = quality.Settings(**{**SMALL.__dict__, "question": "prefill"})
+    harness = quality.Harness(qm, settings)
+    row = harness.row(harness.choice(bundled_at("dense_f16", qm.head_dim), "f16", "s4w64"))
+    reference = harness.reference_row()
+    assert [n["generated"] for n in row["needles"]] == [n["generated"] for n in reference["needles"]]
+    assert reference["needle_accuracy"] == 1.0

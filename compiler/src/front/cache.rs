@@ -2,7 +2,7 @@
 //! recent window, the tier new pages are compressed into).
 
 use super::problem::{PathSegment, Problem};
-use crate::spec::{FormatSpec, SelectMethod, SelectSpec};
+use crate::spec::{BudgetSpec, FormatSpec, SelectMethod, SelectSpec};
 
 /// Most tokens `sinks` or `window` may keep exact: far beyond any published
 /// policy (StreamingLLM 4 sinks, ParisKV 256–512 local tokens), small enough
@@ -12,6 +12,11 @@ pub const MAX_EXACT_TOKENS: u32 = 65536;
 /// Most tokens a selection budget may name: 16M, past any context a page
 /// table can hold.
 pub const MAX_SELECT_TOKENS: u32 = 1 << 24;
+
+/// Most decode steps between a budget's allocations, and most queries per
+/// head it observes: bounded so a cache's pending exact rows and observed
+/// queries stay a bounded fraction of a long context.
+pub const MAX_BUDGET_STEPS: u32 = 65536;
 
 /// Every problem of `spec.cache`, in document order.
 pub fn check_cache(spec: &FormatSpec) -> Vec<Problem> {
@@ -43,6 +48,57 @@ pub fn check_cache(spec: &FormatSpec) -> Vec<Problem> {
     }
     if let Some(select) = &cache.select {
         problems.extend(check_select(select, spec.page.items));
+    }
+    if let Some(budget) = &cache.budget {
+        if cache.tier.is_some() {
+            problems.push(Problem {
+                path: at("tier"),
+                message: "`tier` puts every page in one tier and [cache.budget] chooses a tier \
+                          per state; give one of them"
+                    .to_string(),
+            });
+        }
+        problems.extend(check_budget(budget));
+    }
+    problems
+}
+
+/// Problems of `[cache.budget]`.
+fn check_budget(budget: &BudgetSpec) -> Vec<Problem> {
+    let at = |key: &'static str| {
+        vec![
+            PathSegment::Key("cache"),
+            PathSegment::Key("budget"),
+            PathSegment::Key(key),
+        ]
+    };
+    let mut problems = Vec::new();
+    let b = budget.bytes_per_token;
+    if !(b.is_finite() && b > 0.0) {
+        problems.push(Problem {
+            path: at("bytes_per_token"),
+            message: format!(
+                "bytes_per_token = {b} is not a budget; give the average page bytes per \
+                 compressed state, a number above 0"
+            ),
+        });
+    }
+    if !(0.0..=1.0).contains(&budget.protect) {
+        problems.push(Problem {
+            path: at("protect"),
+            message: format!(
+                "protect = {} is not a fraction of the states; valid: 0.0..=1.0",
+                budget.protect
+            ),
+        });
+    }
+    for (key, value) in [("refresh", budget.refresh), ("observe", budget.observe)] {
+        if !(1..=MAX_BUDGET_STEPS).contains(&value) {
+            problems.push(Problem {
+                path: at(key),
+                message: format!("{key} = {value} is out of range; valid: 1..={MAX_BUDGET_STEPS}"),
+            });
+        }
     }
     problems
 }

@@ -41,13 +41,14 @@ def _ints(text):
 def choices(harness, specs, policies, tiers=None, executor="jit", select_from_layer=0):
     """Every (spec, tier, policy) to measure; a spec without a `[cache]`
     table has no `spec` policy, and one whose table is sinks 4 + window 64
-    is measured once under `s4w64`."""
+    is measured once under `s4w64`. A spec with a `[cache.budget]` is one
+    cache whatever the tier (its controller chooses a tier per state)."""
     qm = harness.qm
     out = []
     for name in specs:
         fmt = bundled_at(name, qm.head_dim) if name in Format.bundled() else Format.load(name)
         own = fmt.policy()
-        for tier in fmt.tiers:
+        for tier in fmt.tiers[:1] if fmt.budget() else fmt.tiers:
             if tiers and tier not in tiers and f"{fmt.name}:{tier}" not in tiers:
                 continue
             for policy in policies:
@@ -73,7 +74,8 @@ def table(rows, about) -> str:
         f"{about['kv_heads']} kv heads of {about['head_dim']}), {about['dtype']}, on "
         f"{about['device']}; perplexity over {about['settings']['steps']} decode steps after "
         f"{about['settings']['prefill']} tokens; needles: {len(about['settings']['lengths'])} "
-        f"lengths x {len(about['settings']['depths'])} depths; greedy: "
+        f"lengths x {len(about['settings']['depths'])} depths, question "
+        f"{'prefilled' if about['settings'].get('question') == 'prefill' else 'decoded'}; greedy: "
         f"{about['settings']['generate']} tokens.",
         "",
         "| spec | tier | policy | B/token/head | vs f16 | PPL | ΔPPL | top-1 agree | needles | "
@@ -135,6 +137,9 @@ def main(argv=None):
     parser.add_argument("--generate-prompt", type=int, default=defaults.generate_prompt)
     parser.add_argument("--generate", type=int, default=defaults.generate)
     parser.add_argument("--calibration", type=int, default=defaults.calibration)
+    parser.add_argument("--question", choices=("decode", "prefill"), default=defaults.question,
+                        help="decode a needle's question through the cache, or prefill it "
+                        "with the haystack (Quest's protocol: only the answer is decoded)")
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--markdown", help="write the table here")
     parser.add_argument("--plots", help="write the pictures (PNG) into this folder")
@@ -175,6 +180,7 @@ def main(argv=None):
     settings = Settings(
         prefill=args.prefill, steps=args.steps, lengths=args.lengths, depths=args.depths,
         generate_prompt=args.generate_prompt, generate=args.generate, calibration=args.calibration,
+        question=args.question,
     )
     torch.manual_seed(0)
     start = time.perf_counter()

@@ -60,6 +60,13 @@ class CacheChoice:
         )
 
     @property
+    def tier_label(self) -> Optional[str]:
+        """The tier, or `budget over a+b+c` where a `[cache.budget]` chooses."""
+        if self.format is not None and self.format.budget():
+            return "budget over " + "+".join(self.format.tiers)
+        return self.tier
+
+    @property
     def is_dense(self) -> bool:
         return self.format is None
 

@@ -25,7 +25,9 @@ class Settings:
     cell (lengths count the answer's tokens too). Generation: `generate`
     greedy tokens after the text's first `generate_prompt` tokens. Tables:
     trained on the text's last `calibration` tokens, which no perplexity step
-    reads."""
+    reads. `question`: `"decode"` decodes a needle's question through the
+    cache one token per step; `"prefill"` prefills it with the haystack
+    (Quest's protocol), so only the answer is decoded."""
 
     prefill: int = 2048
     steps: int = 256
@@ -36,6 +38,7 @@ class Settings:
     generate: int = 128
     calibration: int = 2048
     seed: int = 0
+    question: str = "decode"
 
 
 @dataclass
@@ -85,8 +88,11 @@ class Harness:
         # Every prompt's forward pass, once: the same for every cache.
         self.text_prefill = prefill(qm, self.text[:, : s.prefill])
         self.generate_prefill = prefill(qm, self.text[:, : s.generate_prompt])
+        if s.question not in ("decode", "prefill"):
+            raise KvccError(f'question = {s.question!r}: "decode" or "prefill"')
+        prefilled = (lambda p: p.ids + p.question) if s.question == "prefill" else (lambda p: p.ids)
         self.haystacks = [
-            prefill(qm, torch.tensor([p.ids], device=qm.device)) for p in self.prompts
+            prefill(qm, torch.tensor([prefilled(p)], device=qm.device)) for p in self.prompts
         ]
         self._kv = None
         self._tables: Dict[str, list] = {}
@@ -97,7 +103,8 @@ class Harness:
     def steps_per_cache(self) -> int:
         """Decode steps one cache's measurements take (the progress total)."""
         s = self.settings
-        per_needle = len(self.prompts[0].question) + s.answer_tokens if self.prompts else 0
+        question = len(self.prompts[0].question) if self.prompts and s.question == "decode" else 0
+        per_needle = question + s.answer_tokens if self.prompts else 0
         return s.steps + len(self.prompts) * per_needle + s.generate
 
     def tables(self, fmt: Format) -> list:
@@ -120,8 +127,11 @@ class Harness:
         for prompt, haystack in zip(self.prompts, self.haystacks):
             if not choice.is_dense:
                 cache = choice.open(qm, max(s.lengths), previous=cache)
-            answers.append(needle(qm, choice, prompt, haystack, s.answer_tokens, cache))
-            self.progress(choice.label, len(prompt.question) + s.answer_tokens)
+            answers.append(
+                needle(qm, choice, prompt, haystack, s.answer_tokens, cache, s.question == "decode")
+            )
+            question = len(prompt.question) if s.question == "decode" else 0
+            self.progress(choice.label, question + s.answer_tokens)
         tokens = generation(qm, choice, self.generate_prefill, s.generate)
         self.progress(choice.label, s.generate)
         return ppl, answers, tokens
@@ -139,7 +149,7 @@ class Harness:
         return {
             "cache": choice.label,
             "spec": choice.format.name if choice.format else "default",
-            "tier": choice.tier or str(self.qm.model.dtype).removeprefix("torch."),
+            "tier": choice.tier_label or str(self.qm.model.dtype).removeprefix("torch."),
             "policy": choice.policy if choice.format else "-",
             "sinks": choice.sinks,
             "window": choice.window,

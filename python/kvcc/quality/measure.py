@@ -27,14 +27,21 @@ from .models import QualityModel
 from .texts import NeedlePrompt
 
 
+# Query rows of a prompt's last tokens kept per layer: what a
+# `[cache.budget]` weighs the prompt's states by (it reads `observe` of them).
+PROMPT_QUERY_ROWS = 128
+
+
 @dataclass
 class Prefill:
     """A prompt's forward pass: every layer's keys and values `[1, kv_heads,
-    tokens, head_dim]` (post-RoPE, as a cache receives them) and the logits
-    of its last position."""
+    tokens, head_dim]` (post-RoPE, as a cache receives them), the queries of
+    its last tokens `[1, q_heads, rows, head_dim]` (unit-scaled) and the
+    logits of its last position."""
 
     kv: list
     logits: torch.Tensor
+    queries: list
 
     @property
     def tokens(self) -> int:
@@ -43,7 +50,7 @@ class Prefill:
     def fill(self, cache) -> None:
         """Gives `cache` the prompt, layer by layer, as the forward pass does."""
         for layer, (k, v) in enumerate(self.kv):
-            cache.update(k, v, layer)
+            cache.update(k, v, layer, {"kvcc_queries": self.queries[layer]})
 
 
 def prefill(qm: QualityModel, ids: torch.Tensor) -> Prefill:
@@ -52,9 +59,13 @@ def prefill(qm: QualityModel, ids: torch.Tensor) -> Prefill:
     what it keeps)."""
     from transformers import DynamicCache
 
+    from ..hf import capture_queries
+
     cache = DynamicCache()
-    logits = qm.forward(ids, cache, last_only=True)[0, -1]
-    return Prefill([(layer.keys, layer.values) for layer in cache.layers], logits)
+    with capture_queries(PROMPT_QUERY_ROWS) as queries:
+        logits = qm.forward(ids, cache, last_only=True)[0, -1]
+    kv = [(layer.keys, layer.values) for layer in cache.layers]
+    return Prefill(kv, logits, [queries.get(i) for i in range(len(kv))])
 
 
 @dataclass
@@ -119,17 +130,22 @@ def needle(
     haystack: Prefill,
     answer_tokens: int,
     cache=None,
+    decode_question: bool = True,
 ) -> NeedleAnswer:
     """The haystack prefilled, the question decoded through the cache (one
-    token per step), then `answer_tokens` greedy tokens; found when they hold
-    the pass key. `cache` (a kvcc cache this choice opened for as many
-    tokens) is emptied and reused."""
+    token per step; with `decode_question` False the haystack prefill holds
+    it), then `answer_tokens` greedy tokens; found when they hold the pass
+    key. `cache` (a kvcc cache this choice opened for as many tokens) is
+    emptied and reused."""
     total = prompt.tokens + answer_tokens
     qm.check_context(total)
     cache = choice.open(qm, total, previous=cache)
     haystack.fill(cache)
-    question = torch.tensor([prompt.question], device=qm.device)
-    last = qm.forward(question, cache, last_only=True)[0, -1]
+    if decode_question:
+        question = torch.tensor([prompt.question], device=qm.device)
+        last = qm.forward(question, cache, last_only=True)[0, -1]
+    else:
+        last = haystack.logits
     text = qm.tokenizer.decode(greedy(qm, cache, last, answer_tokens))
     return NeedleAnswer(total, prompt.depth, prompt.answer, text, prompt.answer in text)
 

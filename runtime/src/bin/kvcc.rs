@@ -7,7 +7,7 @@ use std::time::Duration;
 use clap::{Args, Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressFinish, ProgressStyle};
 use kvcc_compiler::Format;
-use kvcc_runtime::cli::{self, bench, check, demo, eval, live_bench, policy};
+use kvcc_runtime::cli::{self, bench, budget_eval, check, demo, eval, live_bench, policy};
 use kvcc_runtime::cuda::measure::{DecodeShape, StepPlan, StepTiming};
 use kvcc_runtime::cuda::Gpu;
 use kvcc_runtime::exec::ExecutorKind;
@@ -207,6 +207,11 @@ struct PolicyArgs {
     /// spec has a `[cache.select]` (default: its budget).
     #[arg(long)]
     select_pages: Option<u32>,
+    /// Average page bytes per compressed state, comma-separated: the
+    /// `[cache.budget]` controller over every tier beside each tier alone
+    /// and KIVI int8/int4 alone at each budget (in place of the tier table).
+    #[arg(long, value_delimiter = ',')]
+    budget: Vec<f64>,
 }
 
 fn bar(total: u64, message: &str) -> ProgressBar {
@@ -464,11 +469,36 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             loading.enable_steady_tick(Duration::from_millis(200));
             let data = load_qkv(&qkv, prefix.as_deref())?;
             loading.finish_and_clear();
+            let budgets = policy.budget.clone();
             let policy = CachePolicy::of(&format)
                 .with_overrides(policy.sinks, policy.window)
                 .with_select_budget(policy.select_pages);
             let progress = bar(0, "eval").with_finish(ProgressFinish::AndClear);
             progress.enable_steady_tick(Duration::from_millis(200));
+            if !budgets.is_empty() {
+                if let Some(b) = budgets.iter().find(|b| !(b.is_finite() && **b > 0.0)) {
+                    return Err(
+                        format!("--budget {b}: a budget is a number of bytes above 0").into(),
+                    );
+                }
+                let report = budget_eval::run(
+                    &format,
+                    &data,
+                    &budgets,
+                    policy,
+                    max_queries.max(1),
+                    fidelity.executor,
+                    |done, total| {
+                        progress.set_length(total as u64);
+                        progress.set_position(done as u64);
+                    },
+                )?;
+                progress.finish_and_clear();
+                emit(&report, None, fidelity.json, || {
+                    budget_eval::render(&report)
+                })?;
+                return Ok(());
+            }
             let report = eval::run(
                 &format,
                 &data,

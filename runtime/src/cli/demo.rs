@@ -190,7 +190,17 @@ fn policy_score(
     }
     let policy = CachePolicy { tier, ..policy };
     let mut acc = FidelityAccumulator::default();
-    let elapsed = live_fidelity::run(format, tables, block, policy, options.executor, &mut acc)?;
+    let observed = Default::default();
+    let elapsed = live_fidelity::run(
+        format,
+        tables,
+        block,
+        policy,
+        observed,
+        options.executor,
+        &mut acc,
+    )?
+    .elapsed;
     let context = options.context() as usize;
     Ok(Some(PolicyScore::new(
         format, &policy, &acc, elapsed, context,

@@ -55,6 +55,8 @@ pub enum EvalError {
     Executor(#[from] crate::exec::ExecError),
     #[error(transparent)]
     Live(#[from] LiveError),
+    #[error("{0}")]
+    Spec(String),
 }
 
 /// Evaluates every tier on `executor`; at most `max_query_rows` query rows per
@@ -74,14 +76,15 @@ pub fn run(
 ) -> Result<EvalReport, EvalError> {
     let kind = executor;
     let mut live = LiveRows::new(format, policy);
-    let [layers, kv_heads, tokens, d] = qkv.k.shape;
-    let [_, q_heads, q_tokens, _] = qkv.q.shape;
-    if d != format.head_dim() as usize {
-        return Err(EvalError::HeadDim {
-            format: format.head_dim(),
-            tensors: d,
-        });
-    }
+    let dump = Dump::of(format, qkv)?;
+    let Dump {
+        layers,
+        kv_heads,
+        tokens,
+        q_heads,
+        q_tokens,
+        ..
+    } = dump;
     let rows: Vec<usize> = (0..max_query_rows.min(q_tokens))
         .map(|i| i * q_tokens / max_query_rows.min(q_tokens))
         .collect();
@@ -101,19 +104,8 @@ pub fn run(
     let steps = plans.len() + 1;
     progress(0, layers * steps);
     for layer in 0..layers {
-        let kv = layer * kv_heads * tokens * d..(layer + 1) * kv_heads * tokens * d;
-        let (keys, values) = (&qkv.k.data[kv.clone()], &qkv.v.data[kv]);
-        let q_layer =
-            &qkv.q.data[layer * q_heads * q_tokens * d..(layer + 1) * q_heads * q_tokens * d];
-        let queries: Vec<f32> = (0..q_heads)
-            .flat_map(|h| {
-                rows.iter().flat_map(move |&r| {
-                    q_layer[(h * q_tokens + r) * d..(h * q_tokens + r + 1) * d]
-                        .iter()
-                        .copied()
-                })
-            })
-            .collect();
+        let (keys, values) = dump.kv(qkv, layer);
+        let queries = dump.queries(qkv, layer, &rows);
         let tables = cache::train(format, keys, values, kv_heads, &TrainOptions::default())?;
         progress(layer * steps + 1, layers * steps);
         let block = Block {
@@ -174,6 +166,61 @@ pub fn run(
         context,
         rows: rows_out,
     })
+}
+
+/// A dump's shape, checked against the format: `[layers, kv_heads, tokens,
+/// d]` keys and values, `[layers, q_heads, q_tokens, d]` queries.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Dump {
+    pub layers: usize,
+    pub kv_heads: usize,
+    pub tokens: usize,
+    pub d: usize,
+    pub q_heads: usize,
+    pub q_tokens: usize,
+}
+
+impl Dump {
+    pub fn of(format: &Format, qkv: &Qkv) -> Result<Dump, EvalError> {
+        let [layers, kv_heads, tokens, d] = qkv.k.shape;
+        let [_, q_heads, q_tokens, _] = qkv.q.shape;
+        if d != format.head_dim() as usize {
+            return Err(EvalError::HeadDim {
+                format: format.head_dim(),
+                tensors: d,
+            });
+        }
+        Ok(Dump {
+            layers,
+            kv_heads,
+            tokens,
+            d,
+            q_heads,
+            q_tokens,
+        })
+    }
+
+    /// Layer `layer`'s keys and values, `[kv_head][token][d]` each.
+    pub fn kv<'a>(&self, qkv: &'a Qkv, layer: usize) -> (&'a [f32], &'a [f32]) {
+        let n = self.kv_heads * self.tokens * self.d;
+        let kv = layer * n..(layer + 1) * n;
+        (&qkv.k.data[kv.clone()], &qkv.v.data[kv])
+    }
+
+    /// Layer `layer`'s query rows `rows` of every head, `[q_head][row][d]`.
+    pub fn queries(&self, qkv: &Qkv, layer: usize, rows: &[usize]) -> Vec<f32> {
+        let (d, q_tokens) = (self.d, self.q_tokens);
+        let q_layer = &qkv.q.data[layer * self.q_heads * q_tokens * d..];
+        (0..self.q_heads)
+            .flat_map(|h| {
+                rows.iter()
+                    .flat_map(move |&r| {
+                        &q_layer[(h * q_tokens + r) * d..(h * q_tokens + r + 1) * d]
+                    })
+                    .copied()
+            })
+            .collect()
+    }
 }
 
 pub fn render(report: &EvalReport) -> String {
@@ -250,7 +297,10 @@ impl LiveRows {
         };
         for (tier, acc) in self.accumulators.iter_mut().enumerate() {
             let policy = CachePolicy { tier, ..policy };
-            self.elapsed[tier] += live_fidelity::run(format, tables, block, policy, executor, acc)?;
+            let observed = Default::default();
+            let elapsed =
+                live_fidelity::run(format, tables, block, policy, observed, executor, acc)?.elapsed;
+            self.elapsed[tier] += elapsed;
         }
         Ok(())
     }

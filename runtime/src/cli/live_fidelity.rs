@@ -10,7 +10,7 @@ use serde::Serialize;
 use super::fidelity::Block;
 use crate::cache::Tables;
 use crate::exec::ExecutorKind;
-use crate::live::{CachePolicy, LiveCache, LiveError, LiveKv, LiveOptions, SequenceKv};
+use crate::live::{CachePolicy, LiveCache, LiveError, LiveKv, LiveOptions, Queries, SequenceKv};
 use crate::metrics::{Fidelity, FidelityAccumulator};
 use crate::reference::dense_attention;
 
@@ -74,17 +74,45 @@ impl PolicyScore {
     }
 }
 
+/// What a live cache held and how long its steps took.
+#[derive(Debug, Clone, Default)]
+pub struct Held {
+    /// Time of the decode steps.
+    pub elapsed: Duration,
+    /// Bytes of the pages in use.
+    pub page_bytes: usize,
+    /// Tokens between the exact sinks and tail: compressed or dropped.
+    pub allocated: usize,
+    /// Per tier: tokens its pages hold.
+    pub kept: Vec<usize>,
+}
+
+impl Held {
+    pub fn add(&mut self, other: &Held) {
+        self.elapsed += other.elapsed;
+        self.page_bytes += other.page_bytes;
+        self.allocated += other.allocated;
+        if self.kept.len() < other.kept.len() {
+            self.kept.resize(other.kept.len(), 0);
+        }
+        for (a, b) in self.kept.iter_mut().zip(&other.kept) {
+            *a += b;
+        }
+    }
+}
+
 /// Scores `block` held by a live cache under `policy` (its pages in
-/// `policy.tier`), adding a row per (query head, query row) to `acc`; returns
-/// the time spent decoding.
+/// `policy.tier`, or as its budget allocates them weighing states by the
+/// `observed` queries), adding a row per (query head, query row) to `acc`.
 pub fn run(
     format: &Format,
     tables: &Tables,
     block: &Block,
     policy: CachePolicy,
+    observed: Queries,
     executor: ExecutorKind,
     acc: &mut FidelityAccumulator,
-) -> Result<Duration, LiveError> {
+) -> Result<Held, LiveError> {
     let d = format.head_dim() as usize;
     let tokens = block.keys.len() / (block.kv_heads * d);
     let items = format.spec().page.items as usize;
@@ -98,7 +126,24 @@ pub fn run(
     live.prefill(&[SequenceKv {
         keys: block.keys,
         values: block.values,
+        queries: observed,
     }])?;
+    let tiers = format.tiers().len();
+    let page_bytes = (0..tiers)
+        .map(|t| live.pool().used(t) * format.layout(t).page_bytes as usize)
+        .sum();
+    let state = live.sequence(0).expect("the prefilled sequence");
+    let exact: usize = (state.sinks.iter().chain(&state.tail))
+        .map(|rows| rows.tokens(d))
+        .sum();
+    let mut kept = vec![0; tiers];
+    for refs in &live.pages().view().page_tables[0] {
+        for r in refs {
+            kept[r.tier as usize] += live
+                .page_positions(r.tier as usize, r.page)
+                .map_or(0, <[u32]>::len);
+        }
+    }
     let group = block.q_heads / block.kv_heads;
     let scale = 1.0 / (d as f32).sqrt();
     let mut elapsed = Duration::ZERO;
@@ -124,5 +169,10 @@ pub fn run(
             acc.add_row(output, logits, &want.output, &want.logits);
         }
     }
-    Ok(elapsed)
+    Ok(Held {
+        elapsed,
+        page_bytes,
+        allocated: tokens * block.kv_heads - exact,
+        kept,
+    })
 }

@@ -1,6 +1,7 @@
 //! The `kvcc` command's subcommands, as library code the binary calls.
 
 pub mod bench;
+pub mod budget_eval;
 pub mod check;
 pub mod demo;
 pub mod eval;

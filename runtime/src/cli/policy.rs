@@ -37,6 +37,10 @@ pub struct PolicyReport {
     /// `[cache.select]` in words (what each page keeps, what a step reads),
     /// where the spec selects; its summaries are in `bytes_per_token`.
     pub select: Option<String>,
+    /// Under a `[cache.budget]`: bytes per token per kv head with the
+    /// policy's exact rows and the budget's pages (the tier rows are each
+    /// tier alone).
+    pub budget_bytes_per_token: Option<f64>,
 }
 
 /// One tier's bytes per token per kv head at the report's context: exact
@@ -65,11 +69,16 @@ pub fn report(format: &Format, context: usize) -> PolicyReport {
     let tiers = (0..format.tiers().len())
         .map(|t| {
             let layout = format.layout(t);
-            let with = CachePolicy { tier: t, ..policy }.bytes_per_token(layout, context);
+            let alone = CachePolicy {
+                tier: t,
+                budget: None,
+                ..policy
+            };
+            let with = alone.bytes_per_token(layout, context);
             let without = CachePolicy::compress_all(t).bytes_per_token(layout, context);
             PolicyTier {
                 tier: layout.name.clone(),
-                policy_tier: t == policy.tier,
+                policy_tier: t == policy.tier && policy.budget.is_none(),
                 bytes_per_token: with,
                 compression: dense / with,
                 all_pages_bytes_per_token: without,
@@ -90,6 +99,8 @@ pub fn report(format: &Format, context: usize) -> PolicyReport {
         exact_row_bytes: 2 * format.head_dim() * policy.exact.bytes(),
         tiers,
         select: policy.select.map(|s| s.describe()),
+        budget_bytes_per_token: (policy.budget)
+            .map(|_| policy.bytes_per_token(format.layout(0), context)),
     }
 }
 
@@ -118,15 +129,30 @@ pub fn render(format: &Format, report: &PolicyReport) -> String {
             format!("{:.2}x", t.all_pages_compression),
         ]);
     }
+    if let Some(bytes) = report.budget_bytes_per_token {
+        let dense = f64::from(4 * format.head_dim());
+        table.row(vec![
+            "budget".to_string(),
+            report.exact_tokens.to_string(),
+            format!("{bytes:.2}"),
+            format!("{:.2}x", dense / bytes),
+            "-".to_string(),
+            "-".to_string(),
+        ]);
+    }
     let select = match &report.select {
         Some(line) => format!("{line}\n"),
         None => String::new(),
     };
     format!(
-        "cache policy: {} (* new pages' tier)\n{select}\
+        "cache policy: {}{}\n{select}\
          at {} tokens: {} sinks + {} pages + {} tail tokens; exact rows {} B/token each \
          (K+V), pages and tables amortized over the context\n{}",
         CachePolicy::of(format).describe(format),
+        match report.budget_bytes_per_token {
+            Some(_) => " (tier rows: each tier alone; budget: the controller's pages)",
+            None => " (* new pages' tier)",
+        },
         report.context,
         report.split.sinks,
         report.split.pages,

@@ -11,15 +11,16 @@ use kvcc_compiler::page::PageRef;
 use kvcc_compiler::spec::ExactDtype;
 use kvcc_compiler::Format;
 
+use super::budget::{self, TierCost};
 use super::exact::{round, ExactPartial, ExactRows};
 use super::pool::PagePool;
-use super::{Append, Attention, CachePolicy, LiveError, LiveKv, SequenceKv};
+use super::{Append, Attention, CachePolicy, LiveError, LiveKv, Queries, SequenceKv};
 use crate::cache::{self, PagedCache, Tables};
 use crate::encode::{encode_page, encode_page_compiled, EncodeError, TrainOptions};
 use crate::exec::{page_encoder, Executor, ExecutorKind, Request};
 
 /// How a [`LiveCache`] is shaped.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct LiveOptions {
     pub policy: CachePolicy,
     pub kv_heads: usize,
@@ -29,12 +30,14 @@ pub struct LiveOptions {
     pub executor: ExecutorKind,
 }
 
-/// One sequence's exact rows, per kv head.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// One sequence's exact rows, per kv head, and under a `[cache.budget]`
+/// its most recent queries per query head (`[row][head_dim]`, oldest first).
+#[derive(Debug, Clone, PartialEq)]
 pub struct SequenceState {
     pub tokens: usize,
     pub sinks: Vec<ExactRows>,
     pub tail: Vec<ExactRows>,
+    pub observed: Vec<Vec<f32>>,
 }
 
 /// Everything a call may change, comparable: a call that fails must leave it
@@ -47,6 +50,7 @@ pub struct LiveState {
     pub pool: PagePool,
     pub policy: CachePolicy,
     pub summaries: Vec<Vec<u16>>,
+    pub positions: Vec<Vec<Vec<u32>>>,
 }
 
 pub struct LiveCache {
@@ -63,6 +67,9 @@ pub struct LiveCache {
     /// `[tier]`: each page's selection summary (`select::summarize`) at
     /// `page * values`, where the policy selects.
     summaries: Vec<Vec<u16>>,
+    /// `[tier][page]`: the token positions of each page's items, in item
+    /// order (a `[cache.budget]` page holds any of its sequence's tokens).
+    positions: Vec<Vec<Vec<u32>>>,
 }
 
 impl std::fmt::Debug for LiveCache {
@@ -83,11 +90,18 @@ struct Planned {
     tokens: usize,
     sinks: Vec<ExactRows>,
     tail: Vec<ExactRows>,
-    /// Per page compressed: per kv head, the page's bytes.
-    pages: Vec<Vec<Vec<u8>>>,
-    /// Per page compressed: per kv head, its selection summary (none
-    /// without a selection).
-    summaries: Vec<Vec<Vec<u16>>>,
+    observed: Vec<Vec<f32>>,
+    /// `[kv_head]`: the pages compressed.
+    pages: Vec<Vec<PlannedPage>>,
+}
+
+/// One (kv head, page) to write.
+struct PlannedPage {
+    tier: usize,
+    bytes: Vec<u8>,
+    /// Its selection summary, where the policy selects.
+    summary: Option<Vec<u16>>,
+    positions: Vec<u32>,
 }
 
 impl LiveCache {
@@ -104,6 +118,9 @@ impl LiveCache {
                 tiers,
             });
         }
+        if let Some(b) = &options.policy.budget {
+            check_budget(format, b)?;
+        }
         Ok(LiveCache {
             pages: PagedCache::new(format, options.kv_heads, tables)?,
             sequences: Vec::new(),
@@ -113,6 +130,7 @@ impl LiveCache {
             encoders: (options.executor == ExecutorKind::Jit)
                 .then(|| (0..tiers).map(|_| OnceLock::new()).collect()),
             summaries: vec![Vec::new(); tiers],
+            positions: vec![Vec::new(); tiers],
         })
     }
 
@@ -156,6 +174,7 @@ impl LiveCache {
             pool: self.pool.clone(),
             policy: self.policy,
             summaries: self.summaries.clone(),
+            positions: self.positions.clone(),
         }
     }
 
@@ -181,13 +200,15 @@ impl LiveCache {
         exact + pages + tables + summaries
     }
 
-    /// The sequence after `keys`/`values` arrive, with its new pages encoded.
+    /// The sequence after `keys`/`values` arrive (and, for a prompt, its
+    /// last tokens' `queries`), with its new pages encoded.
     fn plan(
         &self,
         sequence: usize,
         base: Option<&SequenceState>,
         keys: &[f32],
         values: &[f32],
+        queries: Queries,
     ) -> Result<Planned, LiveError> {
         let format = self.pages.format();
         let d = format.head_dim() as usize;
@@ -196,9 +217,14 @@ impl LiveCache {
         check_exact(self.policy.exact, keys, values)?;
         let exact = self.policy.exact;
         let empty = || vec![ExactRows::default(); kv_heads];
-        let (tokens, mut sinks, mut tail) = match base {
-            Some(s) => (s.tokens, s.sinks.clone(), s.tail.clone()),
-            None => (0, empty(), empty()),
+        let (tokens, mut sinks, mut tail, observed) = match base {
+            Some(s) => (
+                s.tokens,
+                s.sinks.clone(),
+                s.tail.clone(),
+                s.observed.clone(),
+            ),
+            None => (0, empty(), empty(), self.observed_prompt(queries, new)?),
         };
         let to_sinks = self.policy.sinks.saturating_sub(tokens).min(new);
         for h in 0..kv_heads {
@@ -212,39 +238,222 @@ impl LiveCache {
                 &rows(values, to_sinks, new),
             );
         }
-        let layout = format.layout(self.policy.tier);
-        let encoder = self.encoder(self.policy.tier)?;
-        let items = layout.items_per_page as usize;
-        let count = tail[0].tokens(d).saturating_sub(self.policy.window) / items;
-        let mut pages = Vec::with_capacity(count);
-        let mut summaries = Vec::with_capacity(count);
-        for _ in 0..count {
-            let mut heads = Vec::with_capacity(kv_heads);
-            let mut summary = Vec::new();
-            for (h, rows) in tail.iter_mut().enumerate() {
-                let (k, v) = rows.take_front(exact, items, d);
-                if let Some(layout) = &self.policy.select {
-                    summary.push(select::summarize(layout, &k));
+        let tail_tokens = tail[0].tokens(d);
+        // The position of the tail's first token.
+        let front = (tokens + new - tail_tokens) as u32;
+        let leaving = tail_tokens.saturating_sub(self.policy.window);
+        let mut pages = Vec::with_capacity(kv_heads);
+        match self.policy.budget {
+            None => {
+                let layout = format.layout(self.policy.tier);
+                let items = layout.items_per_page as usize;
+                for (h, rows) in tail.iter_mut().enumerate() {
+                    let mut head = Vec::new();
+                    for p in 0..leaving / items {
+                        let (k, v) = rows.take_front(exact, items, d);
+                        let at = front + (p * items) as u32;
+                        head.push(self.planned_page(
+                            self.policy.tier,
+                            h,
+                            &k,
+                            &v,
+                            at..at + items as u32,
+                        )?);
+                    }
+                    pages.push(head);
                 }
-                let mut page = vec![0u8; layout.page_bytes as usize];
-                let tables = &self.pages.tables()[self.policy.tier][h];
-                match &encoder {
-                    Some(e) => encode_page_compiled(e, layout, h, tables, &k, &v, &mut page)?,
-                    None => encode_page(layout, tables, &k, &v, &mut page)?,
-                }
-                heads.push(page);
             }
-            pages.push(heads);
-            summaries.push(summary);
+            Some(b) => {
+                // A prompt allocates every state leaving the window; appends
+                // wait until `refresh` of them have gathered.
+                let due = leaving > 0 && (base.is_none() || leaving >= b.refresh);
+                for h in 0..kv_heads {
+                    let head = match due {
+                        true => {
+                            self.allocate(h, &sinks[h], &mut tail[h], leaving, &observed, front)?
+                        }
+                        false => Vec::new(),
+                    };
+                    pages.push(head);
+                }
+            }
         }
         Ok(Planned {
             sequence,
             tokens: tokens + new,
             sinks,
             tail,
+            observed,
             pages,
-            summaries,
         })
+    }
+
+    /// One page of `tier` for kv head `h` holding `keys`/`values`, the
+    /// tokens at `positions`.
+    fn planned_page(
+        &self,
+        tier: usize,
+        h: usize,
+        keys: &[f32],
+        values: &[f32],
+        positions: impl IntoIterator<Item = u32>,
+    ) -> Result<PlannedPage, LiveError> {
+        Ok(PlannedPage {
+            tier,
+            bytes: self.encode(tier, h, keys, values)?,
+            summary: (self.policy.select).map(|s| select::summarize(&s, keys)),
+            positions: positions.into_iter().collect(),
+        })
+    }
+
+    /// A page of `tier` for kv head `h` holding `keys`/`values`.
+    fn encode(
+        &self,
+        tier: usize,
+        h: usize,
+        keys: &[f32],
+        values: &[f32],
+    ) -> Result<Vec<u8>, LiveError> {
+        let layout = self.pages.format().layout(tier);
+        let mut bytes = vec![0u8; layout.page_bytes as usize];
+        let tables = &self.pages.tables()[tier][h];
+        match &self.encoder(tier)? {
+            Some(e) => encode_page_compiled(e, layout, h, tables, keys, values, &mut bytes)?,
+            None => encode_page(layout, tables, keys, values, &mut bytes)?,
+        }
+        Ok(bytes)
+    }
+
+    /// The `[cache.budget]` pages of kv head `h`: its tail's first `count`
+    /// states (from position `front`) scored at every tier, allocated and
+    /// packed; dropped states are gone.
+    fn allocate(
+        &self,
+        h: usize,
+        sinks: &ExactRows,
+        tail: &mut ExactRows,
+        count: usize,
+        observed: &[Vec<f32>],
+        front: u32,
+    ) -> Result<Vec<PlannedPage>, LiveError> {
+        let budget = self.policy.budget.expect("a budget allocates");
+        let format = self.pages.format();
+        let d = format.head_dim() as usize;
+        let exact = self.policy.exact;
+        let (keys, values) = tail.take_front(exact, count, d);
+        let widen = |bits: &[u16]| -> Vec<f32> {
+            bits.iter()
+                .map(|&b| super::exact::from_bits(exact, b))
+                .collect()
+        };
+        let (exact_keys, exact_values) = (
+            [widen(&sinks.keys), widen(&tail.keys)].concat(),
+            [widen(&sinks.values), widen(&tail.values)].concat(),
+        );
+        let group = observed.len() / self.pages.kv_heads().max(1);
+        let queries: Vec<f32> = observed[h * group..(h + 1) * group].concat();
+        if budget.needs_queries() && queries.is_empty() {
+            return Err(LiveError::NoQueries {
+                score: budget.score.name(),
+            });
+        }
+        let states = budget::States {
+            keys: &keys,
+            values: &values,
+            queries: &queries,
+            exact_keys: &exact_keys,
+            exact_values: &exact_values,
+        };
+        let tiers = format.tiers().len();
+        let tables: Vec<&[Vec<f32>]> = (0..tiers).map(|t| &self.pages.tables()[t][h][..]).collect();
+        let distortions =
+            budget::distortions(format, &tables, budget.score, &states, |t, k, v| {
+                let n = format.layout(t).items_per_page as usize * d;
+                (k.chunks(n).zip(v.chunks(n)))
+                    .map(|(k, v)| self.encode(t, h, k, v))
+                    .collect()
+            })?;
+        let costs: Vec<TierCost> = (0..tiers).map(|t| TierCost::of(format, t)).collect();
+        let allocation = budget::allocate(&distortions, &costs, &budget);
+        let items = format.spec().page.items as usize;
+        budget::pack(&allocation, tiers, items)
+            .into_iter()
+            .map(|(t, states)| {
+                let gather = |data: &[f32]| -> Vec<f32> {
+                    states
+                        .iter()
+                        .flat_map(|&i| &data[i * d..(i + 1) * d])
+                        .copied()
+                        .collect()
+                };
+                let positions = states.iter().map(|&i| front + i as u32);
+                self.planned_page(t, h, &gather(&keys), &gather(&values), positions)
+            })
+            .collect()
+    }
+
+    /// A new sequence's observed queries per query head: the last
+    /// `observe` rows of its prompt's `queries` (none without a budget).
+    fn observed_prompt(&self, queries: Queries, tokens: usize) -> Result<Vec<Vec<f32>>, LiveError> {
+        let Some(budget) = self.policy.budget else {
+            return Ok(Vec::new());
+        };
+        if queries.data.is_empty() {
+            return Ok(Vec::new());
+        }
+        let d = self.pages.format().head_dim() as usize;
+        let kv_heads = self.pages.kv_heads();
+        let q_heads = queries.q_heads;
+        let rows = match q_heads {
+            0 => 0,
+            _ => queries.data.len() / (q_heads * d),
+        };
+        if q_heads == 0
+            || !q_heads.is_multiple_of(kv_heads)
+            || rows * q_heads * d != queries.data.len()
+            || rows > tokens
+        {
+            return Err(LiveError::Device(format!(
+                "a prompt's queries are [q_head][row][head_dim] for a multiple of {kv_heads} \
+                 query heads and at most its {tokens} tokens of {d}; got {} values for {q_heads} \
+                 query heads",
+                queries.data.len()
+            )));
+        }
+        if let Some(x) = queries.data.iter().find(|x| !x.is_finite()) {
+            return Err(LiveError::Device(format!("a prompt's queries hold {x}")));
+        }
+        let keep = rows.min(budget.observe);
+        Ok((0..q_heads)
+            .map(|h| queries.data[(h * rows + rows - keep) * d..(h + 1) * rows * d].to_vec())
+            .collect())
+    }
+
+    /// [`LiveKv::observe`]: keeps each sequence's last `observe` rows per query head.
+    fn observe_queries(&mut self, queries: &[f32], q_heads: usize) -> Result<(), LiveError> {
+        let format = self.pages.format();
+        let d = format.head_dim() as usize;
+        let interp = Interpreter::new(format.tiers(), Options::default());
+        interp.check_queries(
+            queries,
+            self.sequences.len(),
+            q_heads,
+            self.pages.kv_heads(),
+        )?;
+        let Some(budget) = self.policy.budget else {
+            return Ok(());
+        };
+        for (s, rows) in self.sequences.iter_mut().zip(queries.chunks(q_heads * d)) {
+            if s.observed.len() != q_heads {
+                s.observed = vec![Vec::new(); q_heads];
+            }
+            for (kept, q) in s.observed.iter_mut().zip(rows.chunks(d)) {
+                kept.extend_from_slice(q);
+                let excess = kept.len().saturating_sub(budget.observe * d);
+                kept.drain(..excess);
+            }
+        }
+        Ok(())
     }
 
     /// Tier `tier`'s compiled page encoder under the JIT executor (compiled
@@ -262,19 +471,21 @@ impl LiveCache {
 
     /// Checks that the planned pages fit, then applies every plan.
     fn commit(&mut self, plans: Vec<Planned>) -> Result<(), LiveError> {
-        let tier = self.policy.tier;
-        let needed: usize = plans
-            .iter()
-            .map(|p| p.pages.len() * self.pages.kv_heads())
-            .sum();
-        let available = self.pool.available(tier);
-        if needed > available {
-            return Err(LiveError::Capacity {
-                tier: self.pages.format().layout(tier).name.clone(),
-                needed,
-                available,
-                capacity: self.pool.capacity(tier),
-            });
+        let format = self.pages.format();
+        let mut needed = vec![0usize; format.tiers().len()];
+        for page in plans.iter().flat_map(|p| p.pages.iter().flatten()) {
+            needed[page.tier] += 1;
+        }
+        for (tier, &needed) in needed.iter().enumerate() {
+            let available = self.pool.available(tier);
+            if needed > available {
+                return Err(LiveError::Capacity {
+                    tier: format.layout(tier).name.clone(),
+                    needed,
+                    available,
+                    capacity: self.pool.capacity(tier),
+                });
+            }
         }
         let kv_heads = self.pages.kv_heads();
         for plan in plans {
@@ -286,21 +497,29 @@ impl LiveCache {
                     tokens: 0,
                     sinks: Vec::new(),
                     tail: Vec::new(),
+                    observed: Vec::new(),
                 });
             }
-            for (heads, summaries) in plan.pages.iter().zip(&plan.summaries) {
-                for (h, bytes) in heads.iter().enumerate() {
+            for (h, pages) in plan.pages.into_iter().enumerate() {
+                for planned in pages {
+                    let tier = planned.tier;
                     let page = self.pool.allocate(tier);
-                    self.pages.write_page(tier, page.page, bytes);
+                    self.pages.write_page(tier, page.page, &planned.bytes);
                     self.pages.page_tables_mut()[plan.sequence][h].push(page);
-                    if let Some(summary) = summaries.get(h) {
+                    let slot = page.page as usize;
+                    let positions = &mut self.positions[tier];
+                    if positions.len() <= slot {
+                        positions.resize(slot + 1, Vec::new());
+                    }
+                    positions[slot] = planned.positions;
+                    if let Some(summary) = planned.summary {
                         let n = summary.len();
-                        let at = page.page as usize * n;
+                        let at = slot * n;
                         let stored = &mut self.summaries[tier];
                         if stored.len() < at + n {
                             stored.resize(at + n, 0);
                         }
-                        stored[at..at + n].copy_from_slice(summary);
+                        stored[at..at + n].copy_from_slice(&summary);
                     }
                 }
             }
@@ -308,10 +527,39 @@ impl LiveCache {
                 tokens: plan.tokens,
                 sinks: plan.sinks,
                 tail: plan.tail,
+                observed: plan.observed,
             };
         }
         Ok(())
     }
+}
+
+/// Checks that `budget` can be met by `format`'s tiers: without drops, the
+/// budget must reach the cheapest tier's bytes per state.
+fn check_budget(format: &Format, budget: &budget::BudgetPolicy) -> Result<(), LiveError> {
+    if budget.drop {
+        return Ok(());
+    }
+    let cheapest = (0..format.tiers().len())
+        .map(|t| {
+            let layout = format.layout(t);
+            (
+                f64::from(layout.page_bytes) / f64::from(layout.items_per_page),
+                t,
+            )
+        })
+        .min_by(|a, b| a.0.total_cmp(&b.0))
+        .expect("a format has a tier");
+    if budget.bytes_per_token < cheapest.0 {
+        return Err(LiveError::Device(format!(
+            "[cache.budget] bytes_per_token = {} is below the cheapest tier `{}` ({:.2} B per \
+             state) and drop = false: no allocation can meet it",
+            budget.bytes_per_token,
+            format.layout(cheapest.1).name,
+            cheapest.0
+        )));
+    }
+    Ok(())
 }
 
 /// Trains every tier's tables on the prompts' keys and values together.
@@ -394,7 +642,7 @@ impl LiveKv for LiveCache {
         let plans = sequences
             .iter()
             .enumerate()
-            .map(|(i, s)| self.plan(first + i, None, s.keys, s.values))
+            .map(|(i, s)| self.plan(first + i, None, s.keys, s.values, s.queries))
             .collect::<Result<Vec<_>, _>>()?;
         self.commit(plans)?;
         Ok((first..first + sequences.len()).collect())
@@ -410,6 +658,7 @@ impl LiveKv for LiveCache {
                     Some(&self.sequences[a.sequence]),
                     a.keys,
                     a.values,
+                    Queries::default(),
                 )
             })
             .collect::<Result<Vec<_>, _>>()?;
@@ -436,7 +685,17 @@ impl LiveKv for LiveCache {
         Ok(())
     }
 
+    fn observe(&mut self, queries: &[f32], q_heads: usize) -> Result<(), LiveError> {
+        self.observe_queries(queries, q_heads)
+    }
+
     fn set_tier(&mut self, tier: usize) -> Result<(), LiveError> {
+        if self.policy.budget.is_some() {
+            return Err(LiveError::Device(
+                "a [cache.budget] cache chooses each state's tier itself; set_tier does not apply"
+                    .to_string(),
+            ));
+        }
         let tiers = self.pages.format().tiers().len();
         if tier >= tiers {
             return Err(EncodeError::UnknownTier { tier, tiers }.into());
@@ -501,25 +760,25 @@ impl LiveCache {
             let sinks = exact.logits.len();
             exact.push(self.policy.exact, &sequence.tail[kv_head], query, scale);
             let mut finished = Vec::with_capacity(2);
-            let mut row_logits = exact.logits[..sinks].to_vec();
+            // Token order: sinks, the pages' tokens where their positions
+            // say (-inf for tokens not read or dropped), then the tail.
+            let mut row_logits =
+                vec![f32::NEG_INFINITY; sequence.tokens - (exact.logits.len() - sinks)];
+            row_logits[..sinks].copy_from_slice(&exact.logits[..sinks]);
             if let Some(decoded) = &compressed {
                 if let Some(lse) = log_sum_exp(&decoded.logits[row]) {
                     let output = decoded.outputs[row * d..(row + 1) * d].to_vec();
                     finished.push((Softmax { max: lse, sum: 1.0 }, output));
                 }
-                match &selected {
-                    None => row_logits.extend(&decoded.logits[row]),
-                    Some(rows) => {
-                        let all = &self.pages.view().page_tables[row / q_heads][kv_head];
-                        let read = &rows[row / q_heads][kv_head];
-                        let items = format.spec().page.items as usize;
-                        row_logits.extend(unread_as_minus_infinity(
-                            all,
-                            read,
-                            &decoded.logits[row],
-                            items,
-                        ));
-                    }
+                let read = match &selected {
+                    None => &self.pages.view().page_tables[row / q_heads][kv_head],
+                    Some(rows) => &rows[row / q_heads][kv_head],
+                };
+                let positions = read
+                    .iter()
+                    .flat_map(|r| &self.positions[r.tier as usize][r.page as usize]);
+                for (&at, &logit) in positions.zip(&decoded.logits[row]) {
+                    row_logits[at as usize] = logit;
                 }
             }
             row_logits.extend(&exact.logits[sinks..]);
@@ -537,6 +796,15 @@ impl LiveCache {
 }
 
 impl LiveCache {
+    /// The token positions of page `page` of tier `tier`'s items, in item
+    /// order; `None` for a page never written.
+    pub fn page_positions(&self, tier: usize, page: u32) -> Option<&[u32]> {
+        self.positions
+            .get(tier)?
+            .get(page as usize)
+            .map(Vec::as_slice)
+    }
+
     /// The selection summary of page `page` of tier `tier`; `None` without
     /// a selection or for a page never compressed.
     pub fn page_summary(&self, tier: usize, page: u32) -> Option<&[u16]> {
@@ -597,29 +865,6 @@ pub(crate) fn check_exact(
         }
     }
     Ok(())
-}
-
-/// The logits of every token of `all` pages (whole pages of `items`) from
-/// those of the `read` ones (a subsequence of `all`): -inf, weight 0, for
-/// tokens not read.
-fn unread_as_minus_infinity(
-    all: &[PageRef],
-    read: &[PageRef],
-    logits: &[f32],
-    items: usize,
-) -> Vec<f32> {
-    let mut out = Vec::with_capacity(all.len() * items);
-    let mut next = read.iter().zip(logits.chunks(items)).peekable();
-    for page in all {
-        match next.peek() {
-            Some((r, page_logits)) if *r == page => {
-                out.extend_from_slice(page_logits);
-                next.next();
-            }
-            _ => out.extend(std::iter::repeat_n(f32::NEG_INFINITY, items)),
-        }
-    }
-    out
 }
 
 /// `ln Σ exp(x)`, computed in f64; `None` for no values.

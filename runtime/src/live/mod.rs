@@ -8,6 +8,7 @@
 //! [`LiveKv`] is the API a backend implements; [`LiveCache`] is the CPU one
 //! (pages encoded by the CPU encoder, attended by the JIT or the interpreter).
 
+pub mod budget;
 mod cpu;
 pub mod exact;
 pub mod exact_tier;
@@ -26,11 +27,22 @@ pub use exact_tier::{serving_format, ServingFormat};
 pub use policy::{CachePolicy, Split};
 pub use pool::PagePool;
 
-/// Keys and values of one sequence, `[kv_head][token][head_dim]` each.
+/// Keys and values of one sequence, `[kv_head][token][head_dim]` each, and
+/// the queries of its last tokens, which a `[cache.budget]` weighs the
+/// compressed states by (none: empty).
 #[derive(Debug, Clone, Copy, Default)]
 pub struct SequenceKv<'a> {
     pub keys: &'a [f32],
     pub values: &'a [f32],
+    pub queries: Queries<'a>,
+}
+
+/// Query rows of one sequence, `[q_head][row][head_dim]`, oldest first,
+/// unit-scaled (the kernels' `1/sqrt(head_dim)` applies).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Queries<'a> {
+    pub data: &'a [f32],
+    pub q_heads: usize,
 }
 
 /// New tokens for sequence `sequence`, `[kv_head][token][head_dim]` each.
@@ -75,6 +87,11 @@ pub enum LiveError {
         value: f32,
         dtype: &'static str,
     },
+    #[error(
+        "[cache.budget] score = {score} weighs states by the queries' attention, and none were \
+         given: pass the prompt's queries at prefill (or use score = \"key_norm\")"
+    )]
+    NoQueries { score: &'static str },
     #[error("no prompt token to train the tables on")]
     NoTrainingData,
     #[error(transparent)]
@@ -124,4 +141,8 @@ pub trait LiveKv {
     fn release(&mut self, sequence: usize) -> Result<(), LiveError>;
     /// The tier pages compressed from now on go to.
     fn set_tier(&mut self, tier: usize) -> Result<(), LiveError>;
+    /// Records one decode step's queries (`[sequence][q_head][head_dim]`,
+    /// unit-scaled) as the most recent a `[cache.budget]` weighs the next
+    /// states by; a cache without a budget checks them and keeps nothing.
+    fn observe(&mut self, queries: &[f32], q_heads: usize) -> Result<(), LiveError>;
 }

@@ -9,7 +9,9 @@ use kvcc_compiler::layout::TierLayout;
 use kvcc_compiler::spec::ExactDtype;
 use kvcc_compiler::Format;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+use super::budget::BudgetPolicy;
+
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct CachePolicy {
     pub sinks: usize,
     pub window: usize,
@@ -19,6 +21,9 @@ pub struct CachePolicy {
     /// `[cache.select]`: the summary every compressed page keeps and the
     /// pages a step reads; `None`: every page.
     pub select: Option<SummaryLayout>,
+    /// `[cache.budget]`: a tier per compressed state (or none: dropped)
+    /// chosen under a byte budget; `None`: every page in `tier`.
+    pub budget: Option<BudgetPolicy>,
 }
 
 /// Where a sequence's tokens are under a policy: the first `sinks` exact, then
@@ -40,6 +45,7 @@ impl CachePolicy {
             exact: cache.exact,
             tier: cache_tier(format.spec()).unwrap_or(0),
             select: SummaryLayout::of(format.spec()),
+            budget: cache.budget.as_ref().map(BudgetPolicy::of),
         }
     }
 
@@ -51,6 +57,7 @@ impl CachePolicy {
             exact: ExactDtype::F16,
             tier,
             select: None,
+            budget: None,
         }
     }
 
@@ -101,10 +108,10 @@ impl CachePolicy {
         let exact_row = 2 * layout.head_dim as usize * self.exact.bytes() as usize;
         let exact = ((split.sinks + split.tail) * exact_row) as f64;
         let compressed = split.pages * items;
-        let pages = if compressed == 0 {
-            f64::from(layout.table_bytes())
-        } else {
-            layout.effective_bytes_per_token(compressed as u32) * compressed as f64
+        let pages = match (compressed, self.budget) {
+            (0, _) => f64::from(layout.table_bytes()),
+            (_, Some(b)) => b.bytes_per_token * compressed as f64,
+            _ => layout.effective_bytes_per_token(compressed as u32) * compressed as f64,
         };
         let summaries = self
             .select
@@ -116,11 +123,14 @@ impl CachePolicy {
     /// "sinks 4 + window 64 exact (f16), whole pages in `pca64_vq`", and
     /// "; reads 16 pages by quest" where it selects.
     pub fn describe(&self, format: &Format) -> String {
-        let tier = &format.layout(self.tier).name;
+        let pages = match self.budget {
+            Some(b) => format!("pages of one tier each, a tier per state: {}", b.describe()),
+            None => format!("whole pages in `{}`", format.layout(self.tier).name),
+        };
         let kept = match self.keeps_exact() {
-            false => format!("no exact tokens, every page in `{tier}`"),
+            false => format!("no exact tokens, {pages}"),
             true => format!(
-                "sinks {} + window {} exact ({}), whole pages in `{tier}`",
+                "sinks {} + window {} exact ({}), {pages}",
                 self.sinks,
                 self.window,
                 self.exact.name()

@@ -30,7 +30,7 @@ use crate::tune::{lookup, ShapeBucket};
 mod append;
 
 /// How a [`DeviceLiveCache`] is shaped.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct DeviceLiveOptions {
     pub policy: CachePolicy,
     pub kv_heads: usize,
@@ -168,6 +168,13 @@ impl DeviceLiveCache {
                 tier: policy.tier,
                 tiers,
             });
+        }
+        if policy.budget.is_some() {
+            return Err(LiveError::Device(
+                "[cache.budget] runs on the CPU live cache: the GPU live cache has no controller \
+                 kernels yet"
+                    .to_string(),
+            ));
         }
         let kv_heads = options.kv_heads;
         crate::cache::PagedCache::new(format, kv_heads, tables.clone())?;
@@ -673,6 +680,11 @@ impl LiveKv for DeviceLiveCache {
             .map(|s| self.row_pages(s))
             .collect();
         self.device.set_page_lists(&self.gpu, &tables)?;
+        Ok(())
+    }
+
+    fn observe(&mut self, _queries: &[f32], _q_heads: usize) -> Result<(), LiveError> {
+        // A device cache never has a budget (`new` refuses one): nothing to keep.
         Ok(())
     }
 
