@@ -111,6 +111,18 @@ pub struct BudgetSpec {
 }
 
 impl BudgetSpec {
+    /// A budget of `bytes_per_token` with every other key at its default.
+    pub fn of_bytes(bytes_per_token: f64) -> BudgetSpec {
+        BudgetSpec {
+            bytes_per_token,
+            drop: Self::default_drop(),
+            score: BudgetScore::default(),
+            protect: 0.0,
+            refresh: Self::default_refresh(),
+            observe: Self::default_observe(),
+        }
+    }
+
     fn default_drop() -> bool {
         true
     }

@@ -730,3 +730,53 @@ fn eval_with_a_cache_policy_scores_each_tier_held_exactly_at_the_ends() {
     let plain = fx.eval("kivi8_64.toml", &fx.safetensors);
     assert!(plain["rows"][0].get("policy").is_none(), "{plain}");
 }
+
+#[test]
+fn eval_with_budgets_holds_each_cache_within_them() {
+    let fx = Fixture::new();
+    let spec = fx.spec("kivi8_64.toml");
+    let report = json(&ok(&[
+        "eval",
+        path_str(&spec),
+        "--qkv",
+        path_str(&fx.safetensors),
+        "--sinks",
+        "4",
+        "--window",
+        "8",
+        "--budget",
+        "60,200",
+        "--json",
+    ]));
+    let rows = report["rows"].as_array().expect("rows");
+    // Per budget: the controller, the spec's one tier alone, KIVI int8 and int4 alone.
+    assert_eq!(rows.len(), 2 * 4, "{report}");
+    assert_eq!(report["observed_rows"], Q_TOKENS / 2, "{report}");
+    assert_eq!(report["scored_rows"], Q_TOKENS / 2, "{report}");
+    for row in rows {
+        let budget = num(&row["budget"], "budget");
+        let bytes = num(&row["bytes_per_token"], "bytes_per_token");
+        let dropped = num(&row["dropped"], "dropped");
+        assert!(bytes <= budget + 1e-9, "{row}");
+        assert!((0.0..=1.0).contains(&dropped), "{row}");
+        assert_eq!(
+            row["fidelity"]["rows"],
+            LAYERS * Q_HEADS * Q_TOKENS / 2,
+            "{row}"
+        );
+    }
+    let dropped = |i: usize| num(&rows[i]["dropped"], "dropped");
+    assert!(
+        dropped(0) > dropped(4),
+        "a smaller budget drops more: {report}"
+    );
+    let error = fails(&[
+        "eval",
+        path_str(&spec),
+        "--qkv",
+        path_str(&fx.safetensors),
+        "--budget",
+        "0",
+    ]);
+    assert!(error.contains("--budget 0"), "{error}");
+}

@@ -62,7 +62,7 @@ struct Contender {
     name: String,
     /// The format with every tier, or one tier; `bytes_per_token` replaced per budget.
     spec: FormatSpec,
-    /// Which tiers of the layer's trained tables (`Own`) or KIVI's.
+    /// The tiers of the trained tables it reads: the spec's, or KIVI's.
     tiers: Vec<usize>,
     kivi: bool,
 }
@@ -79,22 +79,9 @@ pub fn run(
     mut progress: impl FnMut(usize, usize),
 ) -> Result<BudgetReport, EvalError> {
     let dump = Dump::of(format, qkv)?;
-    let Dump {
-        layers,
-        kv_heads,
-        tokens,
-        q_heads,
-        q_tokens,
-        ..
-    } = dump;
-    let mut budget = format.spec().cache.budget.clone().unwrap_or(BudgetSpec {
-        bytes_per_token: 1.0,
-        drop: true,
-        score: Default::default(),
-        protect: 0.0,
-        refresh: 256,
-        observe: 32,
-    });
+    let (layers, q_tokens) = (dump.layers, dump.q_tokens);
+    let mut budget =
+        (format.spec().cache.budget.clone()).unwrap_or_else(|| BudgetSpec::of_bytes(1.0));
     let observe = (budget.observe as usize).min(q_tokens / 2).max(1);
     budget.observe = observe as u32;
     let scored: Vec<usize> = {
@@ -159,20 +146,20 @@ pub fn run(
         let queries = dump.queries(qkv, layer, &scored);
         let observed = dump.queries(qkv, layer, &(0..observe).collect::<Vec<_>>());
         let train = TrainOptions::default();
-        let own = cache::train(format, keys, values, kv_heads, &train)?;
-        let kivi_tables = cache::train(&kivi, keys, values, kv_heads, &train)?;
+        let own = cache::train(format, keys, values, dump.kv_heads, &train)?;
+        let kivi_tables = cache::train(&kivi, keys, values, dump.kv_heads, &train)?;
         progress(layer * (cells + 1) + 1, steps);
         let block = Block {
             keys,
             values,
             queries: &queries,
-            kv_heads,
-            q_heads,
+            kv_heads: dump.kv_heads,
+            q_heads: dump.q_heads,
             query_rows: scored.len(),
         };
         let observed = Queries {
             data: &observed,
-            q_heads,
+            q_heads: dump.q_heads,
         };
         for (b, formats) in compiled.iter().enumerate() {
             for (c, (contender, fmt)) in contenders.iter().zip(formats).enumerate() {
@@ -215,9 +202,9 @@ pub fn run(
     Ok(BudgetReport {
         format: format.name().to_string(),
         layers,
-        q_heads,
-        kv_heads,
-        tokens,
+        q_heads: dump.q_heads,
+        kv_heads: dump.kv_heads,
+        tokens: dump.tokens,
         sinks: policy.sinks,
         window: policy.window,
         observed_rows: observe,
