@@ -16,7 +16,7 @@ use kvcc::runtime::exec::ExecutorKind;
 use kvcc::runtime::live::budget::{self, BudgetPolicy, Distortions, TierCost};
 use kvcc::runtime::live::exact::round;
 use kvcc::runtime::live::{
-    Append, CachePolicy, LiveCache, LiveError, LiveKv, LiveOptions, Queries, SequenceKv,
+    CachePolicy, LiveCache, LiveError, LiveKv, LiveOptions, Queries, SequenceKv,
 };
 use kvcc::runtime::reference::dense_attention;
 
@@ -293,13 +293,7 @@ fn build(format: &Format, seed: u64, executor: ExecutorKind) -> Built {
                 taken[s] += n;
             }
         }
-        let batch: Vec<Append> = (chunks.iter())
-            .map(|(s, k, v)| Append {
-                sequence: *s,
-                keys: k,
-                values: v,
-            })
-            .collect();
+        let batch = common::appends(&chunks);
         live.append(&batch).unwrap();
         let step: Vec<f32> = (0..2)
             .flat_map(|s| queries_at(s, &[taken[s] - 1]))

@@ -301,14 +301,7 @@ fn run(case: &Case, seed: u64) {
             source.taken = to;
             chunks.push((s, k, v));
         }
-        let batch: Vec<Append> = chunks
-            .iter()
-            .map(|(s, k, v)| Append {
-                sequence: *s,
-                keys: k,
-                values: v,
-            })
-            .collect();
+        let batch = common::appends(&chunks);
         live.append(&batch)
             .unwrap_or_else(|e| panic!("{what}, step {step}: {e}"));
         note_pages(&live, &mut sources, case.tiers[tier]);

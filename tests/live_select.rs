@@ -15,7 +15,7 @@ use kvcc::compiler::Format;
 use kvcc::runtime::builtin::SPECS;
 use kvcc::runtime::encode::TrainOptions;
 use kvcc::runtime::exec::ExecutorKind;
-use kvcc::runtime::live::{Append, CachePolicy, LiveCache, LiveKv, LiveOptions, SequenceKv};
+use kvcc::runtime::live::{CachePolicy, LiveCache, LiveKv, LiveOptions, SequenceKv};
 
 const SINKS: usize = 4;
 const WINDOW: usize = 64;
@@ -95,13 +95,7 @@ fn filled(format: &Format, policy: CachePolicy, seed: u64, executor: ExecutorKin
             chunks.push((s, chunk(&sets[s].keys), chunk(&sets[s].values)));
             taken[s] += n;
         }
-        let batch: Vec<Append> = (chunks.iter())
-            .map(|(s, k, v)| Append {
-                sequence: *s,
-                keys: k,
-                values: v,
-            })
-            .collect();
+        let batch = common::appends(&chunks);
         live.append(&batch).unwrap();
     }
     Filled {

@@ -60,13 +60,18 @@ def test_the_shared_prompt_pass_equals_the_models_own(harness, qm):
     """A cache handed the prompt's keys and values layer by layer decodes the
     same logits as one the model's forward pass filled."""
     fmt = bundled_at("kivi", qm.head_dim)
-    choice = harness.choice(fmt, "int4", "s4w64")
-    ids = harness.text[:, :200]
-    own = choice.open(qm, 256)
+    assert_shared_pass_decodes_as_own(harness, qm, harness.choice(fmt, "int4", "s4w64"), 200)
+
+
+def assert_shared_pass_decodes_as_own(harness, qm, choice, tokens):
+    """A cache the model's forward pass filled with the text's first
+    `tokens` and one handed the shared pass decode the same next steps."""
+    ids = harness.text[:, :tokens]
+    own = choice.open(qm, tokens + 56)
     qm.forward(ids, own)
-    shared = choice.open(qm, 256)
+    shared = choice.open(qm, tokens + 56)
     prefill(qm, ids).fill(shared)
-    step = harness.text[:, 200:203]
+    step = harness.text[:, tokens : tokens + 3]
     assert torch.equal(qm.forward(step, own), qm.forward(step, shared))
 
 
@@ -105,13 +110,7 @@ def test_a_budget_cache_gets_the_prompts_queries_either_way(harness, qm):
     measures it as one cache over its tiers."""
     fmt = kvcc.Format.load(BUDGET_SPEC)
     choice = harness.choice(fmt, fmt.tiers[0], "s4w64")
-    ids = harness.text[:, :300]
-    own = choice.open(qm, 400)
-    qm.forward(ids, own)
-    shared = choice.open(qm, 400)
-    prefill(qm, ids).fill(shared)
-    step = harness.text[:, 300:303]
-    assert torch.equal(qm.forward(step, own), qm.forward(step, shared))
+    assert_shared_pass_decodes_as_own(harness, qm, choice, 300)
     row = harness.row(choice)
     assert row["tier"] == "budget over high+mid+low"
     assert row["bytes_per_token"] < fmt.bytes_per_token(0, SMALL.prefill + SMALL.steps, sinks=4, window=64) + 1e-9

@@ -8,6 +8,7 @@ use kvcc::compiler::Format;
 use kvcc::runtime::builtin::SPECS;
 use kvcc::runtime::cache::{self, PagedCache};
 use kvcc::runtime::encode::{encode_page, EncodeError, TrainOptions};
+use kvcc::runtime::live::Append;
 use kvcc::runtime::synth::{synthesize, SynthKv, SynthOptions};
 
 pub fn bundled() -> Vec<Format> {
@@ -46,6 +47,18 @@ fn formats_in(dir: &str) -> Vec<Format> {
     files
         .iter()
         .map(|path| Format::load(path).unwrap_or_else(|e| panic!("{}: {e}", path.display())))
+        .collect()
+}
+
+/// One append of `chunks`: `(sequence, keys, values)` with
+/// `[kv_head][token][head_dim]` blocks.
+pub fn appends(chunks: &[(usize, Vec<f32>, Vec<f32>)]) -> Vec<Append<'_>> {
+    (chunks.iter())
+        .map(|(s, k, v)| Append {
+            sequence: *s,
+            keys: k,
+            values: v,
+        })
         .collect()
 }
 

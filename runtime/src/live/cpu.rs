@@ -413,7 +413,7 @@ impl LiveCache {
             || rows * q_heads * d != queries.data.len()
             || rows > tokens
         {
-            return Err(LiveError::Device(format!(
+            return Err(LiveError::Budget(format!(
                 "a prompt's queries are [q_head][row][head_dim] for a multiple of {kv_heads} \
                  query heads and at most its {tokens} tokens of {d}; got {} values for {q_heads} \
                  query heads",
@@ -421,7 +421,7 @@ impl LiveCache {
             )));
         }
         if let Some(x) = queries.data.iter().find(|x| !x.is_finite()) {
-            return Err(LiveError::Device(format!("a prompt's queries hold {x}")));
+            return Err(LiveError::Budget(format!("a prompt's queries hold {x}")));
         }
         let keep = rows.min(budget.observe);
         Ok((0..q_heads)
@@ -551,7 +551,7 @@ fn check_budget(format: &Format, budget: &budget::BudgetPolicy) -> Result<(), Li
         .min_by(|a, b| a.0.total_cmp(&b.0))
         .expect("a format has a tier");
     if budget.bytes_per_token < cheapest.0 {
-        return Err(LiveError::Device(format!(
+        return Err(LiveError::Budget(format!(
             "[cache.budget] bytes_per_token = {} is below the cheapest tier `{}` ({:.2} B per \
              state) and drop = false: no allocation can meet it",
             budget.bytes_per_token,
@@ -691,7 +691,7 @@ impl LiveKv for LiveCache {
 
     fn set_tier(&mut self, tier: usize) -> Result<(), LiveError> {
         if self.policy.budget.is_some() {
-            return Err(LiveError::Device(
+            return Err(LiveError::Budget(
                 "a [cache.budget] cache chooses each state's tier itself; set_tier does not apply"
                     .to_string(),
             ));

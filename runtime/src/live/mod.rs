@@ -99,6 +99,9 @@ pub enum LiveError {
     /// A device live cache's shape or setup problem.
     #[error("{0}")]
     Device(String),
+    /// A `[cache.budget]` that cannot be met, or misuse of one.
+    #[error("{0}")]
+    Budget(String),
     #[error("the policy's tier {tier} does not exist; the format has {tiers} tiers")]
     PolicyTier { tier: usize, tiers: usize },
 }
